@@ -1,0 +1,109 @@
+"""Start-up checks of the model side, before any engine is built: every problem reported in one error.
+
+Only configs and tokenizers are read here (cheap), never weights.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+from ..config import ROLES, TrainConfig
+from ..errors import Problems
+
+
+@dataclass(frozen=True)
+class RolePlan:
+    """Where one role's weights come from and how its engine is placed."""
+
+    path: str
+    stage: int
+    dtype: str
+    train: bool
+
+
+def resolve_paths(cfg: TrainConfig) -> dict[str, str]:
+    """Model path per role. DeepSpeed-Chat conventions: reward defaults to the critic's path; the reference is the
+    initial actor; the critic starts from the reward model unless `critic_init_from = actor`."""
+    actor = cfg.actor.model_name_or_path
+    critic = cfg.critic.model_name_or_path
+    reward = cfg.reward.model_name_or_path
+    if not critic:
+        critic = actor if cfg.critic.init_from == "actor" else reward
+    if not reward:
+        reward = critic
+    return {"actor": actor, "reference": cfg.reference.model_name_or_path or actor, "critic": critic,
+            "reward": reward}
+
+
+def resolve_stage(cfg: TrainConfig, role: str) -> int:
+    """Explicit stage, else: trained roles 0; reference/reward 3 when their trained counterpart uses 3, else 0."""
+    stage = getattr(cfg, role).zero_stage
+    if stage is not None:
+        return stage
+    partner = {"reference": "actor", "reward": "critic"}.get(role)
+    if partner is None:
+        return 0
+    return 3 if (getattr(cfg, partner).zero_stage or 0) == 3 else 0
+
+
+def _max_positions(config) -> int | None:
+    for name in ("max_position_embeddings", "n_positions", "max_seq_len", "seq_length"):
+        v = getattr(config, name, None)
+        if isinstance(v, int) and v > 0:
+            return v
+    return None
+
+
+def plan_roles(cfg: TrainConfig) -> dict[str, RolePlan]:
+    """Resolve and check every role; raise one `ConfigError` listing all problems."""
+    from transformers import AutoConfig, AutoTokenizer
+
+    p = Problems()
+    paths = resolve_paths(cfg)
+    if not paths["critic"]:
+        p.add("critic_model_name_or_path", "", "give a critic (or reward) model folder, or set critic_init_from=actor")
+    configs = {}
+    for role in ROLES:
+        path = paths[role]
+        if not path:
+            continue
+        if path.startswith((".", "/", "~")) and not os.path.isdir(os.path.expanduser(path)):
+            p.add(f"{role}_model_name_or_path", path, "no such folder; give a local model folder or a hub id")
+            continue
+        try:
+            configs[role] = AutoConfig.from_pretrained(path)
+        except Exception as e:  # noqa: BLE001  (report any load failure as a user error)
+            first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+            p.add(f"{role}_model_name_or_path", path, f"cannot load its config.json ({first}); give a folder holding "
+                  "a Hugging Face model (config.json + weights) or a reachable hub id")
+    tok_path = cfg.actor.tokenizer_name_or_path or paths["actor"]
+    tokenizer_len = None
+    if tok_path and "actor" in configs:
+        try:
+            tokenizer_len = len(AutoTokenizer.from_pretrained(tok_path))
+        except Exception as e:  # noqa: BLE001
+            p.add("actor_tokenizer_name_or_path", tok_path, f"cannot load a tokenizer there ({type(e).__name__}: {e})")
+    if "actor" in configs:
+        vocab = configs["actor"].vocab_size
+        if tokenizer_len is not None and tokenizer_len > vocab:
+            p.add("actor_tokenizer_name_or_path", tok_path, f"tokenizer has {tokenizer_len} tokens but the actor's "
+                  f"vocabulary has {vocab}; use the actor's own tokenizer")
+        for role in ("critic", "reward", "reference"):
+            if role in configs and getattr(configs[role], "vocab_size", vocab) != vocab:
+                p.add(f"{role}_model_name_or_path", paths[role], f"vocabulary size {configs[role].vocab_size} differs "
+                      f"from the actor's {vocab}; {role} must share the actor's tokenizer")
+    need = cfg.generation.max_prompt_seq_len + cfg.generation.max_answer_seq_len
+    for role, config in configs.items():
+        limit = _max_positions(config)
+        if limit is not None and need > limit:
+            p.add("max_prompt_seq_len + max_answer_seq_len", need, f"exceeds the {role} model's maximum positions "
+                  f"({limit}); lower max_prompt_seq_len or max_answer_seq_len")
+    plans = {}
+    for role in ROLES:
+        stage = resolve_stage(cfg, role)
+        train = role in ("actor", "critic")
+        if not train and stage in (1, 2):
+            p.add(f"{role}_zero_stage", stage, "eval-only engines must use ZeRO stage 0 or 3")
+        plans[role] = RolePlan(paths[role], stage, getattr(cfg, role).dtype or cfg.dtype, train)
+    p.raise_if_any("cannot start: model setup")
+    return plans

@@ -1,0 +1,4 @@
+"""Run outputs: the metrics log."""
+from .metrics import MetricsWriter, read_metrics
+
+__all__ = ["MetricsWriter", "read_metrics"]

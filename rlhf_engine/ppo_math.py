@@ -1,0 +1,800 @@
+"""PPO math for RLHF: log-probs, KL penalties, rewards, GAE, losses, KL controllers. Pure functions of tensors.
+
+Imports torch only. Everything is computed in fp32 whatever the input dtype (bf16/fp16 inputs are upcast; fp64 inputs
+are computed in fp32 too), and every result is fp32.
+
+Conventions
+-----------
+* Per-token tensors cover the response actions only and have shape ``[B, R]`` (batch, response length).
+* ``action_mask[b, t] == 1`` iff response token ``t`` of row ``b`` is a real generated token (EOS included). Responses
+  are right-padded, so every mask row reads ``1 ... 1 0 ... 0``; ``action_mask.sum(-1)`` is the response length.
+  Masks may be bool, integer or floating tensors holding only 0/1.
+* Values at masked (padding) positions of any input are junk and never influence any result: inputs are selected
+  with ``torch.where`` (not multiplied by the mask, so even NaN/inf junk cannot leak), and every per-token output is
+  exactly 0 at padding.
+* Bad input (shape/dtype mismatch, non-0/1 masks, masks that are not right-padded where that matters, out-of-range
+  hyperparameters, unknown estimator names) raises ``ValueError`` naming the argument. Data-dependent checks (mask
+  values, label range, finite scores) are batched into one host sync per call.
+
+Token-level loss aggregation across micro-batches and ranks
+-----------------------------------------------------------
+``policy_loss`` / ``value_loss`` return ``sum over real tokens of per-token loss / num_tokens``, where the trainer
+passes ``num_tokens`` = the GLOBAL real-token count of the whole mini-batch (all micro-batches of all ranks). Then,
+with shards ``s`` holding token sets ``T_s``,
+
+    sum_s loss_s = sum_s (sum_{t in T_s} l_t) / N = (sum_t l_t) / N,   N = sum_s |T_s|,
+
+which is exactly the full-batch token mean; gradients add up the same way (gradient accumulation sums, and the
+data-parallel all-reduce must then SUM, or average with the world size folded into N). The naive alternative,
+averaging per-shard means ``(1/S) sum_s (sum_{t in T_s} l_t) / |T_s|``, weights each token by ``1/(S |T_s|)``, so
+tokens of short shards count more than tokens of long shards; it equals the full-batch mean only when all shards hold
+the same number of tokens. With ``num_tokens=None`` the local token count is used (a plain local mean).
+
+Stats are returned as detached 0-dim fp32 tensors (no host sync). Means (``approx_kl``, ``clipfrac``, ``ratio_mean``)
+are local; to combine them across shards weight each by its ``tokens``; ``ratio_max``/``ratio_min`` combine with
+MAX/MIN.
+"""
+from __future__ import annotations
+
+import math
+from typing import Callable, Dict, List, Optional, Sequence, Tuple, Union
+
+import torch
+
+__all__ = [
+    "KL_ESTIMATORS",
+    "LOGITS_CHUNK_NUMEL",
+    "logprobs_from_logits",
+    "entropy_from_logits",
+    "masked_sum",
+    "masked_mean",
+    "masked_var",
+    "masked_whiten",
+    "kl_penalty",
+    "compute_rewards",
+    "compute_gae",
+    "policy_loss",
+    "value_loss",
+    "FixedKLController",
+    "AdaptiveKLController",
+    "explained_variance",
+]
+
+KL_ESTIMATORS = ("k1", "k2", "k3")
+
+# Upper bound on the number of fp32 elements materialised at once by logprobs_from_logits / entropy_from_logits
+# (2**26 elements = 256 MiB). Rows of the flattened [N, V] logits are processed in chunks of max(1, this // V) rows.
+LOGITS_CHUNK_NUMEL = 1 << 26
+
+Number = Union[int, float]
+_Check = Tuple[torch.Tensor, Callable[[], str]]  # (0-dim bool tensor "input is bad", message builder)
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Validation helpers (private)
+# ----------------------------------------------------------------------------------------------------------------------
+
+
+def _shape(x: torch.Tensor) -> Tuple[int, ...]:
+    return tuple(x.shape)
+
+
+def _tensor(name: str, x: object, *, shape: Optional[Sequence[int]] = None,
+            shape_of: str = "", ndim: Optional[int] = None) -> torch.Tensor:
+    """Check that `x` is a floating tensor of the given shape/ndim; return it upcast to fp32 (graph kept)."""
+    if not isinstance(x, torch.Tensor):
+        raise ValueError(f"{name}: expected a torch.Tensor, got {type(x).__name__}")
+    if not x.is_floating_point():
+        raise ValueError(f"{name}: expected a floating-point tensor, got dtype {x.dtype}")
+    if ndim is not None and x.dim() != ndim:
+        raise ValueError(f"{name}: expected a {ndim}-D tensor, got shape {_shape(x)}")
+    if shape is not None and _shape(x) != tuple(shape):
+        ref = f" (the shape of {shape_of})" if shape_of else ""
+        raise ValueError(f"{name}: expected shape {tuple(shape)}{ref}, got {_shape(x)}")
+    return x.float()
+
+
+def _mask(name: str, mask: object, shape: Sequence[int], shape_of: str, checks: List[_Check], *,
+          right_padded: bool = False) -> torch.Tensor:
+    """Check a 0/1 mask of the given shape (value checks are appended to `checks`); return it as a bool tensor."""
+    if not isinstance(mask, torch.Tensor):
+        raise ValueError(f"{name}: expected a torch.Tensor, got {type(mask).__name__}")
+    if mask.is_complex():
+        raise ValueError(f"{name}: expected a bool, integer or floating 0/1 tensor, got dtype {mask.dtype}")
+    if _shape(mask) != tuple(shape):
+        raise ValueError(f"{name}: expected shape {tuple(shape)} (the shape of {shape_of}), got {_shape(mask)}")
+    if mask.dtype != torch.bool:
+        raw = mask
+        not01 = (raw != 0) & (raw != 1)
+        checks.append((not01.any(), lambda: f"{name}: expected only 0/1 values, got e.g. {raw[not01][0].item()!r}"))
+        mask = raw != 0
+    if right_padded and mask.shape[-1] > 1:
+        gaps = mask[..., 1:] & ~mask[..., :-1]  # a 1 right after a 0
+        checks.append((gaps.any(), lambda: f"{name}: expected right-padded rows (1...1 0...0), got a 1 after a 0 in "
+                                           f"rows {gaps.reshape(-1, gaps.shape[-1]).any(-1).nonzero().flatten().tolist()}"))
+    return mask
+
+
+def _raise_first(checks: List[_Check]) -> None:
+    """Evaluate the data-dependent checks with a single host sync; raise ValueError for the first failing one."""
+    if not checks:
+        return
+    device = checks[0][0].device
+    flags = torch.stack([bad.reshape(()).to(device) for bad, _ in checks]).tolist()
+    for bad, (_, message) in zip(flags, checks):
+        if bad:
+            raise ValueError(message())
+
+
+def _number(name: str, x: object, *, ge: Optional[float] = None, gt: Optional[float] = None,
+            le: Optional[float] = None) -> float:
+    """A real number (python/numpy scalar or 1-element tensor) within the given bounds, as a python float."""
+    if isinstance(x, torch.Tensor):
+        if x.numel() != 1 or x.is_complex():
+            raise ValueError(f"{name}: expected a real number, got a tensor of shape {_shape(x)} and dtype {x.dtype}")
+        x = x.item()
+    if isinstance(x, (str, bytes, bool)) or x is None:
+        raise ValueError(f"{name}: expected a real number, got {x!r}")
+    try:
+        v = float(x)  # type: ignore[arg-type]
+    except (TypeError, ValueError):
+        raise ValueError(f"{name}: expected a real number, got {x!r}") from None
+    if math.isnan(v):
+        raise ValueError(f"{name}: expected a real number, got nan")
+    if ge is not None and not v >= ge:
+        raise ValueError(f"{name}: expected a value >= {ge}, got {v}")
+    if gt is not None and not v > gt:
+        raise ValueError(f"{name}: expected a value > {gt}, got {v}")
+    if le is not None and not v <= le:
+        raise ValueError(f"{name}: expected a value <= {le}, got {v}")
+    return v
+
+
+def _estimator(name: str, estimator: object) -> str:
+    if estimator not in KL_ESTIMATORS:
+        raise ValueError(f"{name}: expected one of {', '.join(KL_ESTIMATORS)}, got {estimator!r}")
+    return estimator  # type: ignore[return-value]
+
+
+def _num_tokens(num_tokens: object, local: torch.Tensor, checks: List[_Check]) -> torch.Tensor:
+    """The loss denominator as a 0-dim fp32 tensor (>= 1 so an all-empty batch gives loss 0, never NaN)."""
+    if num_tokens is None:
+        return local.clamp_min(1.0)
+    if isinstance(num_tokens, torch.Tensor):
+        if num_tokens.numel() != 1 or num_tokens.is_complex() or num_tokens.dtype == torch.bool:
+            raise ValueError(f"num_tokens: expected a number or a 1-element real tensor, got shape "
+                             f"{_shape(num_tokens)} and dtype {num_tokens.dtype}")
+        n = num_tokens.reshape(()).to(device=local.device, dtype=torch.float32)
+    else:
+        n = torch.tensor(_number("num_tokens", num_tokens, ge=0), dtype=torch.float32, device=local.device)
+    checks.append((local > n, lambda: f"num_tokens: expected the global real-token count, which is >= the local count "
+                                      f"{int(local.item())}, got {n.item():g}"))
+    return n.clamp_min(1.0)
+
+
+def _f32(x: Union[float, torch.Tensor], device: torch.device) -> torch.Tensor:
+    return torch.as_tensor(x, dtype=torch.float32, device=device)
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Log-probs and entropy from logits (chunked, fp32)
+# ----------------------------------------------------------------------------------------------------------------------
+
+
+def _row_blocks(x: torch.Tensor) -> List[torch.Tensor]:
+    """2-D views [n_i, V] of `x` [..., V] covering its rows in flattened (C) order, without copying.
+
+    `x.view(-1, V)` fails for e.g. a `logits[:, :-1]` slice; then recurse over the first dim (each `x[i]` usually is
+    viewable), so a non-contiguous slice never triggers a full copy of the logits."""
+    vocab = x.shape[-1]
+    if x.dim() <= 2:
+        return [x.reshape(-1, vocab)] if x.dim() == 1 else [x]
+    try:
+        return [x.view(-1, vocab)]
+    except RuntimeError:
+        return [block for i in range(x.shape[0]) for block in _row_blocks(x[i])]
+
+
+def _chunks(blocks: List[torch.Tensor], chunk_rows: int):
+    """Yield (flat row offset, [n, V] chunk view) over the row blocks, chunks of at most `chunk_rows` rows."""
+    offset = 0
+    for block in blocks:
+        for s in range(0, block.shape[0], chunk_rows):
+            chunk = block[s:s + chunk_rows]
+            yield offset + s, chunk
+        offset += block.shape[0]
+
+
+def _scaled(chunk: torch.Tensor, temperature: float) -> torch.Tensor:
+    x = chunk.float()
+    return x / temperature if temperature != 1.0 else x
+
+
+def _logprobs_forward(blocks, labels, n_rows, temperature, chunk_rows, device):
+    out = torch.empty(n_rows, dtype=torch.float32, device=device)
+    lse = torch.empty(n_rows, dtype=torch.float32, device=device)
+    for off, chunk in _chunks(blocks, chunk_rows):
+        rows = slice(off, off + chunk.shape[0])
+        x = _scaled(chunk, temperature)
+        lse[rows] = torch.logsumexp(x, dim=-1)
+        out[rows] = x.gather(-1, labels[rows, None]).squeeze(-1) - lse[rows]
+    return out, lse
+
+
+def _entropy_forward(blocks, n_rows, temperature, chunk_rows, device):
+    ent = torch.empty(n_rows, dtype=torch.float32, device=device)
+    lse = torch.empty(n_rows, dtype=torch.float32, device=device)
+    for off, chunk in _chunks(blocks, chunk_rows):
+        rows = slice(off, off + chunk.shape[0])
+        x = _scaled(chunk, temperature)  # may be the input itself (fp32, T=1): never modify it in place
+        lse[rows] = torch.logsumexp(x, dim=-1)
+        logp = x - lse[rows, None]
+        p = logp.exp()
+        logp.masked_fill_(logp == -math.inf, 0.0)  # 0 * log 0 = 0 for -inf logits
+        ent[rows] = -(p * logp).sum(-1)
+    return ent, lse
+
+
+class _LogProbsFn(torch.autograd.Function):
+    """Chunked log p(label) whose backward recomputes softmax chunk by chunk: only the input logits (already alive)
+    and an [N] fp32 logsumexp are saved, never a full fp32 copy of the logits."""
+
+    @staticmethod
+    def forward(ctx, logits, labels, temperature, chunk_rows):  # noqa: D102
+        blocks = _row_blocks(logits)
+        out, lse = _logprobs_forward(blocks, labels, labels.shape[0], temperature, chunk_rows, logits.device)
+        ctx.save_for_backward(logits, labels, lse)
+        ctx.temperature, ctx.chunk_rows = temperature, chunk_rows
+        return out
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad_out):  # noqa: D102
+        logits, labels, lse = ctx.saved_tensors
+        vocab, t = logits.shape[-1], ctx.temperature
+        grad = torch.empty((labels.shape[0], vocab), dtype=logits.dtype, device=logits.device)
+        for off, chunk in _chunks(_row_blocks(logits), ctx.chunk_rows):
+            rows = slice(off, off + chunk.shape[0])
+            g_out = grad_out[rows, None].float()
+            g = (_scaled(chunk, t) - lse[rows, None]).exp_().mul_(-g_out)  # -softmax * grad
+            g.scatter_add_(-1, labels[rows, None], g_out)  # + onehot * grad
+            grad[rows] = g / t if t != 1.0 else g
+        return grad.view(logits.shape), None, None, None
+
+
+class _EntropyFn(torch.autograd.Function):
+    """Chunked softmax entropy; dH/dx_j = -p_j (log p_j + H) / temperature, recomputed chunk by chunk."""
+
+    @staticmethod
+    def forward(ctx, logits, temperature, chunk_rows):  # noqa: D102
+        n_rows = math.prod(logits.shape[:-1])
+        ent, lse = _entropy_forward(_row_blocks(logits), n_rows, temperature, chunk_rows, logits.device)
+        ctx.save_for_backward(logits, lse, ent)
+        ctx.temperature, ctx.chunk_rows = temperature, chunk_rows
+        return ent
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad_out):  # noqa: D102
+        logits, lse, ent = ctx.saved_tensors
+        vocab, t = logits.shape[-1], ctx.temperature
+        grad = torch.empty((ent.shape[0], vocab), dtype=logits.dtype, device=logits.device)
+        for off, chunk in _chunks(_row_blocks(logits), ctx.chunk_rows):
+            rows = slice(off, off + chunk.shape[0])
+            logp = _scaled(chunk, t) - lse[rows, None]
+            p = logp.exp()
+            logp.masked_fill_(logp == -math.inf, 0.0)
+            g = p.mul_(logp.add_(ent[rows, None])).mul_(-grad_out[rows, None].float())
+            grad[rows] = g / t if t != 1.0 else g
+        return grad.view(logits.shape), None, None
+
+
+def _logits_args(logits: object, temperature: object, chunk_rows: Optional[int]) -> Tuple[torch.Tensor, float, int]:
+    if not isinstance(logits, torch.Tensor) or not logits.is_floating_point() or logits.dim() < 1:
+        what = f"dtype {logits.dtype}, shape {_shape(logits)}" if isinstance(logits, torch.Tensor) else type(logits).__name__
+        raise ValueError(f"logits: expected a floating-point tensor [..., V], got {what}")
+    t = _number("temperature", temperature, gt=0.0)
+    if math.isinf(t):
+        raise ValueError("temperature: expected a finite value > 0, got inf")
+    if chunk_rows is None:
+        chunk_rows = max(1, LOGITS_CHUNK_NUMEL // max(1, logits.shape[-1]))
+    elif isinstance(chunk_rows, bool) or not isinstance(chunk_rows, int) or chunk_rows < 1:
+        raise ValueError(f"chunk_rows: expected a positive int or None, got {chunk_rows!r}")
+    return logits, t, chunk_rows
+
+
+def logprobs_from_logits(logits: torch.Tensor, labels: torch.Tensor, temperature: float = 1.0,
+                         chunk_rows: Optional[int] = None) -> torch.Tensor:
+    """Log-probability of each label under softmax(logits / temperature), computed in fp32.
+
+    Args:
+        logits: ``[..., V]`` any floating dtype (bf16/fp16 are upcast chunk by chunk).
+        labels: ``[...]`` integer token ids in ``[0, V)`` (same leading shape as ``logits``).
+        temperature: > 0; the logits are divided by it (use the sampling temperature).
+        chunk_rows: rows of the flattened ``[N, V]`` logits processed at once; default
+            ``max(1, LOGITS_CHUNK_NUMEL // V)`` so one fp32 chunk stays bounded.
+
+    Returns:
+        ``[...]`` fp32, ``logits[label]/T - logsumexp(logits/T)``. Differentiable w.r.t. ``logits`` with a chunked
+        backward that never materialises a full fp32 copy of the logits (the gradient has the logits' dtype).
+    """
+    logits, t, chunk_rows = _logits_args(logits, temperature, chunk_rows)
+    if not isinstance(labels, torch.Tensor) or labels.is_floating_point() or labels.is_complex() \
+            or labels.dtype == torch.bool:
+        what = f"dtype {labels.dtype}" if isinstance(labels, torch.Tensor) else type(labels).__name__
+        raise ValueError(f"labels: expected an integer (long) tensor, got {what}")
+    if _shape(labels) != _shape(logits)[:-1]:
+        raise ValueError(f"labels: expected shape {_shape(logits)[:-1]} (logits' shape without the vocab dim), "
+                         f"got {_shape(labels)}")
+    vocab = logits.shape[-1]
+    flat = labels.reshape(-1).long()
+    if flat.numel() == 0:
+        return torch.zeros(labels.shape, dtype=torch.float32, device=logits.device) + 0.0 * logits.sum()
+    out_of_range = (flat < 0) | (flat >= vocab)
+    _raise_first([(out_of_range.any(), lambda: f"labels: expected ids in [0, {vocab}), got e.g. "
+                                               f"{flat[out_of_range][0].item()}")])
+    if torch.is_grad_enabled() and logits.requires_grad:
+        out = _LogProbsFn.apply(logits, flat, t, chunk_rows)
+    else:
+        out, _ = _logprobs_forward(_row_blocks(logits), flat, flat.shape[0], t, chunk_rows, logits.device)
+    return out.view(labels.shape)
+
+
+def entropy_from_logits(logits: torch.Tensor, temperature: float = 1.0,
+                        chunk_rows: Optional[int] = None) -> torch.Tensor:
+    """Entropy of softmax(logits / temperature) in nats, computed in fp32 chunk by chunk.
+
+    Args:
+        logits: ``[..., V]`` any floating dtype. ``-inf`` logits are allowed (they contribute 0).
+        temperature: > 0.
+        chunk_rows: as in :func:`logprobs_from_logits`.
+
+    Returns:
+        ``[...]`` fp32 ``-sum_v p_v log p_v``; differentiable with a chunked backward.
+    """
+    logits, t, chunk_rows = _logits_args(logits, temperature, chunk_rows)
+    lead = _shape(logits)[:-1]
+    if math.prod(lead) == 0:
+        return torch.zeros(lead, dtype=torch.float32, device=logits.device) + 0.0 * logits.sum()
+    if torch.is_grad_enabled() and logits.requires_grad:
+        ent = _EntropyFn.apply(logits, t, chunk_rows)
+    else:
+        ent, _ = _entropy_forward(_row_blocks(logits), math.prod(lead), t, chunk_rows, logits.device)
+    return ent.view(lead)
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Masked statistics
+# ----------------------------------------------------------------------------------------------------------------------
+
+
+def _values_and_mask(values: object, mask: object, mask_name: str = "mask") -> Tuple[torch.Tensor, torch.Tensor]:
+    v = _tensor("values", values)
+    checks: List[_Check] = []
+    m = _mask(mask_name, mask, v.shape, "values", checks)
+    _raise_first(checks)
+    return v, m
+
+
+def masked_sum(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Sum of ``values`` where ``mask == 1``.
+
+    Args:
+        values: ``[...]`` floating; entries where ``mask == 0`` are ignored (even NaN/inf).
+        mask: ``[...]`` same shape, 0/1 (bool, int or float).
+
+    Returns:
+        ``[]`` (0-dim) fp32.
+    """
+    v, m = _values_and_mask(values, mask)
+    return torch.where(m, v, 0.0).sum()
+
+
+def masked_mean(values: torch.Tensor, mask: torch.Tensor, dim: Optional[Union[int, Tuple[int, ...]]] = None
+                ) -> torch.Tensor:
+    """Mean of ``values`` over ``mask == 1``; 0 (never NaN) where the mask is empty.
+
+    Args:
+        values: ``[...]`` floating.
+        mask: ``[...]`` same shape, 0/1.
+        dim: None for the mean over all masked elements, or the dim(s) to reduce.
+
+    Returns:
+        ``[]`` fp32 when ``dim`` is None, else ``values.shape`` without ``dim``.
+    """
+    v, m = _values_and_mask(values, mask)
+    if dim is None:
+        return torch.where(m, v, 0.0).sum() / m.sum().float().clamp_min(1.0)
+    return torch.where(m, v, 0.0).sum(dim) / m.sum(dim).float().clamp_min(1.0)
+
+
+def _mean_var(v: torch.Tensor, m: torch.Tensor, unbiased: bool) -> Tuple[torch.Tensor, torch.Tensor]:
+    n = m.sum().float()
+    mean = torch.where(m, v, 0.0).sum() / n.clamp_min(1.0)
+    sq = torch.where(m, (v - mean) ** 2, 0.0).sum()
+    denom = n - 1.0 if unbiased else n
+    denom = torch.where(n > 1.0, denom, n).clamp_min(1.0)
+    return mean, sq / denom
+
+
+def masked_var(values: torch.Tensor, mask: torch.Tensor, unbiased: bool = True) -> torch.Tensor:
+    """Variance of ``values`` over ``mask == 1``.
+
+    Divides by ``count - 1`` when ``unbiased`` and ``count > 1``, else by ``count``; an empty mask gives 0.
+
+    Args:
+        values: ``[...]`` floating.
+        mask: ``[...]`` same shape, 0/1.
+
+    Returns:
+        ``[]`` fp32.
+    """
+    v, m = _values_and_mask(values, mask)
+    return _mean_var(v, m, unbiased)[1]
+
+
+def masked_whiten(values: torch.Tensor, mask: torch.Tensor, shift_mean: bool = True, eps: float = 1e-8,
+                  mean: Optional[Union[float, torch.Tensor]] = None,
+                  var: Optional[Union[float, torch.Tensor]] = None) -> torch.Tensor:
+    """``(values - mean) / sqrt(var + eps)`` on masked positions (plus ``mean`` again if not ``shift_mean``).
+
+    Args:
+        values: ``[B, R]`` (any shape) floating.
+        mask: same shape, 0/1.
+        shift_mean: if False the mean is added back (only the scale changes).
+        eps: >= 0, added to the variance.
+        mean, var: optional precomputed statistics (python numbers or 1-element tensors), e.g. global ones
+            all-reduced across ranks. Give both or neither; when omitted they are the masked mean and the unbiased
+            masked variance of ``values``.
+
+    Returns:
+        ``values.shape`` fp32; exactly 0 where ``mask == 0``.
+    """
+    v, m = _values_and_mask(values, mask)
+    eps = _number("eps", eps, ge=0.0)
+    if (mean is None) != (var is None):
+        raise ValueError(f"{'var' if var is None else 'mean'}: expected mean and var to be given together, got only "
+                         f"{'mean' if var is None else 'var'}")
+    if mean is None:
+        mu, sigma2 = _mean_var(v, m, unbiased=True)
+    else:
+        for name, s in (("mean", mean), ("var", var)):
+            if isinstance(s, torch.Tensor) and s.numel() != 1:
+                raise ValueError(f"{name}: expected a number or a 1-element tensor, got shape {_shape(s)}")
+            if not isinstance(s, torch.Tensor):
+                _number(name, s, ge=0.0 if name == "var" else None)
+        mu, sigma2 = _f32(mean, v.device).reshape(()), _f32(var, v.device).reshape(())
+    out = (v - mu) * torch.rsqrt(sigma2 + eps)
+    if not shift_mean:
+        out = out + mu
+    return torch.where(m, out, 0.0)
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# KL, rewards, GAE
+# ----------------------------------------------------------------------------------------------------------------------
+
+
+def _kl(lp: torch.Tensor, ref: torch.Tensor, estimator: str) -> torch.Tensor:
+    log_ratio = lp - ref
+    if estimator == "k1":
+        return log_ratio
+    if estimator == "k2":
+        return 0.5 * log_ratio.square()
+    return torch.expm1(-log_ratio) + log_ratio  # k3: exp(ref - lp) - 1 - (ref - lp)
+
+
+def kl_penalty(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, estimator: str = "k1") -> torch.Tensor:
+    """Per-token sample estimate of KL(actor || ref) from tokens sampled by the actor; ``log r = logprobs - ref``.
+
+    * ``k1``: ``log r`` (unbiased, can be negative per token).
+    * ``k2``: ``0.5 * (log r)^2`` (biased, >= 0, low variance).
+    * ``k3``: ``exp(-log r) - 1 + log r`` = ``ref/actor - 1 - log(ref/actor)`` (Schulman; unbiased and >= 0).
+
+    Args:
+        logprobs: ``[B, R]`` (any shape) actor log-probs of the sampled tokens.
+        ref_logprobs: same shape, reference log-probs of the same tokens.
+        estimator: one of ``KL_ESTIMATORS``.
+
+    Returns:
+        same shape, fp32.
+    """
+    est = _estimator("estimator", estimator)
+    lp = _tensor("logprobs", logprobs)
+    ref = _tensor("ref_logprobs", ref_logprobs, shape=lp.shape, shape_of="logprobs")
+    return _kl(lp, ref, est)
+
+
+def compute_rewards(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, scores: torch.Tensor,
+                    action_mask: torch.Tensor, kl_coef: float, reward_clip: float,
+                    kl_estimator: str = "k1") -> Tuple[torch.Tensor, torch.Tensor]:
+    """Per-token rewards: ``-kl_coef * KL`` on every real token plus the clipped score on the last real token.
+
+    The score, clamped to ``[-reward_clip, reward_clip]``, is added at index ``length - 1`` (``length =
+    action_mask.sum(-1)``): the last action the loss trains. (DeepSpeed-Chat put it at ``length``, the first padding
+    position, a masked action, so the score never reached the loss.) EOS-ended and truncated rows follow the same rule;
+    a row without real tokens stays all 0. Computed without gradient.
+
+    Args:
+        logprobs: ``[B, R]`` actor log-probs of the response tokens.
+        ref_logprobs: ``[B, R]`` reference log-probs.
+        scores: ``[B]`` reward-model scores; must be finite.
+        action_mask: ``[B, R]`` 0/1, right-padded.
+        kl_coef: >= 0.
+        reward_clip: >= 0 (``float('inf')`` disables clipping).
+        kl_estimator: one of ``KL_ESTIMATORS``.
+
+    Returns:
+        ``(rewards [B, R], kl [B, R])`` fp32, both exactly 0 at padding; ``kl = kl_penalty(...) * action_mask``.
+    """
+    est = _estimator("kl_estimator", kl_estimator)
+    lp = _tensor("logprobs", logprobs, ndim=2)
+    ref = _tensor("ref_logprobs", ref_logprobs, shape=lp.shape, shape_of="logprobs")
+    sc = _tensor("scores", scores, shape=lp.shape[:1], shape_of="logprobs[:, 0]")
+    beta = _number("kl_coef", kl_coef, ge=0.0)
+    clip = _number("reward_clip", reward_clip, ge=0.0)
+    checks: List[_Check] = []
+    m = _mask("action_mask", action_mask, lp.shape, "logprobs", checks, right_padded=True)
+    bad_scores = ~torch.isfinite(sc)
+    checks.append((bad_scores.any(), lambda: f"scores: expected finite values, got non-finite scores in rows "
+                                             f"{bad_scores.nonzero().flatten().tolist()}"))
+    _raise_first(checks)
+    with torch.no_grad():
+        # Select before the estimator so junk at padding cannot overflow (k3 exponentiates); log r = 0 there.
+        kl = torch.where(m, _kl(torch.where(m, lp, 0.0), torch.where(m, ref, 0.0), est), 0.0)
+        rewards = torch.where(m, -beta * kl, 0.0)
+        if rewards.shape[1] > 0:
+            length = m.sum(-1)
+            last = (length - 1).clamp_min(0)  # rows with length 0 get index 0 and add exactly 0 there
+            bonus = torch.where(length > 0, sc.clamp(-clip, clip), 0.0)
+            rewards = rewards.scatter_add(1, last[:, None], bonus[:, None])
+    return rewards, kl
+
+
+def compute_gae(rewards: torch.Tensor, values: torch.Tensor, action_mask: torch.Tensor, gamma: float,
+                lam: float) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Generalised advantage estimation over the response, computed without gradient.
+
+    ``delta_t = r_t + gamma * V_{t+1} * m_{t+1} - V_t``, ``A_t = delta_t + gamma * lam * m_{t+1} * A_{t+1}``, with
+    rewards and values masked to 0 at padding first, so the value after the last real token is 0 (episode end, also
+    for truncated rows) and junk at padding changes nothing. ``returns = advantages + values``.
+
+    Args:
+        rewards: ``[B, R]`` per-token rewards (see :func:`compute_rewards`).
+        values: ``[B, R]`` critic values at the response tokens (rollout-time values).
+        action_mask: ``[B, R]`` 0/1, right-padded.
+        gamma: discount in [0, 1].
+        lam: GAE lambda in [0, 1].
+
+    Returns:
+        ``(advantages [B, R], returns [B, R])`` fp32, detached, exactly 0 at padding.
+    """
+    r = _tensor("rewards", rewards, ndim=2)
+    v = _tensor("values", values, shape=r.shape, shape_of="rewards")
+    g = _number("gamma", gamma, ge=0.0, le=1.0)
+    lmb = _number("lam", lam, ge=0.0, le=1.0)
+    checks: List[_Check] = []
+    mb = _mask("action_mask", action_mask, r.shape, "rewards", checks, right_padded=True)
+    _raise_first(checks)
+    with torch.no_grad():
+        m = mb.float()
+        r = torch.where(mb, r, 0.0)
+        v = torch.where(mb, v, 0.0)
+        n_rows, length = r.shape
+        next_value = r.new_zeros(n_rows)  # V_{t+1} * m_{t+1} (values already masked)
+        next_adv = r.new_zeros(n_rows)
+        next_mask = r.new_zeros(n_rows)
+        advantages = [r.new_zeros(n_rows)] * length
+        for t in range(length - 1, -1, -1):
+            delta = r[:, t] + g * next_value - v[:, t]
+            next_adv = delta + g * lmb * next_mask * next_adv
+            advantages[t] = next_adv
+            next_value, next_mask = v[:, t], m[:, t]
+        adv = (torch.stack(advantages, dim=1) if length else r.clone()) * m
+        returns = (adv + v) * m
+    return adv, returns
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Losses
+# ----------------------------------------------------------------------------------------------------------------------
+
+
+def policy_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: torch.Tensor,
+                action_mask: torch.Tensor, clip_eps: float, dual_clip: Optional[float] = None,
+                num_tokens: Optional[Union[int, float, torch.Tensor]] = None
+                ) -> Tuple[torch.Tensor, Dict[str, torch.Tensor]]:
+    """PPO clipped surrogate loss (optionally dual-clipped), token-level aggregation.
+
+    ``ratio = exp(logprobs - old_logprobs)`` (log-ratio set to 0 at padding first: ratio 1, no overflow);
+    per token ``max(-A * ratio, -A * clamp(ratio, 1 - eps, 1 + eps))``; with ``dual_clip = c`` tokens with ``A < 0``
+    take ``min(that, -c * A)``. ``loss = sum over real tokens / num_tokens`` (see the module docstring).
+    ``old_logprobs`` and ``advantages`` are treated as constants (detached).
+
+    Args:
+        logprobs: ``[B, R]`` current actor log-probs (with grad).
+        old_logprobs: ``[B, R]`` rollout-time actor log-probs.
+        advantages: ``[B, R]`` (typically whitened) advantages.
+        action_mask: ``[B, R]`` 0/1.
+        clip_eps: >= 0.
+        dual_clip: None or a constant > 1.
+        num_tokens: global real-token count of the mini-batch (int or 1-element tensor, e.g. all-reduced);
+            None uses ``action_mask.sum()``.
+
+    Returns:
+        ``(loss [], stats)``; stats are detached 0-dim fp32 tensors: ``approx_kl`` (masked mean of
+        ``(r - 1) - log r``), ``clipfrac`` (share of real tokens where the clipped term is strictly larger, i.e.
+        selected), ``ratio_mean``, ``ratio_max``, ``ratio_min`` (over real tokens; 1 when there is none) and
+        ``tokens`` (local real-token count). With no real token the loss is 0 (and still differentiable).
+    """
+    lp = _tensor("logprobs", logprobs, ndim=2)
+    old = _tensor("old_logprobs", old_logprobs, shape=lp.shape, shape_of="logprobs").detach()
+    adv = _tensor("advantages", advantages, shape=lp.shape, shape_of="logprobs").detach()
+    eps = _number("clip_eps", clip_eps, ge=0.0)
+    c = None if dual_clip is None else _number("dual_clip", dual_clip, gt=1.0)
+    checks: List[_Check] = []
+    m = _mask("action_mask", action_mask, lp.shape, "logprobs", checks)
+    tokens = m.sum().float()
+    denom = _num_tokens(num_tokens, tokens, checks)
+    _raise_first(checks)
+
+    adv = torch.where(m, adv, 0.0)
+    log_ratio = torch.where(m, lp - old, 0.0)
+    ratio = log_ratio.exp()
+    pg1 = -adv * ratio
+    pg2 = -adv * ratio.clamp(1.0 - eps, 1.0 + eps)
+    per_token = torch.maximum(pg1, pg2)
+    if c is not None:
+        per_token = torch.where(adv < 0, torch.minimum(per_token, -c * adv), per_token)
+    loss = torch.where(m, per_token, 0.0).sum() / denom
+
+    with torch.no_grad():
+        n = tokens.clamp_min(1.0)
+        r = ratio.detach()
+        lr = log_ratio.detach()
+        has = tokens > 0
+        one = torch.ones((), device=r.device)
+        if r.numel():
+            r_max = torch.where(has, torch.where(m, r, -math.inf).max(), one)
+            r_min = torch.where(has, torch.where(m, r, math.inf).min(), one)
+        else:
+            r_max = r_min = one
+        stats = {
+            "approx_kl": torch.where(m, (r - 1.0) - lr, 0.0).sum() / n,
+            "clipfrac": (m & (pg2.detach() > pg1.detach())).sum().float() / n,
+            "ratio_mean": torch.where(m, r, 0.0).sum() / n,
+            "ratio_max": r_max,
+            "ratio_min": r_min,
+            "tokens": tokens,
+        }
+    return loss, stats
+
+
+def value_loss(values: torch.Tensor, old_values: torch.Tensor, returns: torch.Tensor, action_mask: torch.Tensor,
+               clip_range: float, num_tokens: Optional[Union[int, float, torch.Tensor]] = None
+               ) -> Tuple[torch.Tensor, Dict[str, torch.Tensor]]:
+    """Clipped critic loss, token-level aggregation like :func:`policy_loss`.
+
+    ``v_clipped = old + clamp(values - old, -clip_range, clip_range)``; per token
+    ``0.5 * max((values - returns)^2, (v_clipped - returns)^2)``. ``old_values``/``returns`` are detached.
+
+    Args:
+        values: ``[B, R]`` current critic values (with grad).
+        old_values: ``[B, R]`` rollout-time values.
+        returns: ``[B, R]`` GAE returns.
+        action_mask: ``[B, R]`` 0/1.
+        clip_range: >= 0 (``float('inf')`` disables clipping).
+        num_tokens: as in :func:`policy_loss`.
+
+    Returns:
+        ``(loss [], stats)``: ``clipfrac`` (share of real tokens where the clipped term is strictly larger) and
+        ``tokens``, detached 0-dim fp32 tensors.
+    """
+    v = _tensor("values", values, ndim=2)
+    old = _tensor("old_values", old_values, shape=v.shape, shape_of="values").detach()
+    ret = _tensor("returns", returns, shape=v.shape, shape_of="values").detach()
+    clip = _number("clip_range", clip_range, ge=0.0)
+    checks: List[_Check] = []
+    m = _mask("action_mask", action_mask, v.shape, "values", checks)
+    tokens = m.sum().float()
+    denom = _num_tokens(num_tokens, tokens, checks)
+    _raise_first(checks)
+
+    v = torch.where(m, v, 0.0)
+    old = torch.where(m, old, 0.0)
+    ret = torch.where(m, ret, 0.0)
+    v_clipped = old + (v - old).clamp(-clip, clip)
+    loss1 = (v - ret).square()
+    loss2 = (v_clipped - ret).square()
+    loss = 0.5 * torch.where(m, torch.maximum(loss1, loss2), 0.0).sum() / denom
+    with torch.no_grad():
+        stats = {"clipfrac": (m & (loss2 > loss1)).sum().float() / tokens.clamp_min(1.0), "tokens": tokens}
+    return loss, stats
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# KL controllers
+# ----------------------------------------------------------------------------------------------------------------------
+
+
+class FixedKLController:
+    """Constant KL coefficient. ``value`` is the coefficient; ``update`` does nothing."""
+
+    def __init__(self, kl_coef: float):
+        self.value = _number("kl_coef", kl_coef, ge=0.0)
+
+    def update(self, current_kl: float, n_steps: int) -> None:
+        """No-op (kept for interface parity with :class:`AdaptiveKLController`)."""
+
+    def state_dict(self) -> Dict[str, float]:
+        """``{"value": float}``."""
+        return {"value": self.value}
+
+    def load_state_dict(self, state: Dict[str, float]) -> None:
+        """Restore ``value`` from :meth:`state_dict`'s output."""
+        if not isinstance(state, dict) or "value" not in state:
+            raise ValueError(f"state: expected a dict with key 'value', got {state!r}")
+        self.value = _number("state['value']", state["value"], ge=0.0)
+
+
+class AdaptiveKLController(FixedKLController):
+    """Adaptive KL coefficient (Ziegler et al. 2019, "Fine-Tuning Language Models from Human Preferences").
+
+    ``update(current_kl, n_steps)``: ``e = clip(current_kl / target - 1, -0.2, 0.2)``;
+    ``value *= 1 + e * n_steps / horizon``. The coefficient grows when the measured KL exceeds ``target`` and shrinks
+    below it. ``current_kl`` must use the same units as ``target`` (e.g. per-sequence KL summed over tokens, averaged
+    over the batch); ``n_steps`` is the number of samples since the last update.
+    """
+
+    def __init__(self, init_kl_coef: float, target: float, horizon: float):
+        super().__init__(init_kl_coef)
+        self.target = _number("target", target, gt=0.0)
+        self.horizon = _number("horizon", horizon, gt=0.0)
+
+    def update(self, current_kl: float, n_steps: int) -> None:
+        """Move ``value`` towards keeping ``current_kl`` (python number or 1-element tensor) at ``target``."""
+        kl = _number("current_kl", current_kl)
+        if math.isinf(kl):
+            raise ValueError(f"current_kl: expected a finite number, got {kl}")
+        steps = _number("n_steps", n_steps, ge=0.0)
+        error = min(max(kl / self.target - 1.0, -0.2), 0.2)
+        self.value *= 1.0 + error * steps / self.horizon
+
+    def state_dict(self) -> Dict[str, float]:
+        """``{"value", "target", "horizon"}``; ``load_state_dict`` restores ``value`` only (target and horizon come
+        from the current configuration)."""
+        return {"value": self.value, "target": self.target, "horizon": self.horizon}
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Diagnostics
+# ----------------------------------------------------------------------------------------------------------------------
+
+
+def explained_variance(values: torch.Tensor, returns: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """``1 - Var[returns - values] / Var[returns]`` over ``mask == 1`` (unbiased variances), without gradient.
+
+    1 is a perfect critic, 0 is no better than predicting the mean return, < 0 is worse. Never NaN: returns 0 when
+    ``Var[returns]`` is 0 up to fp32 rounding (``Var <= eps_fp32 * mean(returns^2)``), which includes an empty mask
+    and a single real token.
+
+    Args:
+        values: ``[B, R]`` critic values.
+        returns: ``[B, R]`` returns.
+        mask: ``[B, R]`` 0/1.
+
+    Returns:
+        ``[]`` fp32.
+    """
+    v = _tensor("values", values)
+    ret = _tensor("returns", returns, shape=v.shape, shape_of="values")
+    checks: List[_Check] = []
+    m = _mask("mask", mask, v.shape, "values", checks)
+    _raise_first(checks)
+    with torch.no_grad():
+        _, var_y = _mean_var(ret, m, unbiased=True)
+        _, var_diff = _mean_var(ret - v, m, unbiased=True)
+        mean_sq = torch.where(m, ret.square(), 0.0).sum() / m.sum().float().clamp_min(1.0)
+        tiny = torch.finfo(torch.float32).eps * mean_sq
+        ok = var_y > tiny
+        return torch.where(ok, 1.0 - var_diff / torch.where(ok, var_y, 1.0), 0.0)

@@ -1,0 +1,247 @@
+"""The canonical rollout layout, and the only conversion between full sequences and per-action tensors.
+
+Layout of one batch (P = padded prompt length, R = padded response length, L = P + R):
+
+    sequences       [B, L]  prompt left-padded | response right-padded (padding filled with pad_token_id)
+    attention_mask  [B, L]  the prompt mask as the tokenizer returned it | action_mask
+    position_ids    [B, L]  attention_mask.cumsum(-1) - 1, clamped at 0: the first real token is position 0 whatever
+                            the left padding, so absolute-position models see the same positions in every batch split
+    action_mask     [B, R]  1 for every real generated token, the first stop token (EOS) included
+    response_lengths [B]    action_mask.sum(-1)
+    ended_with_eos  [B]     the response ended at a stop token (False: truncated at max length)
+
+Per-action tensors are `[B, R]`. Response token t sits at sequence position P + t and is predicted by the logits at
+position P - 1 + t; the critic's value for action t is read at the same position P - 1 + t (the state before the
+action). The reward model's score is read at the last real token of the sequence, P + len - 1.
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, fields
+from typing import Iterable, Optional, Sequence
+
+import torch
+
+
+def _check_01(name: str, mask: torch.Tensor) -> None:
+    if mask.dtype != torch.bool and not bool(((mask == 0) | (mask == 1)).all()):
+        raise ValueError(f"{name} must hold only 0 and 1")
+
+
+def position_ids_from_mask(attention_mask: torch.Tensor) -> torch.Tensor:
+    """[B, L] 0/1 mask -> [B, L] long position ids: cumsum - 1, clamped at 0 (padding gets 0)."""
+    return (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
+
+
+def last_token_index(attention_mask: torch.Tensor) -> torch.Tensor:
+    """[B, L] 0/1 mask -> [B] index of the last real token of each row (any left/right padding).
+
+    This is where a scalar-head model (reward model, and its training on pairs) reads its score: the PPO scorer and
+    the reward-model trainer both call this function, so they read the same position. A row without real tokens gives
+    index 0.
+    """
+    m = attention_mask.long()
+    L = m.shape[-1]
+    idx = L - 1 - torch.flip(m, dims=[-1]).argmax(dim=-1)
+    return torch.where(m.sum(-1) > 0, idx, torch.zeros_like(idx))
+
+
+def gather_at(values: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """values [B, L] (or [B, L, 1]), index [B] -> [B]: values[b, index[b]]."""
+    if values.dim() == 3:
+        values = values.squeeze(-1)
+    return values.gather(1, index.long().unsqueeze(1)).squeeze(1)
+
+
+def response_mask(response_ids: torch.Tensor, stop_token_ids: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """[B, G] generated ids -> (action_mask [B, G] long, ended_with_eos [B] bool).
+
+    A response ends at its first stop token, which stays a real token; whatever follows it (the pad/EOS filler that
+    `generate` emits for finished rows) is padding. Works when pad == EOS: only the first EOS counts as real.
+    """
+    if not stop_token_ids:
+        return torch.ones_like(response_ids), torch.zeros(response_ids.shape[0], dtype=torch.bool,
+                                                          device=response_ids.device)
+    stops = torch.tensor(sorted(set(int(s) for s in stop_token_ids)), device=response_ids.device)
+    is_stop = torch.isin(response_ids, stops).long()
+    stops_before = is_stop.cumsum(-1) - is_stop  # stop tokens strictly before t
+    return (stops_before == 0).long(), is_stop.any(-1)
+
+
+@dataclass
+class Rollout:
+    """One batch of prompts and responses in the canonical layout (see module docstring)."""
+
+    sequences: torch.Tensor
+    attention_mask: torch.Tensor
+    position_ids: torch.Tensor
+    action_mask: torch.Tensor
+    response_lengths: torch.Tensor
+    ended_with_eos: torch.Tensor
+    prompt_length: int
+
+    @classmethod
+    def from_generation(cls, prompt_ids: torch.Tensor, prompt_attention_mask: torch.Tensor,
+                        generated_ids: torch.Tensor, stop_token_ids: Sequence[int], pad_token_id: int) -> "Rollout":
+        """Build the layout from left-padded prompts and what `generate` returned.
+
+        prompt_ids [B, P], prompt_attention_mask [B, P] (as the tokenizer returned it: never derived from ids != pad,
+        which breaks when BOS == pad), generated_ids [B, G] new tokens only, or [B, P + G] with the prompt in front
+        (then its first P columns must equal prompt_ids). The response is cut at its first stop token and the
+        padding columns shared by every row are dropped, so R = the longest response.
+        """
+        if prompt_ids.dim() != 2 or prompt_attention_mask.shape != prompt_ids.shape:
+            raise ValueError(f"prompt_ids and prompt_attention_mask must both be [B, P]; got "
+                             f"{tuple(prompt_ids.shape)} and {tuple(prompt_attention_mask.shape)}")
+        if generated_ids.dim() != 2 or generated_ids.shape[0] != prompt_ids.shape[0]:
+            raise ValueError(f"generated_ids must be [B, G] with B={prompt_ids.shape[0]}; got {tuple(generated_ids.shape)}")
+        _check_01("prompt_attention_mask", prompt_attention_mask)
+        pm = prompt_attention_mask.long()
+        if (pm[:, 1:] < pm[:, :-1]).any():
+            raise ValueError("prompt_attention_mask must be left-padded (each row 0...0 1...1): tokenize prompts with "
+                             "tokenizer.padding_side = 'left'")
+        P = prompt_ids.shape[1]
+        if generated_ids.shape[1] >= P and generated_ids.shape[1] > 0 and torch.equal(generated_ids[:, :P], prompt_ids):
+            generated_ids = generated_ids[:, P:]
+        if generated_ids.shape[1] == 0:
+            raise ValueError("generated_ids holds no response tokens (generate returned the prompt only)")
+        action_mask, ended = response_mask(generated_ids, stop_token_ids)
+        lengths = action_mask.sum(-1)
+        R = max(int(lengths.max()), 1)
+        action_mask = action_mask[:, :R]
+        response = torch.where(action_mask.bool(), generated_ids[:, :R], torch.full_like(generated_ids[:, :R], pad_token_id))
+        sequences = torch.cat([prompt_ids, response], dim=1)
+        attention_mask = torch.cat([pm, action_mask], dim=1)
+        return cls(sequences=sequences, attention_mask=attention_mask,
+                   position_ids=position_ids_from_mask(attention_mask), action_mask=action_mask,
+                   response_lengths=lengths, ended_with_eos=ended, prompt_length=P)
+
+    # ---- the conversions every consumer uses -------------------------------------------------------------------
+    @property
+    def batch_size(self) -> int:
+        return self.sequences.shape[0]
+
+    @property
+    def response_width(self) -> int:
+        return self.action_mask.shape[1]
+
+    @property
+    def responses(self) -> torch.Tensor:
+        """[B, R] response ids (padding = pad_token_id)."""
+        return self.sequences[:, self.prompt_length:]
+
+    @property
+    def prompts(self) -> torch.Tensor:
+        """[B, P] left-padded prompt ids."""
+        return self.sequences[:, : self.prompt_length]
+
+    def action_slice(self, per_position: torch.Tensor) -> torch.Tensor:
+        """[B, L, ...] per-position model output -> [B, R, ...]: the outputs at positions P-1 .. P+R-2.
+
+        For logits these predict response tokens 0..R-1; for a value head they are V(state before action t).
+        """
+        P, R = self.prompt_length, self.response_width
+        return per_position[:, P - 1: P - 1 + R]
+
+    def score_index(self) -> torch.Tensor:
+        """[B] sequence index of the last real token (EOS included) where the reward model reads its score."""
+        return last_token_index(self.attention_mask)
+
+    # ---- batching ----------------------------------------------------------------------------------------------
+    def select(self, index: torch.Tensor | slice | Sequence[int]) -> "Rollout":
+        """Rows `index`, keeping P and R (positions and masks are unchanged by construction)."""
+        kw = {f.name: getattr(self, f.name) for f in fields(self)}
+        for name, v in kw.items():
+            if isinstance(v, torch.Tensor):
+                kw[name] = v[index]
+        return type(self)(**kw)
+
+    def split(self, micro_batch_size: int) -> list["Rollout"]:
+        return [self.select(slice(i, i + micro_batch_size)) for i in range(0, self.batch_size, micro_batch_size)]
+
+    def to(self, device: torch.device | str) -> "Rollout":
+        return dataclasses.replace(self, **{f.name: getattr(self, f.name).to(device) for f in fields(self)
+                                            if isinstance(getattr(self, f.name), torch.Tensor)})
+
+    @classmethod
+    def cat(cls, rollouts: Iterable["Rollout"], pad_token_id: int) -> "Rollout":
+        """Concatenate batches with different P and R: prompts re-padded on the left, responses on the right.
+
+        Position ids are recomputed from the mask, so every real token keeps its position.
+        """
+        rs = list(rollouts)
+        P = max(r.prompt_length for r in rs)
+        R = max(r.response_width for r in rs)
+        seqs, masks, amasks = [], [], []
+        for r in rs:
+            lp, rp = P - r.prompt_length, R - r.response_width
+            seq = torch.nn.functional.pad(r.prompts, (lp, 0), value=pad_token_id)
+            seqs.append(torch.cat([seq, torch.nn.functional.pad(r.responses, (0, rp), value=pad_token_id)], 1))
+            pm = torch.nn.functional.pad(r.attention_mask[:, : r.prompt_length], (lp, 0), value=0)
+            am = torch.nn.functional.pad(r.action_mask, (0, rp), value=0)
+            masks.append(torch.cat([pm, am], 1))
+            amasks.append(am)
+        attention_mask = torch.cat(masks)
+        return cls(sequences=torch.cat(seqs), attention_mask=attention_mask,
+                   position_ids=position_ids_from_mask(attention_mask), action_mask=torch.cat(amasks),
+                   response_lengths=torch.cat([r.response_lengths for r in rs]),
+                   ended_with_eos=torch.cat([r.ended_with_eos for r in rs]), prompt_length=P)
+
+
+@dataclass
+class Experience:
+    """A rollout with everything PPO needs; every per-action tensor is [B, R] fp32 aligned with `rollout.action_mask`."""
+
+    rollout: Rollout
+    old_logprobs: torch.Tensor  # [B, R] actor log-probs at rollout time
+    ref_logprobs: torch.Tensor  # [B, R] reference log-probs
+    values: torch.Tensor  # [B, R] critic values at rollout time
+    scores: torch.Tensor  # [B] reward-model (or reward function) scores
+    rewards: torch.Tensor  # [B, R] per-token rewards (KL penalty + clipped score on the last real token)
+    kl: torch.Tensor  # [B, R] per-token KL estimate used in the rewards (0 on padding)
+    advantages: torch.Tensor  # [B, R]
+    returns: torch.Tensor  # [B, R]
+
+    _PER_ACTION = ("old_logprobs", "ref_logprobs", "values", "rewards", "kl", "advantages", "returns")
+
+    @property
+    def batch_size(self) -> int:
+        return self.rollout.batch_size
+
+    def select(self, index: torch.Tensor | slice | Sequence[int]) -> "Experience":
+        kw = {f.name: getattr(self, f.name) for f in fields(self)}
+        kw["rollout"] = self.rollout.select(index)
+        for name in self._PER_ACTION + ("scores",):
+            kw[name] = kw[name][index]
+        return type(self)(**kw)
+
+    def split(self, micro_batch_size: int) -> list["Experience"]:
+        return [self.select(slice(i, i + micro_batch_size)) for i in range(0, self.batch_size, micro_batch_size)]
+
+    @classmethod
+    def cat(cls, items: Iterable["Experience"], pad_token_id: int) -> "Experience":
+        """Concatenate experiences of different widths: per-action tensors are right-padded with 0."""
+        xs = list(items)
+        rollout = Rollout.cat([x.rollout for x in xs], pad_token_id)
+        R = rollout.response_width
+        kw = {"rollout": rollout, "scores": torch.cat([x.scores for x in xs])}
+        for name in cls._PER_ACTION:
+            kw[name] = torch.cat([torch.nn.functional.pad(getattr(x, name), (0, R - getattr(x, name).shape[1]))
+                                  for x in xs])
+        return cls(**kw)
+
+
+def pad_prompts(prompts: Sequence[Sequence[int]], pad_token_id: int,
+                attention_masks: Optional[Sequence[Sequence[int]]] = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Left-pad token-id lists to the batch maximum -> (ids [B, P], attention_mask [B, P])."""
+    if not prompts:
+        raise ValueError("pad_prompts: empty batch")
+    P = max(len(p) for p in prompts)
+    ids = torch.full((len(prompts), P), pad_token_id, dtype=torch.long)
+    mask = torch.zeros((len(prompts), P), dtype=torch.long)
+    for i, p in enumerate(prompts):
+        if len(p):
+            ids[i, P - len(p):] = torch.tensor(list(p), dtype=torch.long)
+            m = attention_masks[i] if attention_masks is not None else [1] * len(p)
+            mask[i, P - len(p):] = torch.tensor(list(m), dtype=torch.long)
+    return ids, mask

@@ -1,0 +1,55 @@
+"""Experience making: rollout -> old/reference log-probs, values, scores -> rewards -> GAE -> (global) whitening."""
+from __future__ import annotations
+
+import torch
+
+from ..config import PPOConfig
+from ..engine import all_reduce
+from ..ppo_math import compute_gae, compute_rewards, masked_whiten
+from ..rollout import Experience, Rollout
+
+
+class NonFiniteError(RuntimeError):
+    """A non-finite score, loss or advantage: training cannot continue with a silent wrong number."""
+
+
+def make_experience(engine, rollout: Rollout, ppo: PPOConfig, kl_coef: float) -> tuple[Experience, torch.Tensor]:
+    """One rollout batch -> (Experience without whitening, [B, R] rollout entropy).
+
+    Every forward runs in eval mode with the rollout's position ids (engine contract).
+    """
+    old_logprobs, entropy = engine.actor_logprobs(rollout, with_entropy=True)
+    ref_logprobs = engine.ref_logprobs(rollout)
+    values = engine.critic_values(rollout)
+    scores = engine.reward_scores(rollout).float()
+    if not torch.isfinite(scores).all():
+        bad = torch.nonzero(~torch.isfinite(scores)).flatten().tolist()
+        raise NonFiniteError(f"reward model returned non-finite scores for rows {bad} of this rank's rollout batch")
+    mask = rollout.action_mask
+    rewards, kl = compute_rewards(logprobs=old_logprobs, ref_logprobs=ref_logprobs, scores=scores, action_mask=mask,
+                                  kl_coef=kl_coef, reward_clip=ppo.reward_clip, kl_estimator=ppo.kl_estimator)
+    advantages, returns = compute_gae(rewards=rewards, values=values, action_mask=mask, gamma=ppo.gamma, lam=ppo.lam)
+    exp = Experience(rollout=rollout, old_logprobs=old_logprobs, ref_logprobs=ref_logprobs, values=values,
+                     scores=scores, rewards=rewards, kl=kl, advantages=advantages, returns=returns)
+    return exp, entropy
+
+
+def global_moments(x: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(count, mean, unbiased var) of the masked elements of x over every rank (one all-reduce)."""
+    m = mask.float()
+    xf = x.float() * m
+    packed = torch.stack([m.sum(), xf.sum(), (xf * xf).sum()]).double()
+    n, s, ss = all_reduce(packed).unbind()
+    mean = s / n.clamp(min=1)
+    var = (ss - n * mean * mean) / (n - 1).clamp(min=1)
+    return n, mean.float(), var.clamp(min=0).float()
+
+
+def whiten_advantages(exp: Experience) -> Experience:
+    """Whiten advantages with the global masked mean/var, so every rank uses identical statistics."""
+    mask = exp.rollout.action_mask
+    _, mean, var = global_moments(exp.advantages, mask)
+    exp.advantages = masked_whiten(exp.advantages, mask, shift_mean=True, mean=mean, var=var)
+    if not torch.isfinite(exp.advantages).all():
+        raise NonFiniteError("non-finite advantages after whitening")
+    return exp

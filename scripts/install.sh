@@ -1,0 +1,22 @@
+#!/usr/bin/env bash
+# Idempotent install into a virtual environment (default: .venv in the repo).
+# Re-runs pip only when setup.py or requirements/cpu.txt changed since the last successful install.
+set -euo pipefail
+root=$(cd "$(dirname "$0")/.." && pwd)
+venv=${RLHF_VENV:-$root/.venv}
+py=${PYTHON:-python3.11}
+command -v "$py" >/dev/null || py=python3
+[ -x "$venv/bin/python" ] || "$py" -m venv "$venv"
+stamp="$venv/.rlhf_engine_installed"
+want=$(cat "$root/setup.py" "$root/requirements/cpu.txt" | sha256sum | cut -d' ' -f1)
+if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
+  echo "[install] installing into $venv (about 2 minutes on a fresh machine)" >&2
+  if "$venv/bin/python" -c 'import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)' 2>/dev/null; then
+    # A CUDA torch is already there (GPU machine): keep it.
+    "$venv/bin/pip" install -q -e "$root[dev]"
+  else
+    # One pip command: the torch pin must sit beside deepspeed or pip resolves a CUDA build.
+    "$venv/bin/pip" install -q -r "$root/requirements/cpu.txt" -e "$root[dev]"
+  fi
+  echo "$want" >"$stamp"
+fi

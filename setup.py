@@ -1,0 +1,26 @@
+"""rlhf_engine: a DeepSpeed-native RLHF (PPO) framework.
+
+GPU users: install a CUDA build of torch first, then `pip install -e .`.
+CPU-only machines: use `scripts/install.sh` (it pins torch==2.13.0 in the same pip command, see README).
+"""
+from setuptools import find_packages, setup
+
+setup(
+    name="rlhf_engine",
+    version="0.1.0",
+    description="DeepSpeed-native RLHF: actor, critic, reference and reward as separate ZeRO engines, PPO trainer.",
+    packages=find_packages(include=["rlhf_engine", "rlhf_engine.*"]),
+    python_requires=">=3.10",
+    # Ranges we have tested against (CPU: the exact versions in requirements/cpu.txt).
+    install_requires=[
+        "torch>=2.4,<2.15",
+        "deepspeed>=0.19.8,<0.20",
+        "transformers>=5.0,<6",
+        "accelerate>=1.0,<2",  # transformers' HfDeepSpeedConfig needs it
+        "datasets>=3.0,<6",
+        "wandb>=0.20,<1",
+        "peft>=0.17,<1",
+        "numpy",
+    ],
+    extras_require={"dev": ["pytest>=8", "pytest-timeout>=2"]},
+)
