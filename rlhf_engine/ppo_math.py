@@ -110,8 +110,12 @@ def _mask(name: str, mask: object, shape: Sequence[int], shape_of: str, checks: 
         mask = raw != 0
     if right_padded and mask.shape[-1] > 1:
         gaps = mask[..., 1:] & ~mask[..., :-1]  # a 1 right after a 0
-        checks.append((gaps.any(), lambda: f"{name}: expected right-padded rows (1...1 0...0), got a 1 after a 0 in "
-                                           f"rows {gaps.reshape(-1, gaps.shape[-1]).any(-1).nonzero().flatten().tolist()}"))
+
+        def bad_rows() -> str:
+            rows = gaps.reshape(-1, gaps.shape[-1]).any(-1).nonzero().flatten().tolist()
+            return f"{name}: expected right-padded rows (1...1 0...0), got a 1 after a 0 in rows {rows}"
+
+        checks.append((gaps.any(), bad_rows))
     return mask
 
 
@@ -291,7 +295,8 @@ class _EntropyFn(torch.autograd.Function):
 
 def _logits_args(logits: object, temperature: object, chunk_rows: Optional[int]) -> Tuple[torch.Tensor, float, int]:
     if not isinstance(logits, torch.Tensor) or not logits.is_floating_point() or logits.dim() < 1:
-        what = f"dtype {logits.dtype}, shape {_shape(logits)}" if isinstance(logits, torch.Tensor) else type(logits).__name__
+        is_tensor = isinstance(logits, torch.Tensor)
+        what = f"dtype {logits.dtype}, shape {_shape(logits)}" if is_tensor else type(logits).__name__
         raise ValueError(f"logits: expected a floating-point tensor [..., V], got {what}")
     t = _number("temperature", temperature, gt=0.0)
     if math.isinf(t):

@@ -1,0 +1,75 @@
+"""Shared test support: tiny offline assets and a launcher for multi-rank subprocess runs."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from dataclasses import dataclass
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SCRIPTS = os.path.join(ROOT, "tests", "distributed", "scripts")
+_RANK_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_SIZE", "MASTER_ADDR", "MASTER_PORT", "CROSS_RANK",
+              "CROSS_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "ROLE_RANK", "ROLE_WORLD_SIZE", "TORCHELASTIC_RUN_ID")
+
+
+@dataclass
+class TinySetup:
+    root: str
+    tokenizer: str
+    actor: str
+    reward: str
+    prompts: str
+
+
+def make_tiny_setup(root: str, arch: str = "gpt2", pad_is_eos: bool = True, n_prompts: int = 32,
+                    dropout: float = 0.1, vocab_size: int = 512) -> TinySetup:
+    """A tokenizer, a tiny actor, a tiny reward model (score head) and a prompts.jsonl under `root`."""
+    from rlhf_engine.assets import build_tiny_model, tiny_prompts, train_tiny_tokenizer
+
+    os.makedirs(root, exist_ok=True)
+    tok = train_tiny_tokenizer(os.path.join(root, "tok"), vocab_size=vocab_size, pad_is_eos=pad_is_eos)
+    actor = build_tiny_model(os.path.join(root, "actor"), tok, arch=arch, dropout=dropout, seed=0)
+    reward = build_tiny_model(os.path.join(root, "reward"), tok, arch=arch, head="score", dropout=dropout, seed=1)
+    prompts = os.path.join(root, "prompts.jsonl")
+    with open(prompts, "w") as f:
+        for p in tiny_prompts(n_prompts, seed=0):
+            f.write(json.dumps({"prompt": p}) + "\n")
+    return TinySetup(root, tok, actor, reward, prompts)
+
+
+def clean_env(**extra: str) -> dict:
+    """The environment for a child launch: no inherited rank variables, one thread per rank, offline."""
+    env = {k: v for k, v in os.environ.items() if k not in _RANK_VARS}
+    env.update(OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", WANDB_MODE="offline", DS_ACCELERATOR="cpu",
+               TOKENIZERS_PARALLELISM="false", DEEPSPEED_TIMEOUT="3", PYTHONPATH=ROOT)
+    env.update(extra)
+    return env
+
+
+def launch(script: str, args: list[str], nproc: int = 2, launcher: str = "deepspeed", timeout: int = 600,
+           env: dict | None = None) -> subprocess.CompletedProcess:
+    """Run `script` on `nproc` ranks (deepspeed launcher, torchrun, or a plain single process) and capture output."""
+    from rlhf_engine.engine.distributed import free_port
+
+    bindir = os.path.dirname(sys.executable)
+    port = str(free_port())
+    if launcher == "deepspeed":
+        cmd = [os.path.join(bindir, "deepspeed"), "--num_gpus", str(nproc), "--master_port", port, script]
+    elif launcher == "torchrun":
+        cmd = [os.path.join(bindir, "torchrun"), "--nproc_per_node", str(nproc), "--master_port", port, script]
+    elif launcher == "python":
+        assert nproc == 1
+        cmd = [sys.executable, script]
+    else:
+        raise ValueError(launcher)
+    return subprocess.run(cmd + list(args), cwd=ROOT, env=clean_env(**(env or {})), capture_output=True, text=True,
+                          timeout=timeout)
+
+
+def check(proc: subprocess.CompletedProcess) -> subprocess.CompletedProcess:
+    """Fail with the tail of the child's output when it did not exit 0."""
+    if proc.returncode != 0:
+        tail = (proc.stdout[-6000:] + "\n--- stderr ---\n" + proc.stderr[-6000:])
+        raise AssertionError(f"launch failed (rc={proc.returncode}):\n{tail}")
+    return proc

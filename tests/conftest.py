@@ -1,0 +1,29 @@
+import os
+
+# Before torch/deepspeed are imported anywhere in the test process.
+for key, value in dict(OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", WANDB_MODE="offline", DS_ACCELERATOR="cpu",
+                       TOKENIZERS_PARALLELISM="false", DEEPSPEED_TIMEOUT="3").items():
+    os.environ.setdefault(key, value)
+
+import pytest  # noqa: E402
+
+from _support import make_tiny_setup  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def tiny(tmp_path_factory):
+    """Tiny GPT-2 actor + reward model, pad == EOS tokenizer, 32 prompts (built once per session)."""
+    return make_tiny_setup(str(tmp_path_factory.mktemp("tiny_gpt2")))
+
+
+@pytest.fixture(scope="session")
+def tiny_llama(tmp_path_factory):
+    return make_tiny_setup(str(tmp_path_factory.mktemp("tiny_llama")), arch="llama", pad_is_eos=False)
+
+
+@pytest.fixture(scope="session")
+def dist_single():
+    """An in-process one-rank torch.distributed group (gloo on CPU), for engine tests without subprocesses."""
+    from rlhf_engine.engine import init_distributed
+
+    return init_distributed()
