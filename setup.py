@@ -21,6 +21,8 @@ setup(
         "wandb>=0.20,<1",
         "peft>=0.17,<1",
         "numpy",
+        "matplotlib>=3.7",  # the end-of-run PNG plot
+        "pyyaml",  # --config FILE.yaml
     ],
     extras_require={"dev": ["pytest>=8", "pytest-timeout>=2"]},
 )
