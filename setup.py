@@ -10,6 +10,7 @@ setup(
     version="0.1.0",
     description="DeepSpeed-native RLHF: actor, critic, reference and reward as separate ZeRO engines, PPO trainer.",
     packages=find_packages(include=["rlhf_engine", "rlhf_engine.*"]),
+    package_data={"rlhf_engine": ["data/builtin/*.jsonl"]},
     python_requires=">=3.10",
     # Ranges we have tested against (CPU: the exact versions in requirements/cpu.txt).
     install_requires=[

