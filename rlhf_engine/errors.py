@@ -25,9 +25,13 @@ class ConfigError(ValueError):
 
     def __init__(self, problems: Iterable[Problem], header: str = "invalid configuration"):
         self.problems = list(problems)
+        self.header = header
         lines = [f"{header} ({len(self.problems)} problem{'s' if len(self.problems) != 1 else ''}):"]
         lines += [str(p) for p in self.problems]
         super().__init__("\n".join(lines))
+
+    def __reduce__(self):  # pickle (multiprocessing, rank error gathering) with the problems, not the message
+        return type(self), (self.problems, self.header)
 
 
 class Problems(list):

@@ -29,7 +29,11 @@ def _check_01(name: str, mask: torch.Tensor) -> None:
 
 
 def position_ids_from_mask(attention_mask: torch.Tensor) -> torch.Tensor:
-    """[B, L] 0/1 mask -> [B, L] long position ids: cumsum - 1, clamped at 0 (padding gets 0)."""
+    """[B, L] 0/1 mask -> [B, L] long position ids: cumsum - 1, clamped at 0.
+
+    Real tokens get 0, 1, 2, ... whatever the left padding. Left padding gets 0; right padding repeats the last real
+    position (it is never attended to by a real token, so its value does not matter).
+    """
     return (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
 
 
@@ -82,13 +86,19 @@ class Rollout:
 
     @classmethod
     def from_generation(cls, prompt_ids: torch.Tensor, prompt_attention_mask: torch.Tensor,
-                        generated_ids: torch.Tensor, stop_token_ids: Sequence[int], pad_token_id: int) -> "Rollout":
+                        generated_ids: torch.Tensor, stop_token_ids: Sequence[int], pad_token_id: int,
+                        includes_prompt: Optional[bool] = None) -> "Rollout":
         """Build the layout from left-padded prompts and what `generate` returned.
 
         prompt_ids [B, P], prompt_attention_mask [B, P] (as the tokenizer returned it: never derived from ids != pad,
         which breaks when BOS == pad), generated_ids [B, G] new tokens only, or [B, P + G] with the prompt in front
         (then its first P columns must equal prompt_ids). The response is cut at its first stop token and the
         padding columns shared by every row are dropped, so R = the longest response.
+
+        `includes_prompt`: None detects the prompt in front (first P columns equal to prompt_ids); True/False says
+        so explicitly (detection is ambiguous when a response-only batch happens to start with its own prompt, as
+        short prompts and repetitive models can). Every row needs at least one real prompt token: the logits that
+        predict response token 0 are read at position P - 1.
         """
         if prompt_ids.dim() != 2 or prompt_attention_mask.shape != prompt_ids.shape:
             raise ValueError(f"prompt_ids and prompt_attention_mask must both be [B, P]; got "
@@ -101,7 +111,15 @@ class Rollout:
             raise ValueError("prompt_attention_mask must be left-padded (each row 0...0 1...1): tokenize prompts with "
                              "tokenizer.padding_side = 'left'")
         P = prompt_ids.shape[1]
-        if generated_ids.shape[1] >= P and generated_ids.shape[1] > 0 and torch.equal(generated_ids[:, :P], prompt_ids):
+        if P == 0 or not bool((pm[:, -1] == 1).all()):
+            rows = [] if P == 0 else (pm[:, -1] != 1).nonzero().flatten().tolist()
+            raise ValueError(f"prompt_attention_mask: every row needs at least one real prompt token (rows without "
+                             f"one: {rows if P else 'all, P = 0'}); the first response token is predicted at P - 1")
+        if includes_prompt is None:
+            includes_prompt = generated_ids.shape[1] >= P and torch.equal(generated_ids[:, :P], prompt_ids)
+        elif includes_prompt and (generated_ids.shape[1] < P or not torch.equal(generated_ids[:, :P], prompt_ids)):
+            raise ValueError("generated_ids: includes_prompt=True but its first P columns differ from prompt_ids")
+        if includes_prompt:
             generated_ids = generated_ids[:, P:]
         if generated_ids.shape[1] == 0:
             raise ValueError("generated_ids holds no response tokens (generate returned the prompt only)")
@@ -243,5 +261,7 @@ def pad_prompts(prompts: Sequence[Sequence[int]], pad_token_id: int,
         if len(p):
             ids[i, P - len(p):] = torch.tensor(list(p), dtype=torch.long)
             m = attention_masks[i] if attention_masks is not None else [1] * len(p)
+            if len(m) != len(p):
+                raise ValueError(f"attention_masks[{i}] has {len(m)} entries for a prompt of {len(p)} tokens")
             mask[i, P - len(p):] = torch.tensor(list(m), dtype=torch.long)
     return ids, mask
