@@ -1,8 +1,8 @@
 """Command line and config files generated from the config dataclasses: field name = flag = config-file key.
 
-Role fields take the role as prefix (`--actor_learning_rate`, `--reward_zero_stage`); PPO, generation and batch fields
-are flat (`--kl_coef`, `--max_answer_seq_len`, `--generation_batches`). `--config FILE` (JSON or YAML, with the same flat
-keys) is read first and flags override it.
+Role fields take the role as prefix (`--actor_learning_rate`, `--reward_zero_stage`); PPO, generation, batch, data and
+logging fields are flat (`--kl_coef`, `--max_answer_seq_len`, `--generation_batches`, `--data_path`). `--config FILE`
+(JSON or YAML, with the same flat keys) is read first and flags override it.
 """
 from __future__ import annotations
 
@@ -13,25 +13,31 @@ import os
 import typing
 from typing import Any, Optional, Sequence
 
-from .config import ROLES, TrainConfig
+from .config import ROLES, RoleConfig, TrainConfig
 from .errors import Problems, did_you_mean
 
-_SECTIONS = ("ppo", "generation", "batch")
+_SECTIONS = ("ppo", "generation", "batch", "data", "logging")
 
 
 def _leaves(cfg: TrainConfig) -> dict[str, tuple[Any, dataclasses.Field]]:
     """flat key -> (owner object, field) for every leaf field of the config."""
     out: dict[str, tuple[Any, dataclasses.Field]] = {}
+
+    def put(key: str, owner: Any, f: dataclasses.Field) -> None:
+        if key in out:  # two sections with the same field name would silently share one flag
+            raise RuntimeError(f"config key {key!r} is defined twice; rename one of the fields")
+        out[key] = (owner, f)
+
     for f in dataclasses.fields(cfg):
         value = getattr(cfg, f.name)
         if f.name in ROLES:
             for g in dataclasses.fields(value):
-                out[f"{f.name}_{g.name}"] = (value, g)
+                put(f"{f.name}_{g.name}", value, g)
         elif f.name in _SECTIONS:
             for g in dataclasses.fields(value):
-                out[g.name] = (value, g)
+                put(g.name, value, g)
         else:
-            out[f.name] = (cfg, f)
+            put(f.name, cfg, f)
     return out
 
 
@@ -51,23 +57,88 @@ def _arg_type(f: dataclasses.Field, owner: Any):
     return t
 
 
+def _is_optional(f: dataclasses.Field, owner: Any) -> bool:
+    t = typing.get_type_hints(type(owner))[f.name]
+    return typing.get_origin(t) is typing.Union and type(None) in typing.get_args(t)
+
+
+def _or_none(t):
+    """argparse type for Optional[t] fields: 'none' / 'null' give None (the way back to the default)."""
+    def parse(s: str):
+        return None if s.lower() in ("none", "null") else t(s)
+
+    parse.__name__ = t.__name__  # argparse names the type in its error messages
+    return parse
+
+
+def _coerce(value: Any, f: dataclasses.Field, owner: Any) -> Any:
+    """A config-file value -> the field's type, as argparse does for flags (YAML reads `1e-6` as a string).
+
+    Raises ValueError when the value cannot be one of the field's type.
+    """
+    t = _arg_type(f, owner)
+    if value is None:
+        if _is_optional(f, owner):
+            return None
+        raise ValueError("null is not allowed here")
+    if t is bool:
+        if isinstance(value, bool):
+            return value
+        if isinstance(value, str):
+            try:
+                return _bool(value)
+            except argparse.ArgumentTypeError as e:
+                raise ValueError(str(e)) from None
+    elif t is float:
+        if isinstance(value, (int, float, str)) and not isinstance(value, bool):
+            return float(value)
+    elif t is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+        if isinstance(value, float) and value.is_integer():
+            return int(value)
+        if isinstance(value, str):
+            return int(value.strip())
+    elif t is str:
+        if isinstance(value, str):
+            return value
+    elif t is list or typing.get_origin(t) is list:
+        if isinstance(value, (list, tuple)):
+            return list(value)
+    else:
+        return value
+    raise ValueError(f"expected {getattr(t, '__name__', t)}, got {type(value).__name__}")
+
+
 def build_parser(description: str = "") -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(description=description,
+    # allow_abbrev=False: `--ppo 2` must not silently mean --ppo_epochs (config-file keys have no abbreviations either)
+    parser = argparse.ArgumentParser(description=description, allow_abbrev=False,
                                      formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     parser.add_argument("--config", default=None, help="JSON or YAML file of flat config keys; flags override it.")
     parser.add_argument("--local_rank", type=int, default=None, help=argparse.SUPPRESS)  # passed by deepspeed
     groups = {}
-    for key, (owner, f) in _leaves(TrainConfig()).items():
-        section = type(owner).__name__
-        group = groups.setdefault(section, parser.add_argument_group(section, (owner.__doc__ or "").strip()))
+    cfg = TrainConfig()
+    role_help = {f.name: f.metadata.get("help", "") for f in dataclasses.fields(cfg) if f.name in ROLES}
+    for key, (owner, f) in _leaves(cfg).items():
+        if isinstance(owner, RoleConfig):  # one group per role, not one "RoleConfig" group holding all four
+            role = key.split("_", 1)[0]
+            section, doc = f"{role} role", f"{role_help[role]} Flags: --{role}_<field>."
+        else:
+            section, doc = type(owner).__name__, (owner.__doc__ or "").strip()
+        if section not in groups:
+            groups[section] = parser.add_argument_group(section, doc.replace("%", "%%"))
+        group = groups[section]
         t = _arg_type(f, owner)
-        kw: dict[str, Any] = dict(default=argparse.SUPPRESS, help=f.metadata.get("help", ""))
+        # defaults are SUPPRESSed (only given flags override the config file), so the help states them itself
+        text = f"{f.metadata.get('help', '')} (default: {getattr(owner, f.name)!r})".replace("%", "%%")
+        kw: dict[str, Any] = dict(default=argparse.SUPPRESS, help=text)
         if t is bool:
             kw.update(type=_bool, nargs="?", const=True, metavar="BOOL")
         elif t is list or typing.get_origin(t) is list:
             kw.update(type=int, nargs="*")
         else:
-            kw.update(type=t if t in (int, float, str) else str)
+            t = t if t in (int, float, str) else str
+            kw.update(type=_or_none(t) if _is_optional(f, owner) else t)
         group.add_argument(f"--{key}", **kw)
     return parser
 
@@ -95,6 +166,11 @@ def apply_overrides(cfg: TrainConfig, values: dict, source: str) -> TrainConfig:
             p.add(f"{source}: {key}", value, "unknown key" + did_you_mean(key, leaves))
             continue
         owner, f = leaves[key]
+        try:
+            value = _coerce(value, f, owner)
+        except ValueError as e:
+            p.add(f"{source}: {key}", value, str(e))
+            continue
         setattr(owner, f.name, value)
     p.raise_if_any(f"invalid {source}")
     return cfg

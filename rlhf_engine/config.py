@@ -7,7 +7,9 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import string
 from dataclasses import dataclass, field
+from fractions import Fraction
 from typing import Any, Optional
 
 from .errors import Problems
@@ -25,10 +27,15 @@ def opt(default: Any, help: str, **kw: Any) -> Any:
     return field(default=default, metadata={"help": help, **kw})
 
 
+def _number(v: Any) -> bool:
+    """A real number (not a bool, not NaN): what every numeric field needs before it can be compared."""
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and not math.isnan(v)
+
+
 def _positive(p: Problems, prefix: str, obj: Any, *names: str, allow_zero: bool = False) -> None:
     for n in names:
         v = getattr(obj, n)
-        bad = not isinstance(v, (int, float)) or isinstance(v, bool) or math.isnan(v) or (v < 0 if allow_zero else v <= 0)
+        bad = not _number(v) or (v < 0 if allow_zero else v <= 0)
         if bad:
             p.add(prefix + n, v, f"must be {'>= 0' if allow_zero else '> 0'}")
 
@@ -67,10 +74,12 @@ class PPOConfig:
         _choice(p, prefix, self, "kl_estimator", KL_ESTIMATORS)
         for n in ("gamma", "lam"):
             v = getattr(self, n)
-            if not isinstance(v, (int, float)) or not 0.0 <= v <= 1.0:
+            if not _number(v) or not 0.0 <= v <= 1.0:
                 p.add(prefix + n, v, "must lie in [0, 1]")
-        if self.dual_clip is not None and not self.dual_clip > 1.0:
+        if self.dual_clip is not None and not (_number(self.dual_clip) and self.dual_clip > 1.0):
             p.add(prefix + "dual_clip", self.dual_clip, "must be > 1 (or None to disable dual clipping)")
+        if self.adaptive_kl is True and _number(self.kl_target) and self.kl_target <= 0:
+            p.add(prefix + "kl_target", self.kl_target, "must be > 0 with adaptive_kl (the controller divides by it)")
 
 
 @dataclass
@@ -89,9 +98,13 @@ class GenerationConfig:
     def validate(self, p: Problems, prefix: str = "") -> None:
         _positive(p, prefix, self, "max_prompt_seq_len", "max_answer_seq_len", "temperature")
         _positive(p, prefix, self, "min_answer_seq_len", "top_k", allow_zero=True)
-        if not 0.0 < self.top_p <= 1.0:
+        if not (_number(self.top_p) and 0.0 < self.top_p <= 1.0):
             p.add(prefix + "top_p", self.top_p, "must lie in (0, 1]")
-        if self.min_answer_seq_len > self.max_answer_seq_len:
+        if not isinstance(self.stop_token_ids, list) or not all(
+                isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in self.stop_token_ids):
+            p.add(prefix + "stop_token_ids", self.stop_token_ids, "must be a list of token ids (integers >= 0)")
+        if (_number(self.min_answer_seq_len) and _number(self.max_answer_seq_len)
+                and self.min_answer_seq_len > self.max_answer_seq_len):
             p.add(prefix + "min_answer_seq_len", self.min_answer_seq_len,
                   f"must be <= max_answer_seq_len ({self.max_answer_seq_len})")
 
@@ -111,6 +124,9 @@ class BatchConfig:
                  "gradient_accumulation_steps")
         _positive(p, prefix, self, *names)
         _positive(p, prefix, self, "experience_micro_batch_size", allow_zero=True)
+        for n in names + ("experience_micro_batch_size",):  # 2.5 passes `> 0` but is no batch size
+            if _number(getattr(self, n)) and not isinstance(getattr(self, n), int):
+                p.add(prefix + n, getattr(self, n), "must be a whole number")
         if any(not isinstance(getattr(self, n), int) or getattr(self, n) <= 0 for n in names):
             return
         rollout, mini = self.rollout_size, self.mini_batch_size
@@ -173,11 +189,127 @@ class RoleConfig:
                   allow_zero=True)
         _positive(p, prefix, self, "adam_eps")
         for n in ("adam_beta1", "adam_beta2"):
-            if not 0.0 <= getattr(self, n) < 1.0:
+            if not (_number(getattr(self, n)) and 0.0 <= getattr(self, n) < 1.0):
                 p.add(prefix + n, getattr(self, n), "must lie in [0, 1)")
         _choice(p, prefix, self, "lr_scheduler_type", SCHEDULERS)
         if self.offload_params and self.zero_stage not in (3, None):
             p.add(prefix + "offload_params", True, f"parameter offload needs zero_stage 3 (got {self.zero_stage})")
+
+
+LONG_PROMPT_POLICIES = ("error", "skip", "truncate_left")
+BAD_ROW_POLICIES = ("error", "skip")
+
+
+def parse_data_sources(spec: Any) -> list[tuple[str, Optional[Fraction]]]:
+    """`data_path` -> [(path or hub name, ratio or None)].
+
+    `spec` is a string `"a.jsonl"`, `"a.jsonl,b.jsonl"` or `"a.jsonl:0.7,b.parquet:0.3"` (a trailing `:number` is a
+    ratio; a path may not contain ','), or a list of such strings or of `[path, ratio]` pairs. Ratios are exact
+    fractions of their decimal text (`0.7` is 7/10). Either every source has a ratio or none has. Raises ValueError.
+    """
+    items = spec if isinstance(spec, (list, tuple)) else ([] if spec is None else str(spec).split(","))
+    out: list[tuple[str, Optional[Fraction]]] = []
+    for item in items:
+        ratio: Any = None
+        if isinstance(item, (list, tuple)):
+            if len(item) != 2:
+                raise ValueError(f"{item!r}: a list entry is 'path', 'path:ratio' or [path, ratio]")
+            path, ratio = str(item[0]).strip(), item[1]
+        else:
+            path = str(item).strip()
+            head, sep, tail = path.rpartition(":")
+            if sep and head:
+                try:
+                    ratio = Fraction(tail.strip())
+                    path = head.strip()
+                except ValueError:  # not a number: the ':' belongs to the path
+                    ratio = None
+        if not path:
+            raise ValueError("an empty entry; separate sources with ',' and give each a path")
+        if ratio is not None:
+            try:
+                ratio = Fraction(str(ratio))
+            except (ValueError, TypeError):
+                raise ValueError(f"{path}: ratio {ratio!r} is not a number") from None
+            if ratio <= 0:
+                raise ValueError(f"{path}: ratio {float(ratio):g} must be > 0")
+        out.append((path, ratio))
+    if not out:
+        raise ValueError("no data source given")
+    if len({r is None for _, r in out}) > 1:
+        raise ValueError("give a ratio for every source (a.jsonl:0.7,b.jsonl:0.3) or for none (each used in full)")
+    return out
+
+
+@dataclass
+class DataConfig:
+    """Prompt data: sources and blending, columns, templates, split, and what to do with bad or long rows."""
+
+    data_path: Any = opt("", "Prompt data: one source, several joined with ',' (each used in full), or a blend "
+                         "'a.jsonl:0.7,b.parquet:0.3' (str, or a list in a config file). A source is a local "
+                         ".jsonl/.json/.parquet/.csv file (format by extension) or, unless HF_HUB_OFFLINE is set, a "
+                         "hub dataset name (its 'train' split).")
+    prompt_column: str = opt("prompt", "Column holding the prompt text (every source).")
+    prompt_template: str = opt("", "Python format string applied to each prompt before tokenization, e.g. "
+                               "'Question: {prompt}\\nAnswer:'; must contain {prompt}; other {column} fields are "
+                               "filled from the row; write literal braces as {{ }}. '' = the prompt as is.")
+    use_chat_template: bool = opt(False, "Wrap each prompt (after prompt_template) in the tokenizer's chat template as "
+                                  "one user message with the generation prompt; the result is tokenized without "
+                                  "adding special tokens again (no double BOS).")
+    eval_split: float = opt(0.0, "Fraction of the prompts held out for evaluation (deterministic on data_seed).")
+    long_prompt_policy: str = opt("error", "Prompts longer than max_prompt_seq_len tokens: 'error' (stop, naming "
+                                  "them), 'skip' (drop and count) or 'truncate_left' (keep the last tokens, and a "
+                                  "leading BOS).")
+    bad_row_policy: str = opt("error", "Rows with an empty/missing/non-text prompt, or (.jsonl) invalid UTF-8 or "
+                              "invalid JSON: 'error' (stop, naming them) or 'skip' (drop and count).")
+    data_seed: Optional[int] = opt(None, "Seed of blending and the eval split (None = the run's seed).")
+
+    def validate(self, p: Problems, prefix: str = "") -> None:
+        if not isinstance(self.data_path, (str, list, tuple)):
+            p.add(prefix + "data_path", self.data_path, "must be a string or a list of sources")
+        elif self.data_path:  # '' is caught where the data is loaded
+            try:
+                parse_data_sources(self.data_path)
+            except ValueError as e:
+                p.add(prefix + "data_path", self.data_path, str(e))
+        if not isinstance(self.prompt_column, str) or not self.prompt_column:
+            p.add(prefix + "prompt_column", self.prompt_column, "must name a column")
+        if self.prompt_template:
+            try:
+                names = {name for _, name, _, _ in string.Formatter().parse(self.prompt_template) if name is not None}
+            except ValueError as e:
+                p.add(prefix + "prompt_template", self.prompt_template,
+                      f"not a valid format string ({e}); write literal braces as {{{{ and }}}}")
+            else:
+                if "prompt" not in names:
+                    p.add(prefix + "prompt_template", self.prompt_template, "must contain {prompt}")
+                if any(not n or n.isdigit() for n in names):
+                    p.add(prefix + "prompt_template", self.prompt_template,
+                          "positional fields ({} or {0}) are not allowed; name them ({prompt} or a column)")
+        if not _number(self.eval_split) or not 0.0 <= self.eval_split < 1.0:
+            p.add(prefix + "eval_split", self.eval_split, "must lie in [0, 1)")
+        _choice(p, prefix, self, "long_prompt_policy", LONG_PROMPT_POLICIES)
+        _choice(p, prefix, self, "bad_row_policy", BAD_ROW_POLICIES)
+        if self.data_seed is not None and (not isinstance(self.data_seed, int) or isinstance(self.data_seed, bool)):
+            p.add(prefix + "data_seed", self.data_seed, "must be an integer or None")
+
+
+@dataclass
+class LoggingConfig:
+    """Where metrics go besides metrics.jsonl: wandb (offline without WANDB_API_KEY) and TensorBoard."""
+
+    wandb_project: str = opt("", "wandb project; '' = wandb off. Files go to <output_dir>/wandb; offline unless "
+                             "WANDB_API_KEY is set (and WANDB_MODE is not offline).")
+    wandb_entity: str = opt("", "wandb entity (team or user); '' = your default.")
+    wandb_run_name: str = opt("", "wandb run name; '' = wandb picks one.")
+    wandb_sample_interval: int = opt(10, "Log a wandb table of prompt / response / score every N iterations.")
+    tensorboard: bool = opt(False, "Also write TensorBoard scalars to <output_dir>/tensorboard (needs tensorboard or "
+                            "tensorboardX installed; otherwise one warning).")
+
+    def validate(self, p: Problems, prefix: str = "") -> None:
+        _positive(p, prefix, self, "wandb_sample_interval")
+        if _number(self.wandb_sample_interval) and not isinstance(self.wandb_sample_interval, int):
+            p.add(prefix + "wandb_sample_interval", self.wandb_sample_interval, "must be a whole number")
 
 
 @dataclass
@@ -191,16 +323,22 @@ class TrainConfig:
     ppo: PPOConfig = opt(None, "PPO hyperparameters.")
     generation: GenerationConfig = opt(None, "Rollout sampling.")
     batch: BatchConfig = opt(None, "Batch arithmetic.")
-    data_path: str = opt("", "Prompt data: a local .jsonl file with a 'prompt' column.")
+    data: DataConfig = opt(None, "Prompt data.")
+    logging: LoggingConfig = opt(None, "Metrics sinks besides metrics.jsonl.")
     output_dir: str = opt("runs/ppo", "Run directory: metrics.jsonl, resolved configs, checkpoints.")
     max_steps: int = opt(10, "PPO iterations to run (one iteration = rollouts + ppo_epochs of updates).")
     seed: int = opt(1234, "Seed: data order depends on it; sampling uses seed + rank.")
     dtype: str = opt("fp32", "Default dtype of every role: fp32, bf16 or fp16.")
+    overwrite_output_dir: bool = opt(False, "Start a new run in an output_dir that holds another run: its files "
+                                     "are kept, moved aside as <name>.<timestamp>.bak (nothing is deleted or "
+                                     "overwritten).")
+    resume: str = opt("", "Resume: '' = no, 'auto' = the latest complete checkpoint in output_dir, or a checkpoint "
+                      "path.")
 
     def __post_init__(self) -> None:
         for name, cls in (("actor", RoleConfig), ("critic", RoleConfig), ("reference", RoleConfig),
                           ("reward", RoleConfig), ("ppo", PPOConfig), ("generation", GenerationConfig),
-                          ("batch", BatchConfig)):
+                          ("batch", BatchConfig), ("data", DataConfig), ("logging", LoggingConfig)):
             if getattr(self, name) is None:
                 setattr(self, name, cls())
 
@@ -215,11 +353,22 @@ class TrainConfig:
                       "eval-only engines must use ZeRO stage 0 or 3 (DeepSpeed needs an optimizer for 1/2)")
         if not self.actor.model_name_or_path:
             p.add("actor_model_name_or_path", "", "give a local model folder or hub id")
+        for role in ("actor", "critic"):  # trained roles default to stage 0, which cannot offload parameters
+            if getattr(self, role).offload_params is True and getattr(self, role).zero_stage is None:
+                p.add(f"{role}_offload_params", True, f"parameter offload needs ZeRO stage 3 and {role}_zero_stage "
+                      f"defaults to 0: set {role}_zero_stage 3 (or drop {role}_offload_params)")
         if self.critic.init_from not in ("", "reward", "actor"):
             p.add("critic_init_from", self.critic.init_from, "must be 'reward' or 'actor'")
         self.ppo.validate(p)
         self.generation.validate(p)
         self.batch.validate(p)
+        self.data.validate(p)
+        self.logging.validate(p)
+        if not isinstance(self.resume, str):
+            p.add("resume", self.resume, "must be '' (no), 'auto' or a checkpoint path")
+        elif self.resume and self.overwrite_output_dir is True:
+            p.add("overwrite_output_dir", True, f"cannot be combined with resume ({self.resume!r}): resume continues "
+                  "the run in output_dir, overwrite_output_dir starts a new one; drop one of them")
         _choice(p, "", self, "dtype", DTYPES)
         _positive(p, "", self, "max_steps")
         p.raise_if_any()
@@ -227,3 +376,12 @@ class TrainConfig:
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
+
+    @property
+    def data_path(self) -> Any:
+        """Shortcut for `data.data_path` (the flag and config key stay `data_path`)."""
+        return self.data.data_path
+
+    @data_path.setter
+    def data_path(self, value: Any) -> None:
+        self.data.data_path = value

@@ -1,33 +1,116 @@
-"""Prompt data: load and check a local .jsonl/.json once, sample it in a deterministic sharded order, collate.
+"""Prompt data: load and check local files (or hub datasets) once, blend and split them, sample in a deterministic
+sharded order, collate.
 
-Every rank loads the same file and draws the same permutation (it depends on seed and epoch only), then takes its own
+Every rank loads the same sources and draws the same permutations (they depend on seeds only), then takes its own
 slice of each global batch, so no communication is needed and a checkpoint resumes from (epoch, batch).
+
+Pipeline of `load_prompt_data` (each step documented where it is done):
+  1. read each source (`sources.read_source`: format by extension; .jsonl rows pre-scanned for bad bytes / JSON);
+  2. per row: bad rows (invalid UTF-8 or JSON, missing/null/blank/non-text prompt) -> `bad_row_policy`;
+  3. text = `prompt_template.format(prompt=..., **row)` if set; then the tokenizer's chat template if
+     `use_chat_template` (one user message, `add_generation_prompt=True`), tokenized with `add_special_tokens=False`
+     so the BOS the template already holds is not added twice; without the chat template the tokenizer's default
+     special tokens are added;
+  4. prompts longer than `max_prompt_seq_len` tokens -> `long_prompt_policy`;
+  5. blend the sources by ratio (`blend_counts`), then hold out `eval_split` (`split_indices`).
+Tokenization is done in memory on every rank; it is not cached on disk.
 """
 from __future__ import annotations
 
-import os
-import tempfile
-from dataclasses import dataclass
-from typing import Any, Iterator, Sequence
+import logging
+import string
+from dataclasses import dataclass, field
+from fractions import Fraction
+from math import floor
+from typing import Any, Iterator, Optional, Sequence
 
 import torch
 
+from ..config import DataConfig, parse_data_sources
 from ..errors import ConfigError, Problem, Problems
 from ..rollout import pad_prompts
+from .sources import RawSource, read_source
 
 _MAX_ROWS_NAMED = 5
+log = logging.getLogger("rlhf_engine.data")
+
+
+@dataclass
+class SourceStats:
+    """What happened to the rows of one source (counts of rows)."""
+
+    source: str
+    ratio: Optional[float] = None  # blend ratio as given (None: used in full)
+    rows: int = 0  # rows in the source
+    non_utf8: int = 0  # skipped: invalid UTF-8 (.jsonl)
+    malformed: int = 0  # skipped: invalid JSON / not an object (.jsonl)
+    not_text: int = 0  # skipped: the prompt is not a string
+    empty: int = 0  # skipped: the prompt is missing, null or blank
+    too_long_skipped: int = 0  # skipped by long_prompt_policy=skip
+    truncated: int = 0  # cut by long_prompt_policy=truncate_left (kept)
+    usable: int = 0  # rows left after the policies
+    selected: int = 0  # rows the blend drew (= usable without ratios)
+
+    @property
+    def bad_rows(self) -> int:
+        return self.non_utf8 + self.malformed + self.not_text + self.empty
+
+
+@dataclass
+class DataStats:
+    sources: list[SourceStats]
+    train: int = 0
+    eval: int = 0
+
+    def totals(self) -> dict[str, int]:
+        """Counts summed over sources, as flat `data/...` keys (log them once, e.g. into the run's config)."""
+        keys = ("rows", "non_utf8", "malformed", "not_text", "empty", "too_long_skipped", "truncated", "usable",
+                "selected")
+        out = {f"data/{k}": sum(getattr(s, k) for s in self.sources) for k in keys}
+        out.update({"data/bad_rows_skipped": sum(s.bad_rows for s in self.sources), "data/train": self.train,
+                    "data/eval": self.eval})
+        return out
+
+    def summary(self) -> str:
+        lines = [f"prompt data: {self.train} train / {self.eval} eval prompts"]
+        for s in self.sources:
+            ratio = "" if s.ratio is None else f" ratio {s.ratio:g}"
+            lost = [f"{n} {what}" for n, what in ((s.non_utf8, "invalid UTF-8"), (s.malformed, "invalid JSON"),
+                                                  (s.not_text, "non-text"), (s.empty, "empty"),
+                                                  (s.too_long_skipped, "too long")) if n]
+            lines.append(f"  {s.source}:{ratio} {s.rows} rows, {s.usable} usable, {s.selected} selected"
+                         + (f"; skipped {', '.join(lost)}" if lost else "")
+                         + (f"; {s.truncated} truncated from the left" if s.truncated else ""))
+        return "\n".join(lines)
 
 
 @dataclass
 class PromptDataset:
-    """Tokenized prompts: unpadded `input_ids` and the `attention_mask` the tokenizer returned, one list per row."""
+    """Tokenized prompts: unpadded `input_ids` and the `attention_mask` the tokenizer returned, one list per row.
+
+    `texts` holds the raw prompt of each row as read (before templates and truncation).
+    """
 
     input_ids: list[list[int]]
     attention_mask: list[list[int]]
     texts: list[str]
+    stats: Optional[DataStats] = None  # counts of the load this dataset came from
 
     def __len__(self) -> int:
         return len(self.input_ids)
+
+    def subset(self, indices: Sequence[int]) -> "PromptDataset":
+        return PromptDataset([self.input_ids[i] for i in indices], [self.attention_mask[i] for i in indices],
+                             [self.texts[i] for i in indices], self.stats)
+
+
+@dataclass
+class PromptData:
+    """`load_prompt_data`'s result: the train prompts, the held-out eval prompts (None when eval_split is 0)."""
+
+    train: PromptDataset
+    eval: Optional[PromptDataset]
+    stats: DataStats
 
 
 def _rows(rows: Sequence[int]) -> str:
@@ -35,77 +118,207 @@ def _rows(rows: Sequence[int]) -> str:
     return shown + (f" and {len(rows) - _MAX_ROWS_NAMED} more" if len(rows) > _MAX_ROWS_NAMED else "")
 
 
-def _read_json(data_path: str) -> Any:
-    """The `datasets` table of a local json/jsonl file; raises ConfigError for a missing, empty or unreadable file."""
-    import datasets
+def blend_counts(sizes: Sequence[int], ratios: Sequence[Any]) -> list[int]:
+    """Rows drawn from each source for a blend with `ratios` (any positive numbers; normalised to weights w_i).
 
-    header = f"invalid prompt data {data_path!r}"
-    if not os.path.isfile(data_path):
-        what = "is a directory" if os.path.isdir(data_path) else "does not exist"
-        raise ConfigError([Problem("data_path", data_path, f"{what}; give a local .jsonl (or .json) file of prompts "
-                                                           f"(cwd is {os.getcwd()})")], header)
-    empty = Problem("data_path", data_path, 'the file holds no rows; give one {"prompt": ...} object per line')
-    if os.path.getsize(data_path) == 0:
-        raise ConfigError([empty], header)
-    bars = datasets.is_progress_bar_enabled()
-    datasets.disable_progress_bars()  # one bar per rank per load is noise
-    # A private cache dir: no stale cache entry for a rewritten file, no locks shared between runs, nothing left over.
-    with tempfile.TemporaryDirectory(prefix="rlhf_prompts_") as cache:
-        try:
-            return datasets.load_dataset("json", data_files=data_path, split="train", keep_in_memory=True,
-                                         cache_dir=cache)
-        except Exception as e:  # datasets wraps parse errors; the cause says which line
-            if isinstance(e, StopIteration) or "corresponds to no data" in str(e):  # blank lines only, or []
-                raise ConfigError([empty], header) from e
-            cause = f" ({type(e.__cause__).__name__}: {e.__cause__})" if e.__cause__ else ""
-            raise ConfigError([Problem("data_path", data_path, f"could not be read as JSON lines / JSON: "
-                                                               f"{type(e).__name__}: {e}{cause}")], header) from e
-        finally:
-            if bars:
-                datasets.enable_progress_bars()
-
-
-def load_prompt_dataset(data_path: str, tokenizer: Any, max_prompt_seq_len: int,
-                        prompt_column: str = "prompt") -> PromptDataset:
-    """Load `data_path` (local .jsonl/.json), tokenize every prompt once (no padding, no truncation, the tokenizer's
-    default special tokens) and check it.
-
-    Raises one `ConfigError` listing every problem: missing/empty/unreadable file, missing column, empty prompts
-    (rows are 0-based), prompts longer than `max_prompt_seq_len` tokens.
+    The blend is as large as it can be without drawing any source twice: N = min_i floor(n_i / w_i), and source i
+    gives round_half_up(w_i * N) rows (never more than n_i). Ratios are exact fractions of their decimal text, so
+    `0.7, 0.3` over sizes (7, 100) gives exactly (7, 3).
     """
-    table = _read_json(data_path)
-    header = f"invalid prompt data {data_path!r}"
-    if prompt_column not in table.column_names:
-        raise ConfigError([Problem("prompt_column", prompt_column,
-                                   f"no such column in {data_path}; its columns are {table.column_names}: set "
-                                   f"prompt_column to select another")], header)
-    p = Problems()
-    texts = list(table[prompt_column])  # a list, not the lazy Column datasets returns
-    if not texts:
-        p.add("data_path", data_path, "the file holds no rows")
-    not_text = [i for i, t in enumerate(texts) if t is not None and not isinstance(t, str)]
-    empty = [i for i, t in enumerate(texts) if t is None or (isinstance(t, str) and not t.strip())]
-    if not_text:
-        p.add("data_path", data_path, f"{prompt_column!r} in rows (0-based) {_rows(not_text)} is not a string; every "
-                                      f"prompt must be text")
-    if empty:
-        p.add("data_path", data_path, f"rows (0-based) {_rows(empty)} hold an empty prompt (missing, null or blank "
-                                      f"{prompt_column!r}); remove them")
-    good = [i for i, t in enumerate(texts) if isinstance(t, str) and t.strip()]
+    fr = [Fraction(str(r)) if not isinstance(r, Fraction) else r for r in ratios]
+    total = sum(fr)
+    weights = [r / total for r in fr]
+    n = min(floor(Fraction(s) / w) for s, w in zip(sizes, weights))
+    return [floor(w * n + Fraction(1, 2)) for w in weights]
+
+
+def blend_indices(sizes: Sequence[int], ratios: Sequence[Any], seed: int) -> list[list[int]]:
+    """Per source, the rows the blend draws: source i (0-based, in the order given) draws its `blend_counts` share
+    without replacement as `torch.randperm(n_i, generator=torch.Generator().manual_seed(seed + 1 + i))[:count_i]`,
+    returned in file order."""
+    out = []
+    for i, (size, count) in enumerate(zip(sizes, blend_counts(sizes, ratios))):
+        g = torch.Generator().manual_seed(seed + 1 + i)
+        out.append(sorted(torch.randperm(size, generator=g)[:count].tolist()))
+    return out
+
+
+def split_indices(n: int, eval_split: float, seed: int) -> tuple[list[int], list[int]]:
+    """(train, eval) row indices of `n` prompts, disjoint, each in order: n_eval = round_half_up(eval_split * n), at
+    least 1 when eval_split > 0; eval = the first n_eval of `torch.randperm(n, generator=manual_seed(seed))`."""
+    if not eval_split:
+        return list(range(n)), []
+    n_eval = max(1, floor(Fraction(str(eval_split)) * n + Fraction(1, 2)))
+    perm = torch.randperm(n, generator=torch.Generator().manual_seed(seed)).tolist()
+    return sorted(perm[n_eval:]), sorted(perm[:n_eval])
+
+
+@dataclass
+class _Prepared:
+    input_ids: list[list[int]] = field(default_factory=list)
+    attention_mask: list[list[int]] = field(default_factory=list)
+    texts: list[str] = field(default_factory=list)
+
+
+def _template_fields(template: str) -> set[str]:
+    return {name for _, name, _, _ in string.Formatter().parse(template) if name} - {"prompt"} if template else set()
+
+
+def _prepare(raw: RawSource, stats: SourceStats, tokenizer: Any, max_len: int, data: DataConfig,
+             p: Problems) -> _Prepared:
+    """Steps 2-4 of the module docstring for one source; problems go to `p` (error policies)."""
+    path, table, col, skip_bad = raw.path, raw.table, data.prompt_column, data.bad_row_policy == "skip"
+    stats.rows = raw.rows
+    stats.non_utf8, stats.malformed = len(raw.non_utf8), len(raw.malformed)
+    fix = "; or set bad_row_policy=skip to drop and count them"
+    if raw.non_utf8 and not skip_bad:
+        p.add("data_path", path, f"rows (0-based, blank lines not counted) {_rows(raw.non_utf8)} are not valid UTF-8; "
+                                 f"re-encode the file (e.g. iconv -f latin1 -t utf-8){fix}")
+    if raw.malformed and not skip_bad:
+        row, why = raw.malformed[0]
+        p.add("data_path", path, f"could not be read as JSON lines: rows (0-based, blank lines not counted) "
+                                 f"{_rows([r for r, _ in raw.malformed])} are not JSON objects (row {row}: {why}); "
+                                 f"fix them{fix}")
+    if len(table) == 0:  # every row was bad
+        return _Prepared()
+    if col not in table.column_names:
+        p.add("prompt_column", col, f"no such column in {path}; its columns are {table.column_names}: set "
+                                    f"prompt_column to select another")
+        return _Prepared()
+    extra = sorted(_template_fields(data.prompt_template))
+    missing = [c for c in extra if c not in table.column_names]
+    if missing:
+        p.add("prompt_template", data.prompt_template, f"fields {missing} are no columns of {path} (its columns are "
+                                                       f"{table.column_names}); use {{prompt}} or existing columns")
+        return _Prepared()
+    texts = list(table[col])  # a list, not the lazy Column datasets returns
+    ids = raw.row_ids
+    not_text = [j for j, t in enumerate(texts) if t is not None and not isinstance(t, str)]
+    empty = [j for j, t in enumerate(texts) if t is None or (isinstance(t, str) and not t.strip())]
+    stats.not_text, stats.empty = len(not_text), len(empty)
+    if not_text and not skip_bad:
+        p.add("data_path", path, f"{col!r} in rows (0-based) {_rows([ids[j] for j in not_text])} is not a string; "
+                                 f"every prompt must be text{fix}")
+    if empty and not skip_bad:
+        p.add("data_path", path, f"rows (0-based) {_rows([ids[j] for j in empty])} hold an empty prompt (missing, "
+                                 f"null or blank {col!r}); remove them{fix}")
+    good = [j for j, t in enumerate(texts) if isinstance(t, str) and t.strip()]
+    rendered = [texts[j] for j in good]
+    if data.prompt_template:
+        columns = {c: list(table[c]) for c in extra}
+        rendered = [data.prompt_template.format(**{c: columns[c][j] for c in extra}, prompt=texts[j]) for j in good]
+    if data.use_chat_template:
+        rendered = [tokenizer.apply_chat_template([{"role": "user", "content": t}], tokenize=False,
+                                                  add_generation_prompt=True) for t in rendered]
     enc = {"input_ids": [], "attention_mask": []}
     if good:
-        enc = tokenizer([texts[i] for i in good], padding=False, truncation=False, return_attention_mask=True)
-    too_long = [(i, len(ids)) for i, ids in zip(good, enc["input_ids"]) if len(ids) > max_prompt_seq_len]
-    if too_long:
+        # the chat template already holds its special tokens (BOS): adding them again would double them
+        enc = tokenizer(rendered, padding=False, truncation=False, return_attention_mask=True,
+                        add_special_tokens=not data.use_chat_template)
+    out = _Prepared()
+    too_long: list[tuple[int, int]] = []
+    bos = getattr(tokenizer, "bos_token_id", None)
+    for j, x, m in zip(good, enc["input_ids"], enc["attention_mask"]):
+        x, m = list(x), list(m)
+        if len(x) > max_len:
+            too_long.append((ids[j], len(x)))
+            if data.long_prompt_policy == "skip":
+                continue
+            if data.long_prompt_policy == "truncate_left":  # keep the end (the question, the generation prompt)
+                keep = 1 if bos is not None and x[0] == bos else 0  # and a leading BOS
+                tail = max_len - keep
+                x, m = x[:keep] + (x[-tail:] if tail else []), m[:keep] + (m[-tail:] if tail else [])
+        out.input_ids.append(x)
+        out.attention_mask.append(m)
+        out.texts.append(texts[j])
+    if data.long_prompt_policy == "skip":
+        stats.too_long_skipped = len(too_long)
+    elif data.long_prompt_policy == "truncate_left":
+        stats.truncated = len(too_long)
+    elif too_long:
         named = ", ".join(f"row {i} ({n} tokens)" for i, n in too_long[:_MAX_ROWS_NAMED])
         more = f" and {len(too_long) - _MAX_ROWS_NAMED} more" if len(too_long) > _MAX_ROWS_NAMED else ""
-        p.add("max_prompt_seq_len", max_prompt_seq_len,
-              f"{len(too_long)} prompt(s) are longer than {max_prompt_seq_len} tokens (longest "
+        p.add("max_prompt_seq_len", max_len,
+              f"{len(too_long)} prompt(s) in {path} are longer than {max_len} tokens (longest "
               f"{max(n for _, n in too_long)}; rows 0-based): {named}{more}; raise max_prompt_seq_len or "
-              f"shorten/remove those prompts")
+              f"shorten/remove those prompts, or set long_prompt_policy to skip or truncate_left")
+    stats.usable = len(out.input_ids)
+    return out
+
+
+def load_prompt_data(data: DataConfig, tokenizer: Any, max_prompt_seq_len: int, seed: int = 0,
+                     verbose: bool = True) -> PromptData:
+    """Load, check, tokenize, blend and split the prompt data described by `data` (see the module docstring).
+
+    `seed` is the run's seed, used when `data.data_seed` is None. Raises one `ConfigError` listing every problem of
+    every source (the error policies). Skipped and truncated rows are counted in `stats` and, with `verbose` (rank 0),
+    logged as one warning.
+    """
+    p = Problems()
+    data.validate(p)
+    if data.use_chat_template and not getattr(tokenizer, "chat_template", None):
+        p.add("use_chat_template", True, "the tokenizer has no chat_template; give a tokenizer with one or set "
+                                         "use_chat_template false (prompt_template still applies)")
+    header = f"invalid prompt data {data.data_path!r}"
     p.raise_if_any(header)
-    return PromptDataset(input_ids=[list(x) for x in enc["input_ids"]],
-                         attention_mask=[list(x) for x in enc["attention_mask"]], texts=list(texts))
+    sources = parse_data_sources(data.data_path) if data.data_path else [("", None)]
+    stats = DataStats([SourceStats(path, None if r is None else float(r)) for path, r in sources])
+    prepared = []
+    for (path, _), st in zip(sources, stats.sources):
+        try:
+            raw = read_source(path, header)
+        except ConfigError as e:  # missing/unreadable: keep going to report the other sources too
+            p.extend(e.problems)
+            prepared.append(_Prepared())
+            continue
+        prepared.append(_prepare(raw, st, tokenizer, max_prompt_seq_len, data, p))
+    for pr, st in zip(prepared, stats.sources):
+        if not p and not pr.input_ids:
+            p.add("data_path", st.source, f"no usable prompts: {st.rows} rows, {st.bad_rows} bad and "
+                                          f"{st.too_long_skipped} too long were skipped")
+    p.raise_if_any(header)
+    seed = seed if data.data_seed is None else data.data_seed
+    if sources[0][1] is None:
+        chosen = [list(range(len(pr.input_ids))) for pr in prepared]
+    else:
+        chosen = blend_indices([len(pr.input_ids) for pr in prepared], [r for _, r in sources], seed)
+    merged = PromptDataset([], [], [], stats)
+    for pr, rows, st in zip(prepared, chosen, stats.sources):
+        st.selected = len(rows)
+        merged.input_ids += [pr.input_ids[i] for i in rows]
+        merged.attention_mask += [pr.attention_mask[i] for i in rows]
+        merged.texts += [pr.texts[i] for i in rows]
+    if data.eval_split and len(merged) < 2:
+        raise ConfigError([Problem("eval_split", data.eval_split, f"{len(merged)} prompt(s) cannot be split into "
+                                                                  f"train and eval; add prompts or set 0")], header)
+    train_idx, eval_idx = split_indices(len(merged), data.eval_split, seed)
+    stats.train, stats.eval = len(train_idx), len(eval_idx)
+    train = merged.subset(train_idx) if eval_idx else merged
+    evals = merged.subset(eval_idx) if eval_idx else None
+    if verbose:
+        lost = any(s.bad_rows or s.too_long_skipped or s.truncated for s in stats.sources)
+        if lost:
+            log.warning(stats.summary())
+        elif len(sources) > 1 or evals is not None:
+            log.info(stats.summary())
+    return PromptData(train, evals, stats)
+
+
+def load_prompt_dataset(data_path: Any, tokenizer: Any, max_prompt_seq_len: int, prompt_column: str = "prompt", *,
+                        prompt_template: str = "", use_chat_template: bool = False,
+                        long_prompt_policy: str = "error", bad_row_policy: str = "error", seed: int = 0,
+                        verbose: bool = True) -> PromptDataset:
+    """All usable prompts of `data_path` (a source or a blend spec, see `DataConfig.data_path`), no eval split.
+
+    Defaults keep the original behaviour: every prompt tokenized once (no padding, no truncation, the tokenizer's
+    default special tokens), and one `ConfigError` listing every problem: missing/empty/unreadable file, missing
+    column, bad or empty prompts (rows are 0-based), prompts longer than `max_prompt_seq_len` tokens. Counts of
+    skipped/truncated rows are in `.stats`.
+    """
+    data = DataConfig(data_path=data_path, prompt_column=prompt_column, prompt_template=prompt_template,
+                      use_chat_template=use_chat_template, long_prompt_policy=long_prompt_policy,
+                      bad_row_policy=bad_row_policy)
+    return load_prompt_data(data, tokenizer, max_prompt_seq_len, seed=seed, verbose=verbose).train
 
 
 class PromptSampler:

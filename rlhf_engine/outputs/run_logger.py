@@ -1,0 +1,366 @@
+"""The run directory and everything the trainer logs into it: one facade, `RunLogger`, plus the output-dir policy and
+the secret redaction used for every file we write.
+
+Run directory layout (rank 0 writes; other ranks write nothing):
+
+| file | written by |
+|---|---|
+| `config.json`, `command.txt` | `write_run_files` (redacted) |
+| `metrics.jsonl` | `RunLogger.log`, one line per iteration (always) |
+| `samples.jsonl` | `RunLogger.log_samples`, one line per prompt/response/score (always) |
+| `wandb/offline-run-*` or `wandb/run-*` | wandb, when `wandb_project` is set |
+| `tensorboard/` | TensorBoard scalars, when `tensorboard` is on and tensorboard or tensorboardX is installed |
+| `metrics.png` | `RunLogger.close`: score, KL, response length, policy and value loss vs iteration |
+
+Secrets: `redact` replaces the value of every environment variable whose name contains KEY, TOKEN, SECRET, PASSWORD or
+PASSWD (values of 6+ characters; TOKENIZERS_PARALLELISM is no secret) wherever it appears in a string, and the value of
+any mapping key / command-line flag named like a secret (`api_key`, `hf_token`, `--wandb-api-key=...`,
+`client_secret`, `password`; not `pad_token`-style special-token names). The config given to wandb, config.json,
+command.txt and samples.jsonl all go through it, and wandb's own record of the command line (`sys.argv`) is redacted
+while wandb starts.
+
+wandb mode: `disabled` if WANDB_MODE=disabled (or WANDB_DISABLED is true); `offline` if WANDB_MODE is offline/dryrun
+or WANDB_API_KEY is unset or empty (a key stored by `wandb login` alone is not used: export WANDB_API_KEY to go
+online); otherwise `online`, falling back to `offline` with a warning when the online start fails (no network).
+"""
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import re
+import shlex
+import sys
+import time
+from typing import Any, Iterator, Mapping, Optional, Sequence
+
+from ..errors import ConfigError, Problem
+from .metrics import MetricsWriter, _plain
+from .plot import plot_metrics
+
+log = logging.getLogger("rlhf_engine.outputs")
+
+REDACTED = "***"
+SECRET_ENV_WORDS = ("KEY", "TOKEN", "SECRET", "PASSWORD", "PASSWD")
+_NOT_SECRET_ENV = frozenset({"TOKENIZERS_PARALLELISM"})
+_MIN_SECRET_LEN = 6  # shorter values ("1", "true") would match ordinary text everywhere
+_SECRET_WORDS = frozenset({"key", "apikey", "token", "secret", "password", "passwd", "pwd"})
+_SPECIAL_TOKENS = frozenset({"pad", "bos", "eos", "unk", "sep", "cls", "mask", "stop", "start", "end"})
+_TRUE = ("1", "true", "yes", "on")
+
+# what holds "another run" in an output directory, and what `overwrite_output_dir` moves aside
+RUN_MARKERS = ("metrics.jsonl", "checkpoints")
+RUN_FILES = ("metrics.jsonl", "samples.jsonl", "config.json", "command.txt", "metrics.png", "checkpoints",
+             "tensorboard")
+
+
+# ---- redaction ---------------------------------------------------------------------------------------------------
+def secret_values(environ: Optional[Mapping[str, str]] = None) -> list[str]:
+    """Values of the secret-named environment variables (longest first, so a longer secret is replaced whole)."""
+    env = os.environ if environ is None else environ
+    vals = {v for k, v in env.items() if k.upper() not in _NOT_SECRET_ENV
+            and any(w in k.upper() for w in SECRET_ENV_WORDS) and v and len(v.strip()) >= _MIN_SECRET_LEN}
+    return sorted(vals, key=lambda v: (-len(v), v))
+
+
+def is_secret_name(name: str) -> bool:
+    """`api_key`, `WANDB_API_KEY`, `--hf-token`, `client_secret`, `password`: yes. `pad_token`, `stop_token_ids`,
+    `tokenizer_name_or_path`: no."""
+    words = [w for w in re.split(r"[^a-z0-9]+", str(name).lower()) if w]
+    if not words or words[-1] not in _SECRET_WORDS:
+        return False
+    return not (words[-1] == "token" and len(words) > 1 and words[-2] in _SPECIAL_TOKENS)
+
+
+def _redact_str(s: str, secrets: Sequence[str]) -> str:
+    for v in secrets:
+        if v in s:
+            s = s.replace(v, REDACTED)
+    return s
+
+
+def redact(obj: Any, environ: Optional[Mapping[str, str]] = None, _secrets: Optional[list[str]] = None) -> Any:
+    """A copy of `obj` (dicts, lists, tuples, strings, anything else as is) with secrets replaced by '***'."""
+    secrets = secret_values(environ) if _secrets is None else _secrets
+    if isinstance(obj, Mapping):
+        return {k: REDACTED if is_secret_name(k) and isinstance(v, str) and v else redact(v, _secrets=secrets)
+                for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(redact(v, _secrets=secrets) for v in obj)
+    if isinstance(obj, str):
+        return _redact_str(obj, secrets)
+    return obj
+
+
+def redact_argv(argv: Sequence[str], environ: Optional[Mapping[str, str]] = None) -> list[str]:
+    """A command line with secret values replaced: `--api_key X`, `--api_key=X` and any secret env value."""
+    secrets = secret_values(environ)
+    out, hide_next = [], False
+    for a in map(str, argv):
+        if hide_next and not a.startswith("--"):
+            out.append(REDACTED)
+            hide_next = False
+            continue
+        hide_next = False
+        if a.startswith("-"):
+            name, eq, _ = a.partition("=")
+            if is_secret_name(name):
+                if eq:
+                    out.append(f"{name}={REDACTED}")
+                    continue
+                hide_next = True
+        out.append(_redact_str(a, secrets))
+    return out
+
+
+def _write_atomic(path: str, text: str) -> None:
+    tmp = path + ".tmp"
+    with open(tmp, "w", encoding="utf-8") as f:
+        f.write(text)
+    os.replace(tmp, path)
+
+
+def write_run_files(output_dir: str, config: dict, argv: Sequence[str]) -> None:
+    """`<output_dir>/config.json` (the resolved config, redacted) and `command.txt` (the command line, redacted,
+    shell-quoted so it can be pasted back). Call on rank 0 only."""
+    os.makedirs(output_dir, exist_ok=True)
+    _write_atomic(os.path.join(output_dir, "config.json"),
+                  json.dumps(redact(config), indent=2, sort_keys=True, default=str) + "\n")
+    _write_atomic(os.path.join(output_dir, "command.txt"), shlex.join(redact_argv(argv)) + "\n")
+
+
+# ---- output directory policy -------------------------------------------------------------------------------------
+def holds_run(output_dir: str) -> bool:
+    """True when `output_dir` holds another run: a metrics.jsonl or a checkpoints/ folder."""
+    return any(os.path.exists(os.path.join(output_dir, m)) for m in RUN_MARKERS)
+
+
+def prepare_output_dir(output_dir: str, resume: bool, overwrite: bool, is_main: bool = True) -> list[str]:
+    """Apply the output-directory policy; returns the backup paths made (rank 0 with `overwrite` only).
+
+    - `output_dir` holding another run (metrics.jsonl or checkpoints/ exists): a `ConfigError` naming `output_dir`
+      and the fixes, unless `resume` or `overwrite`.
+    - `resume`: nothing is moved; the run continues in place.
+    - `overwrite` (rank 0): nothing is deleted or overwritten. Each run file that exists (metrics.jsonl,
+      samples.jsonl, config.json, command.txt, metrics.png, checkpoints/, tensorboard/, ds_config_*.json) is renamed
+      to `<name>.<YYYYmmdd-HHMMSS>.bak` beside it; wandb/ is left as is (every wandb run has its own folder).
+    - The folder is created (rank 0). The check reads only, so every rank can call this and raise the same error;
+      other ranks must wait for rank 0 (a barrier) before writing.
+    """
+    if os.path.exists(output_dir) and not os.path.isdir(output_dir):
+        raise ConfigError([Problem("output_dir", output_dir, "is a file; give a folder for the run")],
+                          "invalid output directory")
+    if holds_run(output_dir) and not resume and not overwrite:
+        found = [m for m in RUN_MARKERS if os.path.exists(os.path.join(output_dir, m))]
+        raise ConfigError([Problem("output_dir", output_dir,
+                                   f"holds another run ({', '.join(found)} exist); pass --resume auto to continue "
+                                   f"it, --overwrite_output_dir to start a new run there (the old files are kept, "
+                                   f"renamed *.<timestamp>.bak), or choose another --output_dir")],
+                          "output directory in use")
+    moved: list[str] = []
+    if not is_main:
+        return moved
+    os.makedirs(output_dir, exist_ok=True)
+    if overwrite and not resume:
+        stamp = time.strftime("%Y%m%d-%H%M%S")
+        names = list(RUN_FILES) + sorted(n for n in os.listdir(output_dir)
+                                         if n.startswith("ds_config_") and n.endswith(".json"))
+        for name in names:
+            src = os.path.join(output_dir, name)
+            if not os.path.exists(src):
+                continue
+            dst, k = f"{src}.{stamp}.bak", 1
+            while os.path.exists(dst):  # two overwrites in one second: never replace an older backup
+                dst, k = f"{src}.{stamp}-{k}.bak", k + 1
+            os.rename(src, dst)
+            moved.append(dst)
+        if moved:
+            log.warning("overwrite_output_dir: kept the previous run's files as %s", ", ".join(moved))
+    return moved
+
+
+# ---- wandb -------------------------------------------------------------------------------------------------------
+def wandb_mode(environ: Optional[Mapping[str, str]] = None) -> str:
+    """'disabled', 'offline' or 'online' (the module docstring gives the rule)."""
+    env = os.environ if environ is None else environ
+    mode = env.get("WANDB_MODE", "").strip().lower()
+    if mode == "disabled" or env.get("WANDB_DISABLED", "").strip().lower() in _TRUE:
+        return "disabled"
+    if mode in ("offline", "dryrun") or not env.get("WANDB_API_KEY", "").strip():
+        return "offline"
+    return "online"
+
+
+@contextlib.contextmanager
+def _redacted_sys_argv() -> Iterator[None]:
+    """wandb records sys.argv in its run metadata: show it the redacted command line while it starts."""
+    saved = sys.argv
+    sys.argv = redact_argv(saved) if saved else saved
+    try:
+        yield
+    finally:
+        sys.argv = saved
+
+
+def _scalar(v: Any) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
+class RunLogger:
+    """The one metrics facade of a run: metrics.jsonl always, wandb and TensorBoard when asked, a progress bar,
+    samples.jsonl, and metrics.png at the end. Every method is a no-op on ranks other than the main one.
+
+        logger = RunLogger(cfg.output_dir, dist.is_main, flat_dict(cfg), wandb_project=cfg.logging.wandb_project, ...)
+        # or RunLogger.from_config(cfg, dist.is_main, flat_dict(cfg))
+        logger.log(record)                                  # record["iteration"]: the step for wandb / TensorBoard
+        logger.log_samples(it, prompts, responses, scores)  # samples.jsonl; a wandb table every N iterations
+        logger.close()                                      # wandb finish, metrics.png
+    """
+
+    def __init__(self, output_dir: str, is_main: bool, config: dict, wandb_project: str = "",
+                 wandb_entity: str = "", wandb_run_name: str = "", wandb_sample_interval: int = 10,
+                 tensorboard: bool = False, total_iterations: int = 0):
+        self.output_dir, self.is_main = output_dir, is_main
+        self.wandb_sample_interval = max(1, int(wandb_sample_interval))
+        self.metrics = MetricsWriter(output_dir, enabled=is_main)
+        self.samples_path = os.path.join(output_dir, "samples.jsonl")
+        self.png_path: Optional[str] = None
+        self._wandb: Any = None
+        self._tb: Any = None
+        self._bar: Any = None
+        self._closed = False
+        if not is_main:
+            return
+        os.makedirs(output_dir, exist_ok=True)
+        if wandb_project:
+            self._wandb = self._start_wandb(wandb_project, wandb_entity, wandb_run_name, config)
+        if tensorboard:
+            self._tb = self._start_tensorboard()
+        if total_iterations:
+            from tqdm.auto import tqdm
+
+            self._bar = tqdm(total=total_iterations, desc="PPO", unit="it", dynamic_ncols=True, file=sys.stderr)
+
+    @classmethod
+    def from_config(cls, cfg: Any, is_main: bool, config: dict) -> "RunLogger":
+        """From a TrainConfig (`cfg.output_dir`, `cfg.logging.*`, `cfg.max_steps` for the progress bar); `config` is
+        what wandb records (e.g. `cli.flat_dict(cfg)`)."""
+        lg = cfg.logging
+        return cls(cfg.output_dir, is_main, config, wandb_project=lg.wandb_project, wandb_entity=lg.wandb_entity,
+                   wandb_run_name=lg.wandb_run_name, wandb_sample_interval=lg.wandb_sample_interval,
+                   tensorboard=lg.tensorboard, total_iterations=cfg.max_steps)
+
+    # ---- sinks -------------------------------------------------------------------------------------------------
+    def _start_wandb(self, project: str, entity: str, name: str, config: dict) -> Any:
+        try:
+            import wandb
+        except ImportError:
+            log.warning("wandb_project is set but wandb is not installed (pip install wandb); logging to "
+                        "metrics.jsonl only")
+            return None
+        mode = wandb_mode()
+        kwargs = dict(project=project, entity=entity or None, name=name or None, dir=self.output_dir,
+                      config=redact(config), mode=mode)
+        if mode == "offline":
+            log.info("wandb runs offline (no WANDB_API_KEY, or WANDB_MODE=offline): files in %s/wandb; upload later "
+                     "with `wandb sync`", self.output_dir)
+        with _redacted_sys_argv():
+            try:
+                return wandb.init(**kwargs)
+            except Exception as e:
+                if mode != "online":
+                    log.warning("wandb could not start (%s: %s); logging to metrics.jsonl only", type(e).__name__, e)
+                    return None
+                log.warning("wandb could not start online (%s: %s); falling back to offline", type(e).__name__, e)
+            try:
+                return wandb.init(**{**kwargs, "mode": "offline"})
+            except Exception as e:
+                log.warning("wandb could not start offline either (%s: %s); logging to metrics.jsonl only",
+                            type(e).__name__, e)
+                return None
+
+    def _start_tensorboard(self) -> Any:
+        try:
+            from torch.utils.tensorboard import SummaryWriter
+        except ImportError:
+            try:
+                from tensorboardX import SummaryWriter
+            except ImportError:
+                log.warning("tensorboard is on but neither tensorboard nor tensorboardX is installed "
+                            "(pip install tensorboard); TensorBoard scalars are not written")
+                return None
+        return SummaryWriter(log_dir=os.path.join(self.output_dir, "tensorboard"))
+
+    # ---- API -----------------------------------------------------------------------------------------------------
+    def log(self, record: dict) -> None:
+        """One iteration's metrics (`record["iteration"]` is the step): metrics.jsonl, wandb, TensorBoard, bar."""
+        if not self.is_main:
+            return
+        self.metrics.write(record)
+        step = int(record["iteration"])
+        clean = {k: v for k, v in ((k, _plain(k, v)) for k, v in record.items()) if v is not None}
+        if self._wandb is not None:
+            self._wandb.log(clean, step=step)
+        if self._tb is not None:
+            for k, v in clean.items():
+                if k != "iteration" and _scalar(v):
+                    self._tb.add_scalar(k, v, step)
+            self._tb.flush()
+        if self._bar is not None:
+            self._bar.n = min(step + 1, self._bar.total or step + 1)  # absolute: right after a resume too
+            post = {name: clean[k] for name, k in (("score", "objective/score"), ("kl", "objective/kl"))
+                    if _scalar(clean.get(k))}
+            self._bar.set_postfix({k: f"{v:.4g}" for k, v in post.items()}, refresh=False)
+            self._bar.refresh()
+
+    write = log  # MetricsWriter-compatible: a RunLogger can stand where the trainer takes a MetricsWriter
+
+    def log_samples(self, iteration: int, prompts: Sequence[str], responses: Sequence[str],
+                    scores: Sequence[float]) -> None:
+        """Append one line per sample to samples.jsonl; every `wandb_sample_interval` iterations (iteration % N == 0)
+        also log a wandb table `samples` of prompt / response / score."""
+        if not self.is_main:
+            return
+        if not len(prompts) == len(responses) == len(scores):
+            raise ValueError(f"log_samples: {len(prompts)} prompts, {len(responses)} responses, {len(scores)} scores")
+        rows = [[str(p), str(r), _plain("score", s)] for p, r, s in zip(prompts, responses, scores)]
+        rows = redact(rows)
+        with open(self.samples_path, "a", encoding="utf-8") as f:
+            for p, r, s in rows:
+                f.write(json.dumps({"iteration": int(iteration), "prompt": p, "response": r, "score": s}) + "\n")
+        if self._wandb is not None and int(iteration) % self.wandb_sample_interval == 0:
+            import wandb
+
+            table = wandb.Table(columns=["iteration", "prompt", "response", "score"],
+                                data=[[int(iteration), p, r, s] for p, r, s in rows])
+            self._wandb.log({"samples": table}, step=int(iteration))
+
+    def close(self, failed: bool = False) -> Optional[str]:
+        """Finish wandb, close TensorBoard and metrics.jsonl, write metrics.png (also after a failure: the plot of
+        what was logged). Returns the PNG path (None: nothing logged, or not the main rank). Idempotent."""
+        if not self.is_main or self._closed:
+            return self.png_path
+        self._closed = True
+        self.metrics.close()
+        if self._bar is not None:
+            self._bar.close()
+        if self._tb is not None:
+            self._tb.close()
+        if self._wandb is not None:
+            try:
+                self._wandb.finish(exit_code=1 if failed else 0)
+            except Exception as e:  # never let the sink hide the run's own outcome
+                log.warning("wandb finish failed: %s: %s", type(e).__name__, e)
+        try:
+            self.png_path = plot_metrics(os.path.join(self.output_dir, "metrics.jsonl"),
+                                         os.path.join(self.output_dir, "metrics.png"))
+        except Exception as e:
+            log.warning("metrics.png not written: %s: %s", type(e).__name__, e)
+        return self.png_path
+
+    def __enter__(self) -> "RunLogger":
+        return self
+
+    def __exit__(self, exc_type: Any, *exc: Any) -> None:
+        self.close(failed=exc_type is not None)
