@@ -43,6 +43,39 @@ def check_keys(cfg: dict, source: str, p: Problems) -> None:
         if key not in KNOWN_KEYS:
             p.add(f"{source}: {key}", cfg[key], "not a DeepSpeed config key; DeepSpeed would ignore it silently"
                   + did_you_mean(key, KNOWN_KEYS))
+    zero = cfg.get("zero_optimization")
+    if isinstance(zero, dict) and zero:
+        known = _zero_keys()
+        for key in zero:
+            if key not in known:
+                p.add(f"{source}: zero_optimization.{key}", zero[key], "not a ZeRO config key; DeepSpeed would "
+                      "reject it only when this role's engine is built" + did_you_mean(key, known))
+
+
+def _zero_keys() -> frozenset:
+    """Field names and aliases of DeepSpeed's `zero_optimization` section (its pydantic model forbids others)."""
+    from deepspeed.runtime.zero.config import DeepSpeedZeroConfig
+
+    fields = DeepSpeedZeroConfig.model_fields
+    return frozenset(fields) | frozenset(f.alias for f in fields.values() if f.alias)
+
+
+def load_user_config(path: str, source: str, p: Problems) -> Optional[dict]:
+    """A role's DeepSpeed JSON file, checked: a missing file, bad JSON or unknown keys become problems (None then)."""
+    try:
+        cfg = load_json(path)
+    except FileNotFoundError:
+        p.add(source, path, "no such file; give the path of a DeepSpeed JSON config (or leave it empty)")
+        return None
+    except (OSError, ValueError) as e:
+        p.add(source, path, f"cannot read it as JSON ({type(e).__name__}: {e})")
+        return None
+    if not isinstance(cfg, dict):
+        p.add(source, path, f"must hold a JSON object, not {type(cfg).__name__}")
+        return None
+    n = len(p)
+    check_keys(cfg, f"{source} ({path})", p)
+    return cfg if len(p) == n else None
 
 
 def _merge(base: dict, over: dict) -> dict:

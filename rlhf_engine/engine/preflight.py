@@ -9,6 +9,7 @@ from dataclasses import dataclass
 
 from ..config import ROLES, TrainConfig
 from ..errors import Problems
+from .ds_config import load_user_config
 
 
 @dataclass(frozen=True)
@@ -60,21 +61,30 @@ def plan_roles(cfg: TrainConfig) -> dict[str, RolePlan]:
 
     p = Problems()
     paths = resolve_paths(cfg)
+    if not paths["actor"]:
+        p.add("actor_model_name_or_path", "", "give the actor's model folder or hub id")
     if not paths["critic"]:
         p.add("critic_model_name_or_path", "", "give a critic (or reward) model folder, or set critic_init_from=actor")
     configs = {}
+    reported = set()  # a path shared by several roles (reference = actor by default) is reported once
     for role in ROLES:
         path = paths[role]
-        if not path:
+        if not path or path in reported:
             continue
+        # name the role the user set this path on (the critic defaults to the reward's path, the reference to the
+        # actor's)
+        field = next((f"{r}_model_name_or_path" for r in ROLES if getattr(cfg, r).model_name_or_path == path),
+                     f"{role}_model_name_or_path")
         if path.startswith((".", "/", "~")) and not os.path.isdir(os.path.expanduser(path)):
-            p.add(f"{role}_model_name_or_path", path, "no such folder; give a local model folder or a hub id")
+            reported.add(path)
+            p.add(field, path, "no such folder; give a local model folder or a hub id")
             continue
         try:
             configs[role] = AutoConfig.from_pretrained(path)
         except Exception as e:  # noqa: BLE001  (report any load failure as a user error)
+            reported.add(path)
             first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-            p.add(f"{role}_model_name_or_path", path, f"cannot load its config.json ({first}); give a folder holding "
+            p.add(field, path, f"cannot load its config.json ({first}); give a folder holding "
                   "a Hugging Face model (config.json + weights) or a reachable hub id")
     tok_path = cfg.actor.tokenizer_name_or_path or paths["actor"]
     tokenizer_len = None
@@ -93,17 +103,34 @@ def plan_roles(cfg: TrainConfig) -> dict[str, RolePlan]:
                 p.add(f"{role}_model_name_or_path", paths[role], f"vocabulary size {configs[role].vocab_size} differs "
                       f"from the actor's {vocab}; {role} must share the actor's tokenizer")
     need = cfg.generation.max_prompt_seq_len + cfg.generation.max_answer_seq_len
+    seen = set()
     for role, config in configs.items():
         limit = _max_positions(config)
-        if limit is not None and need > limit:
+        if limit is not None and need > limit and paths[role] not in seen:
+            seen.add(paths[role])
             p.add("max_prompt_seq_len + max_answer_seq_len", need, f"exceeds the {role} model's maximum positions "
                   f"({limit}); lower max_prompt_seq_len or max_answer_seq_len")
     plans = {}
     for role in ROLES:
         stage = resolve_stage(cfg, role)
         train = role in ("actor", "critic")
+        rc = getattr(cfg, role)
         if not train and stage in (1, 2):
             p.add(f"{role}_zero_stage", stage, "eval-only engines must use ZeRO stage 0 or 3")
-        plans[role] = RolePlan(paths[role], stage, getattr(cfg, role).dtype or cfg.dtype, train)
+        # DeepSpeed silently ignores offload settings at stages that cannot offload: the user would think memory
+        # is saved when it is not.
+        if train and rc.offload is True and stage == 0:
+            p.add(f"{role}_offload", True, f"optimizer offload needs ZeRO stage 1, 2 or 3 and {role} runs at stage "
+                  f"0: set {role}_zero_stage (or drop {role}_offload)")
+        if not train and rc.offload is True and stage != 3:
+            p.add(f"{role}_offload", True, f"an eval-only role offloads its parameters, which needs ZeRO stage 3, and "
+                  f"{role} runs at stage {stage}: set {role}_zero_stage 3 (or drop {role}_offload)")
+        if rc.offload_params is True and stage != 3:
+            p.add(f"{role}_offload_params", True, f"parameter offload needs ZeRO stage 3 and {role} runs at stage "
+                  f"{stage}: set {role}_zero_stage 3 (or drop {role}_offload_params)")
+        if rc.ds_config:
+            # checked here, not when the engine is built: one error before any weights are loaded
+            load_user_config(rc.ds_config, f"{role}_ds_config", p)
+        plans[role] = RolePlan(paths[role], stage, rc.dtype or cfg.dtype, train)
     p.raise_if_any("cannot start: model setup")
     return plans
