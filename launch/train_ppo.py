@@ -9,21 +9,18 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from rlhf_engine.cli import parse_args  # noqa: E402
-from rlhf_engine.errors import ConfigError  # noqa: E402
+from rlhf_engine.cli import run_main  # noqa: E402
+from rlhf_engine.config import TrainConfig  # noqa: E402
 from rlhf_engine.trainer import run_ppo  # noqa: E402
 
 
 def main(argv=None):
-    argv = sys.argv[1:] if argv is None else argv
-    try:
-        cfg = parse_args(argv, description=__doc__)
-        run_ppo(cfg, argv)
-    except ConfigError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    return 0
+    return run_main(argv, __doc__, TrainConfig, run_ppo)
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from rlhf_engine.trainer.run import shutdown_distributed
+
+    rc = main()
+    shutdown_distributed(ok=rc == 0)  # no gloo abort at exit (exit code -6 after a complete multi-rank run)
+    sys.exit(rc)

@@ -3,6 +3,10 @@
 Role fields take the role as prefix (`--actor_learning_rate`, `--reward_zero_stage`); PPO, generation, batch, data and
 logging fields are flat (`--kl_coef`, `--max_answer_seq_len`, `--generation_batches`, `--data_path`). `--config FILE`
 (JSON or YAML, with the same flat keys) is read first and flags override it.
+
+The same machinery serves every entry point: `build_parser` / `parse_args` take the config class (`TrainConfig` for
+PPO, `SFTConfig`, `RewardTrainConfig`). A nested section's flags are prefixed by its field's `flag_prefix` metadata
+(default: `<field>_` for a `RoleConfig`, nothing otherwise) and its `skip_flags` metadata leaves fields out.
 """
 from __future__ import annotations
 
@@ -10,35 +14,45 @@ import argparse
 import dataclasses
 import json
 import os
+import sys
 import typing
-from typing import Any, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
-from .config import ROLES, RoleConfig, TrainConfig
-from .errors import Problems, did_you_mean
-
-_SECTIONS = ("ppo", "generation", "batch", "data", "logging")
+from .config import RoleConfig, TrainConfig
+from .errors import ConfigError, Problems, did_you_mean
 
 
-def _leaves(cfg: TrainConfig) -> dict[str, tuple[Any, dataclasses.Field]]:
-    """flat key -> (owner object, field) for every leaf field of the config."""
-    out: dict[str, tuple[Any, dataclasses.Field]] = {}
+def _walk(cfg: Any) -> dict[str, tuple[Any, dataclasses.Field, str, str]]:
+    """flat key -> (owner object, field, help-group title, help-group text) for every leaf field of the config."""
+    out: dict[str, tuple[Any, dataclasses.Field, str, str]] = {}
 
-    def put(key: str, owner: Any, f: dataclasses.Field) -> None:
+    def put(key: str, owner: Any, f: dataclasses.Field, title: str, doc: str) -> None:
         if key in out:  # two sections with the same field name would silently share one flag
             raise RuntimeError(f"config key {key!r} is defined twice; rename one of the fields")
-        out[key] = (owner, f)
+        out[key] = (owner, f, title, doc)
 
     for f in dataclasses.fields(cfg):
         value = getattr(cfg, f.name)
-        if f.name in ROLES:
-            for g in dataclasses.fields(value):
-                put(f"{f.name}_{g.name}", value, g)
-        elif f.name in _SECTIONS:
-            for g in dataclasses.fields(value):
-                put(g.name, value, g)
+        if not dataclasses.is_dataclass(value):
+            put(f.name, cfg, f, type(cfg).__name__, (type(cfg).__doc__ or "").strip())
+            continue
+        is_role = isinstance(value, RoleConfig)
+        prefix = f.metadata.get("flag_prefix", f"{f.name}_" if is_role else "")
+        skip = set(f.metadata.get("skip_flags", ()))
+        if is_role:  # one group per role, not one "RoleConfig" group holding all four
+            title = f"{f.name} role" if prefix else f.name
+            doc = f"{f.metadata.get('help', '')} Flags: --{prefix}<field>."
         else:
-            put(f.name, cfg, f)
+            title, doc = type(value).__name__, (type(value).__doc__ or "").strip()
+        for g in dataclasses.fields(value):
+            if g.name not in skip:
+                put(f"{prefix}{g.name}", value, g, title, doc)
     return out
+
+
+def _leaves(cfg: Any) -> dict[str, tuple[Any, dataclasses.Field]]:
+    """flat key -> (owner object, field) for every leaf field of the config."""
+    return {k: (owner, f) for k, (owner, f, _, _) in _walk(cfg).items()}
 
 
 def _bool(s: str) -> bool:
@@ -110,21 +124,16 @@ def _coerce(value: Any, f: dataclasses.Field, owner: Any) -> Any:
     raise ValueError(f"expected {getattr(t, '__name__', t)}, got {type(value).__name__}")
 
 
-def build_parser(description: str = "") -> argparse.ArgumentParser:
+def build_parser(description: str = "", config_cls: type = TrainConfig) -> argparse.ArgumentParser:
+    """The argument parser of `config_cls` (one flag per leaf field, grouped by section)."""
     # allow_abbrev=False: `--ppo 2` must not silently mean --ppo_epochs (config-file keys have no abbreviations either)
     parser = argparse.ArgumentParser(description=description, allow_abbrev=False,
                                      formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     parser.add_argument("--config", default=None, help="JSON or YAML file of flat config keys; flags override it.")
     parser.add_argument("--local_rank", type=int, default=None, help=argparse.SUPPRESS)  # passed by deepspeed
     groups = {}
-    cfg = TrainConfig()
-    role_help = {f.name: f.metadata.get("help", "") for f in dataclasses.fields(cfg) if f.name in ROLES}
-    for key, (owner, f) in _leaves(cfg).items():
-        if isinstance(owner, RoleConfig):  # one group per role, not one "RoleConfig" group holding all four
-            role = key.split("_", 1)[0]
-            section, doc = f"{role} role", f"{role_help[role]} Flags: --{role}_<field>."
-        else:
-            section, doc = type(owner).__name__, (owner.__doc__ or "").strip()
+    cfg = config_cls()
+    for key, (owner, f, section, doc) in _walk(cfg).items():
         if section not in groups:
             groups[section] = parser.add_argument_group(section, doc.replace("%", "%%"))
         group = groups[section]
@@ -157,7 +166,7 @@ def _read_config_file(path: str) -> dict:
     return data
 
 
-def apply_overrides(cfg: TrainConfig, values: dict, source: str) -> TrainConfig:
+def apply_overrides(cfg: Any, values: dict, source: str) -> Any:
     """Set flat keys on cfg; unknown keys are one error with "did you mean"."""
     leaves = _leaves(cfg)
     p = Problems()
@@ -176,16 +185,16 @@ def apply_overrides(cfg: TrainConfig, values: dict, source: str) -> TrainConfig:
     return cfg
 
 
-def parse_args(argv: Optional[Sequence[str]] = None, description: str = "") -> TrainConfig:
-    """argv -> validated TrainConfig (config file first, then flags)."""
-    parser = build_parser(description)
+def parse_args(argv: Optional[Sequence[str]] = None, description: str = "", config_cls: type = TrainConfig) -> Any:
+    """argv -> validated `config_cls` instance (TrainConfig by default; config file first, then flags)."""
+    parser = build_parser(description, config_cls)
     known = {a.dest for a in parser._actions}
     args, unknown = parser.parse_known_args(argv)
     if unknown:
         flags = [u.split("=")[0] for u in unknown if u.startswith("--")]
         hints = "; ".join(f"{u}{did_you_mean(u[2:], known)}" for u in flags) or " ".join(unknown)
         parser.error(f"unrecognized arguments: {hints}")
-    cfg = TrainConfig()
+    cfg = config_cls()
     ns = vars(args)
     path = ns.pop("config", None)
     ns.pop("local_rank", None)
@@ -197,6 +206,19 @@ def parse_args(argv: Optional[Sequence[str]] = None, description: str = "") -> T
     return cfg.validate()
 
 
-def flat_dict(cfg: TrainConfig) -> dict:
+def flat_dict(cfg: Any) -> dict:
     """The resolved config as flat keys (what a config file holds)."""
     return {k: getattr(owner, f.name) for k, (owner, f) in _leaves(cfg).items()}
+
+
+def run_main(argv: Optional[Sequence[str]], description: str, config_cls: type, run: Callable[[Any, list], Any]) -> int:
+    """The body of every launch script: parse `argv` (default `sys.argv[1:]`) into `config_cls`, call
+    `run(cfg, argv)`; a user error (`ConfigError`) is printed and gives exit code 2."""
+    argv = sys.argv[1:] if argv is None else list(argv)
+    try:
+        cfg = parse_args(argv, description=description, config_cls=config_cls)
+        run(cfg, argv)
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    return 0

@@ -134,6 +134,41 @@ class Rollout:
                    position_ids=position_ids_from_mask(attention_mask), action_mask=action_mask,
                    response_lengths=lengths, ended_with_eos=ended, prompt_length=P)
 
+    @classmethod
+    def from_responses(cls, prompt_ids: torch.Tensor, prompt_attention_mask: torch.Tensor,
+                       responses: Sequence[Sequence[int]], pad_token_id: int,
+                       ended_with_eos: Optional[Sequence[bool]] = None) -> "Rollout":
+        """The layout of known responses (SFT and preference data), exactly as if the actor had generated them.
+
+        prompt_ids, prompt_attention_mask [B, P] left-padded (e.g. `pad_prompts`); `responses` B lists of token ids,
+        each non-empty and already ending with its EOS when it has one (every id is a real token: nothing is cut at
+        a stop token, unlike `from_generation`). `ended_with_eos[b]` defaults to True.
+        """
+        if prompt_ids.dim() != 2 or prompt_attention_mask.shape != prompt_ids.shape:
+            raise ValueError(f"prompt_ids and prompt_attention_mask must both be [B, P]; got "
+                             f"{tuple(prompt_ids.shape)} and {tuple(prompt_attention_mask.shape)}")
+        B, P = prompt_ids.shape
+        if len(responses) != B:
+            raise ValueError(f"{len(responses)} responses for {B} prompts")
+        pm = prompt_attention_mask.long()
+        if P == 0 or not bool((pm[:, -1] == 1).all()):
+            raise ValueError("prompt_attention_mask: every row needs at least one real prompt token, left-padded")
+        lengths = [len(r) for r in responses]
+        if min(lengths, default=0) == 0:
+            raise ValueError(f"responses: rows {[i for i, n in enumerate(lengths) if n == 0]} are empty")
+        R = max(lengths)
+        response = torch.full((B, R), pad_token_id, dtype=torch.long, device=prompt_ids.device)
+        action_mask = torch.zeros((B, R), dtype=torch.long, device=prompt_ids.device)
+        for i, r in enumerate(responses):
+            response[i, : len(r)] = torch.as_tensor(list(r), dtype=torch.long)
+            action_mask[i, : len(r)] = 1
+        ended = torch.ones(B, dtype=torch.bool) if ended_with_eos is None else torch.as_tensor(
+            list(ended_with_eos), dtype=torch.bool)
+        attention_mask = torch.cat([pm, action_mask], dim=1)
+        return cls(sequences=torch.cat([prompt_ids.long(), response], dim=1), attention_mask=attention_mask,
+                   position_ids=position_ids_from_mask(attention_mask), action_mask=action_mask,
+                   response_lengths=action_mask.sum(-1), ended_with_eos=ended.to(prompt_ids.device), prompt_length=P)
+
     # ---- the conversions every consumer uses -------------------------------------------------------------------
     @property
     def batch_size(self) -> int:

@@ -14,6 +14,10 @@ Pipeline of `load_prompt_data` (each step documented where it is done):
   4. prompts longer than `max_prompt_seq_len` tokens -> `long_prompt_policy`;
   5. blend the sources by ratio (`blend_counts`), then hold out `eval_split` (`split_indices`).
 Tokenization is done in memory on every rank; it is not cached on disk.
+
+`load_prompt_data(..., row_hook=...)` lets another data kind (data/supervised.py: SFT responses, preference pairs)
+reuse the whole pipeline: after step 4 the hook sees each source's kept rows, adds per-row payloads (`extra`) and may
+drop rows by its own policies; blending and the split then carry the payloads along.
 """
 from __future__ import annotations
 
@@ -22,7 +26,7 @@ import string
 from dataclasses import dataclass, field
 from fractions import Fraction
 from math import floor
-from typing import Any, Iterator, Optional, Sequence
+from typing import Any, Callable, Iterator, Optional, Sequence
 
 import torch
 
@@ -44,10 +48,12 @@ class SourceStats:
     rows: int = 0  # rows in the source
     non_utf8: int = 0  # skipped: invalid UTF-8 (.jsonl)
     malformed: int = 0  # skipped: invalid JSON / not an object (.jsonl)
-    not_text: int = 0  # skipped: the prompt is not a string
-    empty: int = 0  # skipped: the prompt is missing, null or blank
+    not_text: int = 0  # skipped: the prompt (or a row hook's text column: response, chosen...) is not a string
+    empty: int = 0  # skipped: the prompt (or a row hook's text column) is missing, null or blank
     too_long_skipped: int = 0  # skipped by long_prompt_policy=skip
     truncated: int = 0  # cut by long_prompt_policy=truncate_left (kept)
+    response_too_long_skipped: int = 0  # skipped by long_response_policy=skip (SFT / preference data)
+    response_truncated: int = 0  # cut by long_response_policy=truncate (kept)
     usable: int = 0  # rows left after the policies
     selected: int = 0  # rows the blend drew (= usable without ratios)
 
@@ -64,8 +70,8 @@ class DataStats:
 
     def totals(self) -> dict[str, int]:
         """Counts summed over sources, as flat `data/...` keys (log them once, e.g. into the run's config)."""
-        keys = ("rows", "non_utf8", "malformed", "not_text", "empty", "too_long_skipped", "truncated", "usable",
-                "selected")
+        keys = ("rows", "non_utf8", "malformed", "not_text", "empty", "too_long_skipped", "truncated",
+                "response_too_long_skipped", "response_truncated", "usable", "selected")
         out = {f"data/{k}": sum(getattr(s, k) for s in self.sources) for k in keys}
         out.update({"data/bad_rows_skipped": sum(s.bad_rows for s in self.sources), "data/train": self.train,
                     "data/eval": self.eval})
@@ -77,10 +83,12 @@ class DataStats:
             ratio = "" if s.ratio is None else f" ratio {s.ratio:g}"
             lost = [f"{n} {what}" for n, what in ((s.non_utf8, "invalid UTF-8"), (s.malformed, "invalid JSON"),
                                                   (s.not_text, "non-text"), (s.empty, "empty"),
-                                                  (s.too_long_skipped, "too long")) if n]
+                                                  (s.too_long_skipped, "too long"),
+                                                  (s.response_too_long_skipped, "response too long")) if n]
             lines.append(f"  {s.source}:{ratio} {s.rows} rows, {s.usable} usable, {s.selected} selected"
                          + (f"; skipped {', '.join(lost)}" if lost else "")
-                         + (f"; {s.truncated} truncated from the left" if s.truncated else ""))
+                         + (f"; {s.truncated} truncated from the left" if s.truncated else "")
+                         + (f"; {s.response_truncated} responses truncated" if s.response_truncated else ""))
         return "\n".join(lines)
 
 
@@ -88,20 +96,23 @@ class DataStats:
 class PromptDataset:
     """Tokenized prompts: unpadded `input_ids` and the `attention_mask` the tokenizer returned, one list per row.
 
-    `texts` holds the raw prompt of each row as read (before templates and truncation).
+    `texts` holds the raw prompt of each row as read (before templates and truncation). `extra` holds per-row
+    payloads added by a row hook (e.g. `extra["response"]`: the response token ids of each row), one list per key.
     """
 
     input_ids: list[list[int]]
     attention_mask: list[list[int]]
     texts: list[str]
     stats: Optional[DataStats] = None  # counts of the load this dataset came from
+    extra: dict[str, list] = field(default_factory=dict)
 
     def __len__(self) -> int:
         return len(self.input_ids)
 
     def subset(self, indices: Sequence[int]) -> "PromptDataset":
         return PromptDataset([self.input_ids[i] for i in indices], [self.attention_mask[i] for i in indices],
-                             [self.texts[i] for i in indices], self.stats)
+                             [self.texts[i] for i in indices], self.stats,
+                             {k: [v[i] for i in indices] for k, v in self.extra.items()})
 
 
 @dataclass
@@ -155,9 +166,26 @@ def split_indices(n: int, eval_split: float, seed: int) -> tuple[list[int], list
 
 @dataclass
 class _Prepared:
+    """The kept rows of one source: tokenized prompts, raw texts, the table row `rows[i]` each came from (index into
+    `RawSource.table`; `RawSource.row_ids[rows[i]]` is its 0-based row number in the file) and row-hook payloads."""
+
     input_ids: list[list[int]] = field(default_factory=list)
     attention_mask: list[list[int]] = field(default_factory=list)
     texts: list[str] = field(default_factory=list)
+    rows: list[int] = field(default_factory=list)
+    extra: dict[str, list] = field(default_factory=dict)
+
+    def keep(self, positions: Sequence[int]) -> "_Prepared":
+        """The entries at `positions` (in that order), payloads included."""
+        return _Prepared([self.input_ids[i] for i in positions], [self.attention_mask[i] for i in positions],
+                         [self.texts[i] for i in positions], [self.rows[i] for i in positions],
+                         {k: [v[i] for i in positions] for k, v in self.extra.items()})
+
+
+# A row hook: (source as read, its kept rows, its stats, the problems list) -> the rows to keep, with `extra` filled
+# (one list per key, aligned with the rows). It reports problems into the list (error policies) and counts what it
+# drops in the stats. See data/supervised.py.
+RowHook = Callable[[RawSource, _Prepared, SourceStats, Problems], _Prepared]
 
 
 def _template_fields(template: str) -> set[str]:
@@ -231,6 +259,7 @@ def _prepare(raw: RawSource, stats: SourceStats, tokenizer: Any, max_len: int, d
         out.input_ids.append(x)
         out.attention_mask.append(m)
         out.texts.append(texts[j])
+        out.rows.append(j)
     if data.long_prompt_policy == "skip":
         stats.too_long_skipped = len(too_long)
     elif data.long_prompt_policy == "truncate_left":
@@ -247,8 +276,11 @@ def _prepare(raw: RawSource, stats: SourceStats, tokenizer: Any, max_len: int, d
 
 
 def load_prompt_data(data: DataConfig, tokenizer: Any, max_prompt_seq_len: int, seed: int = 0,
-                     verbose: bool = True) -> PromptData:
+                     verbose: bool = True, row_hook: Optional[RowHook] = None) -> PromptData:
     """Load, check, tokenize, blend and split the prompt data described by `data` (see the module docstring).
+
+    `row_hook` (see `RowHook`) runs on each source's kept rows after the prompt policies; its per-row payloads end up
+    in `PromptDataset.extra`.
 
     `seed` is the run's seed, used when `data.data_seed` is None. Raises one `ConfigError` listing every problem of
     every source (the error policies). Skipped and truncated rows are counted in `stats` and, with `verbose` (rank 0),
@@ -271,11 +303,17 @@ def load_prompt_data(data: DataConfig, tokenizer: Any, max_prompt_seq_len: int, 
             p.extend(e.problems)
             prepared.append(_Prepared())
             continue
-        prepared.append(_prepare(raw, st, tokenizer, max_prompt_seq_len, data, p))
+        pr = _prepare(raw, st, tokenizer, max_prompt_seq_len, data, p)
+        if row_hook is not None and pr.input_ids:
+            pr = row_hook(raw, pr, st, p)
+            st.usable = len(pr.input_ids)
+        prepared.append(pr)
     for pr, st in zip(prepared, stats.sources):
         if not p and not pr.input_ids:
-            p.add("data_path", st.source, f"no usable prompts: {st.rows} rows, {st.bad_rows} bad and "
-                                          f"{st.too_long_skipped} too long were skipped")
+            p.add("data_path", st.source, f"no usable {'rows' if row_hook else 'prompts'}: {st.rows} rows, "
+                                          f"{st.bad_rows} bad and "
+                                          f"{st.too_long_skipped + st.response_too_long_skipped} too long were "
+                                          f"skipped")
     p.raise_if_any(header)
     seed = seed if data.data_seed is None else data.data_seed
     if sources[0][1] is None:
@@ -288,6 +326,8 @@ def load_prompt_data(data: DataConfig, tokenizer: Any, max_prompt_seq_len: int, 
         merged.input_ids += [pr.input_ids[i] for i in rows]
         merged.attention_mask += [pr.attention_mask[i] for i in rows]
         merged.texts += [pr.texts[i] for i in rows]
+        for key, values in pr.extra.items():
+            merged.extra.setdefault(key, []).extend(values[i] for i in rows)
     if data.eval_split and len(merged) < 2:
         raise ConfigError([Problem("eval_split", data.eval_split, f"{len(merged)} prompt(s) cannot be split into "
                                                                   f"train and eval; add prompts or set 0")], header)
@@ -296,7 +336,8 @@ def load_prompt_data(data: DataConfig, tokenizer: Any, max_prompt_seq_len: int, 
     train = merged.subset(train_idx) if eval_idx else merged
     evals = merged.subset(eval_idx) if eval_idx else None
     if verbose:
-        lost = any(s.bad_rows or s.too_long_skipped or s.truncated for s in stats.sources)
+        lost = any(s.bad_rows or s.too_long_skipped or s.truncated or s.response_too_long_skipped
+                   or s.response_truncated for s in stats.sources)
         if lost:
             log.warning(stats.summary())
         elif len(sources) > 1 or evals is not None:
@@ -330,10 +371,13 @@ class PromptSampler:
     is dropped, and counted: `dropped_per_epoch` prompts per epoch are not seen in that epoch (another epoch's
     permutation puts them elsewhere). With drop_last=False the short last batch is filled from the start of the same
     permutation, so a few prompts repeat in that epoch.
+
+    `batch_field` names the setting behind `batch_size` in the error raised when one global batch cannot be filled
+    (PPO: the generation batch; SFT / reward model: the training mini-batch).
     """
 
     def __init__(self, num_prompts: int, batch_size: int, rank: int, world_size: int, seed: int,
-                 drop_last: bool = True):
+                 drop_last: bool = True, batch_field: str = "per_device_generation_batch_size"):
         if batch_size <= 0 or world_size <= 0 or not 0 <= rank < world_size:
             raise ValueError(f"need batch_size > 0 and 0 <= rank < world_size; got batch_size={batch_size}, "
                              f"rank={rank}, world_size={world_size}")
@@ -341,7 +385,7 @@ class PromptSampler:
         if num_prompts < G:
             fit = num_prompts // world_size
             hint = f"lower it to {fit} or below, or add prompts" if fit else "add prompts"
-            raise ConfigError([Problem("per_device_generation_batch_size", batch_size,
+            raise ConfigError([Problem(batch_field, batch_size,
                                         f"{num_prompts} prompts cannot fill one global batch of {batch_size} x "
                                         f"{world_size} ranks = {G} prompts; {hint}")], "not enough prompts")
         self.num_prompts, self.batch_size, self.rank, self.world_size = num_prompts, batch_size, rank, world_size

@@ -7,7 +7,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
-from ..config import ROLES, TrainConfig
+from ..config import ROLES, RoleConfig, TrainConfig
 from ..errors import Problems
 from .ds_config import load_user_config
 
@@ -115,22 +115,72 @@ def plan_roles(cfg: TrainConfig) -> dict[str, RolePlan]:
         stage = resolve_stage(cfg, role)
         train = role in ("actor", "critic")
         rc = getattr(cfg, role)
-        if not train and stage in (1, 2):
-            p.add(f"{role}_zero_stage", stage, "eval-only engines must use ZeRO stage 0 or 3")
-        # DeepSpeed silently ignores offload settings at stages that cannot offload: the user would think memory
-        # is saved when it is not.
-        if train and rc.offload is True and stage == 0:
-            p.add(f"{role}_offload", True, f"optimizer offload needs ZeRO stage 1, 2 or 3 and {role} runs at stage "
-                  f"0: set {role}_zero_stage (or drop {role}_offload)")
-        if not train and rc.offload is True and stage != 3:
-            p.add(f"{role}_offload", True, f"an eval-only role offloads its parameters, which needs ZeRO stage 3, and "
-                  f"{role} runs at stage {stage}: set {role}_zero_stage 3 (or drop {role}_offload)")
-        if rc.offload_params is True and stage != 3:
-            p.add(f"{role}_offload_params", True, f"parameter offload needs ZeRO stage 3 and {role} runs at stage "
-                  f"{stage}: set {role}_zero_stage 3 (or drop {role}_offload_params)")
-        if rc.ds_config:
-            # checked here, not when the engine is built: one error before any weights are loaded
-            load_user_config(rc.ds_config, f"{role}_ds_config", p)
+        check_placement(p, rc, stage, train, prefix=f"{role}_", name=role)
         plans[role] = RolePlan(paths[role], stage, rc.dtype or cfg.dtype, train)
     p.raise_if_any("cannot start: model setup")
     return plans
+
+
+def check_placement(p: Problems, rc: RoleConfig, stage: int, train: bool, prefix: str, name: str) -> None:
+    """Problems of one engine's placement: ZeRO stage vs eval-only, offload vs stage, the user's ds_config file.
+    `prefix` is the flag prefix of the role's fields (`actor_`, or '' for the one model of SFT / reward training)."""
+    if not train and stage in (1, 2):
+        p.add(f"{prefix}zero_stage", stage, "eval-only engines must use ZeRO stage 0 or 3")
+    # DeepSpeed silently ignores offload settings at stages that cannot offload: the user would think memory
+    # is saved when it is not.
+    if train and rc.offload is True and stage == 0:
+        p.add(f"{prefix}offload", True, f"optimizer offload needs ZeRO stage 1, 2 or 3 and {name} runs at stage "
+              f"0: set {prefix}zero_stage (or drop {prefix}offload)")
+    if not train and rc.offload is True and stage != 3:
+        p.add(f"{prefix}offload", True, f"an eval-only role offloads its parameters, which needs ZeRO stage 3, and "
+              f"{name} runs at stage {stage}: set {prefix}zero_stage 3 (or drop {prefix}offload)")
+    if rc.offload_params is True and stage != 3:
+        p.add(f"{prefix}offload_params", True, f"parameter offload needs ZeRO stage 3 and {name} runs at stage "
+              f"{stage}: set {prefix}zero_stage 3 (or drop {prefix}offload_params)")
+    if rc.ds_config:
+        # checked here, not when the engine is built: one error before any weights are loaded
+        load_user_config(rc.ds_config, f"{prefix}ds_config", p)
+
+
+def plan_model(rc: RoleConfig, need_positions: int, name: str = "model") -> RolePlan:
+    """Resolve and check the one trained model of an SFT or reward-model run (flat flags: `model_name_or_path`,
+    `zero_stage`, ...): its config and tokenizer load, the tokenizer fits the vocabulary and has an EOS token,
+    `need_positions` (prompt + response tokens) fits the model, and the placement is valid. Raises one `ConfigError`
+    listing every problem; reads no weights."""
+    from transformers import AutoConfig, AutoTokenizer
+
+    p = Problems()
+    path = rc.model_name_or_path
+    config = None
+    if not path:
+        p.add("model_name_or_path", "", "give a local model folder or hub id")
+    elif path.startswith((".", "/", "~")) and not os.path.isdir(os.path.expanduser(path)):
+        p.add("model_name_or_path", path, "no such folder; give a local model folder or a hub id")
+    else:
+        try:
+            config = AutoConfig.from_pretrained(path)
+        except Exception as e:  # noqa: BLE001  (report any load failure as a user error)
+            first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+            p.add("model_name_or_path", path, f"cannot load its config.json ({first}); give a folder holding a "
+                  "Hugging Face model (config.json + weights) or a reachable hub id")
+    tok_path = rc.tokenizer_name_or_path or path
+    if config is not None:
+        try:
+            tok = AutoTokenizer.from_pretrained(tok_path)
+        except Exception as e:  # noqa: BLE001
+            p.add("tokenizer_name_or_path", tok_path, f"cannot load a tokenizer there ({type(e).__name__}: {e})")
+        else:
+            if tok.eos_token_id is None:
+                p.add("tokenizer_name_or_path", tok_path, "the tokenizer has no EOS token: every response ends with "
+                      "it (PPO stops generating at it); give a tokenizer with one")
+            if len(tok) > config.vocab_size:
+                p.add("tokenizer_name_or_path", tok_path, f"tokenizer has {len(tok)} tokens but the model's "
+                      f"vocabulary has {config.vocab_size}; use the model's own tokenizer")
+        limit = _max_positions(config)
+        if limit is not None and need_positions > limit:
+            p.add("max_prompt_seq_len + max_answer_seq_len", need_positions, f"exceeds the model's maximum positions "
+                  f"({limit}); lower max_prompt_seq_len or max_answer_seq_len")
+    stage = rc.zero_stage if rc.zero_stage is not None else 0
+    check_placement(p, rc, stage, True, prefix="", name=name)
+    p.raise_if_any("cannot start: model setup")
+    return RolePlan(path, stage, rc.dtype or "fp32", True)

@@ -7,7 +7,6 @@ steps, so `backward` multiplies by the world size and turns DeepSpeed's accumula
 """
 from __future__ import annotations
 
-import json
 import logging
 import os
 from typing import Optional
@@ -16,11 +15,12 @@ import torch
 
 from ..config import ROLES, TrainConfig
 from ..ppo_math import entropy_from_logits, logprobs_from_logits
-from ..rollout import Rollout, gather_at
+from ..rollout import Rollout
 from .distributed import DistInfo
-from .ds_config import build_ds_config, load_json, torch_dtype
-from .models import ScalarHeadModel, load_causal_lm, load_scalar_model
+from .models import ScalarHeadModel
 from .preflight import RolePlan, plan_roles
+from .role_engine import (backward_global, build_role_engine, export_engine, full_state_dict, rollout_inputs,
+                          sequence_scores, write_ds_config)
 
 log = logging.getLogger(__name__)
 TRAINED = ("actor", "critic")
@@ -43,8 +43,6 @@ def load_tokenizer(path: str):
 class RLHFEngine:
     def __init__(self, cfg: TrainConfig, dist: DistInfo, num_training_steps: int,
                  output_dir: Optional[str] = None):
-        import deepspeed
-
         self.cfg, self.dist = cfg, dist
         self.plans: dict[str, RolePlan] = plan_roles(cfg)  # raises before any weight is read
         self.tokenizer = load_tokenizer(cfg.actor.tokenizer_name_or_path or self.plans["actor"].path)
@@ -59,32 +57,16 @@ class RLHFEngine:
         self.engines = {}
         for role in ROLES:
             plan = self.plans[role]
-            rc = getattr(cfg, role)
-            ds_cfg = build_ds_config(rc, stage=plan.stage, dtype=plan.dtype, train=plan.train, batch=cfg.batch,
-                                     world_size=dist.world_size, eval_micro_batch_size=self.experience_micro_batch,
-                                     user_config=load_json(rc.ds_config) if rc.ds_config else None)
+            kind = "causal_lm" if role in ("actor", "reference") else "scalar"
+            engine, ds_cfg = build_role_engine(
+                getattr(cfg, role), plan.path, kind=kind, stage=plan.stage, dtype=plan.dtype, train=plan.train,
+                batch=cfg.batch, world_size=dist.world_size, eval_micro_batch_size=self.experience_micro_batch,
+                num_training_steps=num_training_steps, pad_token_id=self.pad_token_id)
             self.ds_configs[role] = ds_cfg
-            dtype = torch_dtype(plan.dtype)
-            if role in ("actor", "reference"):
-                model = load_causal_lm(plan.path, dtype, ds_cfg, rc.gradient_checkpointing and plan.train)
-            else:
-                model = load_scalar_model(plan.path, dtype, ds_cfg, self.pad_token_id,
-                                          rc.gradient_checkpointing and plan.train)
-            if plan.train:
-                sched = _scheduler_factory(rc.lr_scheduler_type, rc.num_warmup_steps, num_training_steps)
-                engine, *_ = deepspeed.initialize(model=model, model_parameters=[q for q in model.parameters()
-                                                                                 if q.requires_grad],
-                                                  config=ds_cfg, lr_scheduler=sched)
-            else:
-                model.requires_grad_(False)
-                engine, *_ = deepspeed.initialize(model=model, config=ds_cfg)
-                engine.eval()
             self.engines[role] = engine
         if output_dir and dist.is_main:
-            os.makedirs(output_dir, exist_ok=True)
             for role, ds_cfg in self.ds_configs.items():
-                with open(os.path.join(output_dir, f"ds_config_{role}.json"), "w") as f:
-                    json.dump(ds_cfg, f, indent=2, sort_keys=True)
+                write_ds_config(output_dir, role, ds_cfg)
 
     # ---- roles ---------------------------------------------------------------------------------------------
     @property
@@ -149,8 +131,7 @@ class RLHFEngine:
 
     # ---- forwards ------------------------------------------------------------------------------------------
     def _inputs(self, r: Rollout) -> dict:
-        return dict(input_ids=r.sequences, attention_mask=r.attention_mask,
-                    position_ids=r.position_ids if self.use_position_ids else None)
+        return rollout_inputs(r, self.use_position_ids)
 
     def _lm_forward(self, engine, r: Rollout, with_entropy: bool):
         logits = engine(**self._inputs(r), use_cache=False).logits
@@ -190,9 +171,10 @@ class RLHFEngine:
             "critic", rollout, lambda e, mb: mb.action_slice(self._per_position(e, mb)) * mb.action_mask))
 
     def reward_scores(self, rollout: Rollout) -> torch.Tensor:
-        """[B] fp32 reward-model score at the last real token of each sequence (EOS included)."""
+        """[B] fp32 reward-model score at the last real token of each sequence (EOS included): `sequence_scores`, the
+        function the reward-model trainer scores with."""
         return torch.cat(self._eval_chunks(
-            "reward", rollout, lambda e, mb: gather_at(self._per_position(e, mb), mb.score_index())))
+            "reward", rollout, lambda e, mb: sequence_scores(e, mb, self.use_position_ids)))
 
     # ---- training ------------------------------------------------------------------------------------------
     def actor_forward(self, rollout: Rollout, with_entropy: bool = False):
@@ -207,7 +189,7 @@ class RLHFEngine:
 
     def backward(self, role: str, loss: torch.Tensor) -> None:
         """Backward of a globally token-normalised loss share (see module docstring)."""
-        self.engines[role].backward(loss * self.dist.world_size, scale_wrt_gas=False)
+        backward_global(self.engines[role], loss, self.dist.world_size)
 
     def step(self, role: str) -> None:
         """Call after every micro-batch's backward; the optimizer steps at the accumulation boundary."""
@@ -233,32 +215,11 @@ class RLHFEngine:
 
     def full_state_dict(self, role: str) -> Optional[dict]:
         """The role's full (ZeRO-3 consolidated) state dict on rank 0, None elsewhere. Collective: call on all ranks."""
-        engine = self.engines[role]
-        if self.plans[role].stage == 3:
-            sd = engine._zero3_consolidated_16bit_state_dict()
-        else:
-            sd = engine.module.state_dict()
-        return {k: v.detach().cpu().clone() for k, v in sd.items()} if self.dist.is_main and sd else None
+        return full_state_dict(self.engines[role], self.plans[role].stage, self.dist.is_main)
 
     def export(self, role: str, out_dir: str) -> None:
         """Write `role` as a plain HF folder (weights + config + tokenizer) that reloads with from_pretrained."""
-        sd = self.full_state_dict(role)
-        if self.dist.is_main:
-            os.makedirs(out_dir, exist_ok=True)
-            module = self.engines[role].module
-            module.save_pretrained(out_dir, state_dict=sd)
-            self.tokenizer.save_pretrained(out_dir)
-        if torch.distributed.is_initialized():
-            torch.distributed.barrier()
-
-
-def _scheduler_factory(name: str, warmup: int, total: int):
-    from transformers import get_scheduler
-
-    def make(optimizer):
-        return get_scheduler(name, optimizer=optimizer, num_warmup_steps=warmup, num_training_steps=max(total, 1))
-
-    return make
+        export_engine(self.engines[role], self.plans[role].stage, out_dir, self.tokenizer, self.dist.is_main)
 
 
 __all__ = ["RLHFEngine", "load_tokenizer", "ScalarHeadModel"]

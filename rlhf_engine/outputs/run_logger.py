@@ -37,7 +37,7 @@ from typing import Any, Iterator, Mapping, Optional, Sequence
 
 from ..errors import ConfigError, Problem
 from .metrics import MetricsWriter, _plain
-from .plot import plot_metrics
+from .plot import PLOT_KEYS, plot_metrics
 
 log = logging.getLogger("rlhf_engine.outputs")
 
@@ -52,7 +52,7 @@ _TRUE = ("1", "true", "yes", "on")
 # what holds "another run" in an output directory, and what `overwrite_output_dir` moves aside
 RUN_MARKERS = ("metrics.jsonl", "checkpoints")
 RUN_FILES = ("metrics.jsonl", "samples.jsonl", "config.json", "command.txt", "metrics.png", "checkpoints",
-             "tensorboard")
+             "tensorboard", "model")  # model/: the HF export of an SFT or reward-model run
 
 
 # ---- redaction ---------------------------------------------------------------------------------------------------
@@ -218,10 +218,15 @@ class RunLogger:
         logger.close()                                      # wandb finish, metrics.png
     """
 
+    # progress-bar postfix: label -> metric key (PPO's; SFT and reward-model runs pass their own)
+    BAR_KEYS = (("score", "objective/score"), ("kl", "objective/kl"))
+
     def __init__(self, output_dir: str, is_main: bool, config: dict, wandb_project: str = "",
                  wandb_entity: str = "", wandb_run_name: str = "", wandb_sample_interval: int = 10,
-                 tensorboard: bool = False, total_iterations: int = 0):
+                 tensorboard: bool = False, total_iterations: int = 0, plot_keys: Sequence[str] = PLOT_KEYS,
+                 bar_desc: str = "PPO", bar_keys: Sequence[tuple[str, str]] = BAR_KEYS):
         self.output_dir, self.is_main = output_dir, is_main
+        self.plot_keys, self.bar_keys = tuple(plot_keys), tuple(bar_keys)
         self.wandb_sample_interval = max(1, int(wandb_sample_interval))
         self.metrics = MetricsWriter(output_dir, enabled=is_main)
         self.samples_path = os.path.join(output_dir, "samples.jsonl")
@@ -240,7 +245,7 @@ class RunLogger:
         if total_iterations:
             from tqdm.auto import tqdm
 
-            self._bar = tqdm(total=total_iterations, desc="PPO", unit="it", dynamic_ncols=True, file=sys.stderr)
+            self._bar = tqdm(total=total_iterations, desc=bar_desc, unit="it", dynamic_ncols=True, file=sys.stderr)
 
     @classmethod
     def from_config(cls, cfg: Any, is_main: bool, config: dict) -> "RunLogger":
@@ -309,8 +314,7 @@ class RunLogger:
             self._tb.flush()
         if self._bar is not None:
             self._bar.n = min(step + 1, self._bar.total or step + 1)  # absolute: right after a resume too
-            post = {name: clean[k] for name, k in (("score", "objective/score"), ("kl", "objective/kl"))
-                    if _scalar(clean.get(k))}
+            post = {name: clean[k] for name, k in self.bar_keys if _scalar(clean.get(k))}
             self._bar.set_postfix({k: f"{v:.4g}" for k, v in post.items()}, refresh=False)
             self._bar.refresh()
 
@@ -354,7 +358,7 @@ class RunLogger:
                 log.warning("wandb finish failed: %s: %s", type(e).__name__, e)
         try:
             self.png_path = plot_metrics(os.path.join(self.output_dir, "metrics.jsonl"),
-                                         os.path.join(self.output_dir, "metrics.png"))
+                                         os.path.join(self.output_dir, "metrics.png"), keys=self.plot_keys)
         except Exception as e:
             log.warning("metrics.png not written: %s: %s", type(e).__name__, e)
         return self.png_path

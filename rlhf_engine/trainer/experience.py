@@ -1,6 +1,8 @@
 """Experience making: rollout -> old/reference log-probs, values, scores -> rewards -> GAE -> (global) whitening."""
 from __future__ import annotations
 
+from typing import Callable, Optional
+
 import torch
 
 from ..config import PPOConfig
@@ -13,18 +15,32 @@ class NonFiniteError(RuntimeError):
     """A non-finite score, loss or advantage: training cannot continue with a silent wrong number."""
 
 
-def make_experience(engine, rollout: Rollout, ppo: PPOConfig, kl_coef: float) -> tuple[Experience, torch.Tensor]:
+# A programmatic reward: (prompt_ids [B, P] left-padded, rollout) -> [B] scores, replacing the reward model.
+RewardFn = Callable[[torch.Tensor, Rollout], torch.Tensor]
+
+
+def make_experience(engine, rollout: Rollout, ppo: PPOConfig, kl_coef: float,
+                    reward_fn: Optional[RewardFn] = None) -> tuple[Experience, torch.Tensor]:
     """One rollout batch -> (Experience without whitening, [B, R] rollout entropy).
 
-    Every forward runs in eval mode with the rollout's position ids (engine contract).
+    Every forward runs in eval mode with the rollout's position ids (engine contract). `reward_fn`, when given,
+    scores the batch instead of the reward model: `reward_fn(rollout.prompts, rollout)` returns [B] scores.
     """
     old_logprobs, entropy = engine.actor_logprobs(rollout, with_entropy=True)
     ref_logprobs = engine.ref_logprobs(rollout)
     values = engine.critic_values(rollout)
-    scores = engine.reward_scores(rollout).float()
+    if reward_fn is None:
+        scores, source = engine.reward_scores(rollout), "reward model"
+    else:
+        scores, source = reward_fn(rollout.prompts, rollout), "reward_fn"
+    scores = torch.as_tensor(scores).to(device=old_logprobs.device, dtype=torch.float32)
+    if scores.shape != (rollout.batch_size,):
+        raise ValueError(f"{source} returned scores of shape {tuple(scores.shape)}; expected "
+                         f"({rollout.batch_size},), one score per sequence")
     if not torch.isfinite(scores).all():
         bad = torch.nonzero(~torch.isfinite(scores)).flatten().tolist()
-        raise NonFiniteError(f"reward model returned non-finite scores for rows {bad} of this rank's rollout batch")
+        raise NonFiniteError(f"{source} returned non-finite scores for rows {bad} of this rank's rollout batch "
+                             f"(values {scores[bad].tolist()})")
     mask = rollout.action_mask
     rewards, kl = compute_rewards(logprobs=old_logprobs, ref_logprobs=ref_logprobs, scores=scores, action_mask=mask,
                                   kl_coef=kl_coef, reward_clip=ppo.reward_clip, kl_estimator=ppo.kl_estimator)

@@ -2,7 +2,8 @@
 
 One iteration:
   1. `generation_batches` rollout batches per rank (prompts from this rank's shard, left-padded to the batch maximum);
-  2. experience per batch (eval-mode forwards), concatenated, advantages whitened with global statistics;
+  2. the batches concatenated into one buffer (re-padded to one width), then experience on it (eval-mode forwards, in
+     experience micro-batches), advantages whitened with global statistics;
   3. for each PPO epoch, for each mini-batch (`per_device_training_batch_size x gradient_accumulation_steps` samples in
      rollout order), for each micro-batch: actor forward/backward/step, then critic forward/backward/step. Losses are
      divided by the mini-batch's GLOBAL token count, so any micro-batch split and any number of ranks give the same
@@ -23,8 +24,8 @@ from ..data.prompts import PromptDataset, PromptSampler, collate_prompts
 from ..engine import all_reduce
 from ..outputs.metrics import MetricsWriter
 from ..ppo_math import AdaptiveKLController, FixedKLController, policy_loss, value_loss
-from ..rollout import Experience
-from .experience import NonFiniteError, global_moments, make_experience, whiten_advantages
+from ..rollout import Experience, Rollout
+from .experience import NonFiniteError, RewardFn, global_moments, make_experience, whiten_advantages
 
 log = logging.getLogger(__name__)
 
@@ -79,6 +80,13 @@ class PPOTrainer:
         self.iteration = 0
         self.last_experience: Optional[Experience] = None  # kept for tests and debugging
         self.ratio_trace: list[float] = []  # max |log-ratio| per mini-batch (cheap, used by tests and guards)
+        # Optional programmatic reward replacing the reward model: reward_fn(prompt_ids [B, P], rollout) -> [B]
+        # scores (see experience.make_experience). To become `--reward_fn module:function`.
+        self.reward_fn: Optional[RewardFn] = None
+        # TEST HOOK (negative control of the token aggregation): "global" (the only correct setting) divides each
+        # mini-batch's loss by its global token count; "local" reproduces the naive per-rank token mean (each rank's
+        # mean, averaged over ranks), which depends on how tokens fall on ranks.
+        self.loss_token_mean = "global"
         # Sampling differs per rank, data order does not (the sampler depends on seed and epoch only).
         torch.manual_seed(cfg.seed + dist.rank)
         if dist.is_main:
@@ -95,16 +103,18 @@ class PPOTrainer:
         return rollouts
 
     def experience_phase(self, rollouts, stats: _Sums) -> Experience:
-        exps = []
-        kl_coef = self.kl_ctl.value
-        for r in rollouts:
-            exp, entropy = make_experience(self.engine, r, self.cfg.ppo, kl_coef)
-            mask = r.action_mask
-            stats.add("entropy_sum", (entropy * mask).sum())
-            stats.add("tokens", mask.sum())
-            exps.append(exp)
-        exp = Experience.cat(exps, self.engine.pad_token_id)
-        mask = exp.rollout.action_mask.float()
+        # The generation batches are concatenated (re-padded to one width) BEFORE the experience forwards, so the old
+        # log-probs, reference log-probs and values are computed on exactly the tensors the training forwards see.
+        # Position ids already make the result independent of the padding mathematically; computing both on one
+        # layout also removes the fp32 kernel noise of a different row width (a few ulps, ~1e-6 in log-prob), so at
+        # lr = 0 every PPO ratio is exactly 1.
+        rollout = rollouts[0] if len(rollouts) == 1 else Rollout.cat(rollouts, self.engine.pad_token_id)
+        exp, entropy = make_experience(self.engine, rollout, self.cfg.ppo, self.kl_ctl.value,
+                                       reward_fn=self.reward_fn)
+        mask = rollout.action_mask
+        stats.add("entropy_sum", (entropy * mask).sum())
+        stats.add("tokens", mask.sum())
+        mask = mask.float()
         stats.add("sequences", torch.tensor(float(exp.batch_size)))
         stats.add("score_sum", exp.scores.sum())
         k1 = ((exp.old_logprobs - exp.ref_logprobs) * mask).sum(-1)  # objective/kl is always the k1 sequence sum
@@ -126,7 +136,13 @@ class PPOTrainer:
         trace = []
         for _epoch in range(ppo.ppo_epochs):
             for mini in exp.split(b.mini_batch_size):
-                global_tokens = all_reduce(mini.rollout.action_mask.sum().double()).float()
+                local_tokens = mini.rollout.action_mask.sum().double()
+                if self.loss_token_mean == "global":
+                    global_tokens = all_reduce(local_tokens.clone()).float()
+                elif self.loss_token_mean == "local":  # test hook only: the naive per-rank mean
+                    global_tokens = (local_tokens * engine.dist.world_size).float()
+                else:
+                    raise ValueError(f"loss_token_mean must be 'global' or 'local', got {self.loss_token_mean!r}")
                 max_abs_log_ratio = torch.zeros((), dtype=torch.float64, device=engine.device)
                 for micro in mini.split(b.per_device_training_batch_size):
                     r = micro.rollout
@@ -214,16 +230,18 @@ class PPOTrainer:
 
     def train(self) -> list[dict]:
         records = []
-        for _ in range(self.iteration, self.cfg.max_steps):
-            try:
-                rec = self.step()
-            except NonFiniteError as e:
-                raise NonFiniteError(f"rank {self.engine.dist.rank}, iteration {self.iteration}: {e}") from e
-            records.append(rec)
-            if self.engine.dist.is_main:
-                log.info("iteration %d/%d  score %.4f  kl %.4f  len %.1f  %.1fs", rec["iteration"] + 1,
-                         self.cfg.max_steps, rec["objective/score"], rec["objective/kl"],
-                         rec["rollout/response_length"], rec["time/generate"] + rec["time/experience"]
-                         + rec["time/train"])
-        self.metrics.close()
+        try:
+            for _ in range(self.iteration, self.cfg.max_steps):
+                try:
+                    rec = self.step()
+                except NonFiniteError as e:
+                    raise NonFiniteError(f"rank {self.engine.dist.rank}, iteration {self.iteration}: {e}") from e
+                records.append(rec)
+                if self.engine.dist.is_main:
+                    log.info("iteration %d/%d  score %.4f  kl %.4f  len %.1f  %.1fs", rec["iteration"] + 1,
+                             self.cfg.max_steps, rec["objective/score"], rec["objective/kl"],
+                             rec["rollout/response_length"], rec["time/generate"] + rec["time/experience"]
+                             + rec["time/train"])
+        finally:
+            self.metrics.close()  # also when a step fails: what was written stays flushed and the file is closed
         return records

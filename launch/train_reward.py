@@ -1,0 +1,27 @@
+"""Step 2: pairwise reward model (chosen / rejected); the model goes to <output_dir>/model (*ForSequenceClassification).
+
+    deepspeed --num_gpus N launch/train_reward.py --model_name_or_path runs/sft/model --data_path preferences.jsonl \\
+        --output_dir runs/reward
+    torchrun --nproc_per_node N launch/train_reward.py ...
+    python launch/train_reward.py ...       (one process; a one-rank environment is set up)
+"""
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from rlhf_engine.cli import run_main  # noqa: E402
+from rlhf_engine.config import RewardTrainConfig  # noqa: E402
+from rlhf_engine.trainer import run_reward_model  # noqa: E402
+
+
+def main(argv=None):
+    return run_main(argv, __doc__, RewardTrainConfig, run_reward_model)
+
+
+if __name__ == "__main__":
+    from rlhf_engine.trainer.run import shutdown_distributed
+
+    rc = main()
+    shutdown_distributed(ok=rc == 0)  # no gloo abort at exit (exit code -6 after a complete multi-rank run)
+    sys.exit(rc)

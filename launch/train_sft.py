@@ -1,0 +1,26 @@
+"""Step 1: supervised fine-tuning (loss on response tokens only); the model goes to <output_dir>/model.
+
+    deepspeed --num_gpus N launch/train_sft.py --model_name_or_path base --data_path sft.jsonl --output_dir runs/sft
+    torchrun --nproc_per_node N launch/train_sft.py ...
+    python launch/train_sft.py ...          (one process; a one-rank environment is set up)
+"""
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from rlhf_engine.cli import run_main  # noqa: E402
+from rlhf_engine.config import SFTConfig  # noqa: E402
+from rlhf_engine.trainer import run_sft  # noqa: E402
+
+
+def main(argv=None):
+    return run_main(argv, __doc__, SFTConfig, run_sft)
+
+
+if __name__ == "__main__":
+    from rlhf_engine.trainer.run import shutdown_distributed
+
+    rc = main()
+    shutdown_distributed(ok=rc == 0)  # no gloo abort at exit (exit code -6 after a complete multi-rank run)
+    sys.exit(rc)

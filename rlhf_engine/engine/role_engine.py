@@ -1,0 +1,127 @@
+"""One model as one DeepSpeed engine: the pieces PPO (`RLHFEngine`, four roles) and the SFT / reward-model trainers
+(one model each) share, so the three entry points build, score, step and export models the same way.
+
+* `build_role_engine`: DeepSpeed config (`build_ds_config`) + model loading (`load_causal_lm` / `load_scalar_model`,
+  dropout off, ZeRO-3 construction) + `deepspeed.initialize` (with the LR schedule when trained; eval mode and frozen
+  parameters when not).
+* `sequence_scores`: a scalar-head model's score of each sequence, read at the last real token
+  (`Rollout.score_index` = `rollout.last_token_index`). The PPO scorer (`RLHFEngine.reward_scores`) and the reward-model
+  trainer both call it, so the reward model is trained on exactly the position PPO reads.
+* `backward_global`: backward of a loss normalised by a GLOBAL count (tokens or pairs of the whole mini-batch on all
+  ranks): DeepSpeed averages gradients over ranks and divides by the accumulation steps; this undoes both.
+* `full_state_dict` / `export_engine`: the full (ZeRO-3 consolidated) weights, and a plain Hugging Face folder.
+"""
+from __future__ import annotations
+
+import json
+import os
+from typing import Any, Optional
+
+import torch
+
+from ..config import RoleConfig
+from ..rollout import Rollout, gather_at
+from .ds_config import build_ds_config, load_json, torch_dtype
+from .models import load_causal_lm, load_scalar_model
+
+KINDS = ("causal_lm", "scalar")
+
+
+def scheduler_factory(name: str, warmup: int, total: int):
+    """A DeepSpeed `lr_scheduler` callable: transformers' `get_scheduler(name)` over `total` optimizer steps."""
+    from transformers import get_scheduler
+
+    def make(optimizer):
+        return get_scheduler(name, optimizer=optimizer, num_warmup_steps=warmup, num_training_steps=max(total, 1))
+
+    return make
+
+
+def build_role_engine(role_cfg: RoleConfig, path: str, *, kind: str, stage: int, dtype: str, train: bool, batch: Any,
+                      world_size: int, eval_micro_batch_size: int, num_training_steps: int,
+                      pad_token_id: Optional[int] = None) -> tuple[Any, dict]:
+    """One model as a DeepSpeed engine -> (engine, its DeepSpeed config).
+
+    kind "causal_lm" loads an `AutoModelForCausalLM`; "scalar" a `ScalarHeadModel` (a `*ForSequenceClassification`
+    folder, or a causal LM folder that gets a new one-label head: seed torch first). `batch` needs
+    `per_device_training_batch_size`, `gradient_accumulation_steps` and `mini_batch_size` (a `BatchConfig` or a
+    `SupervisedConfig`). Trained engines get AdamW and the role's LR schedule over `num_training_steps`; eval-only
+    engines (stage 0 or 3) get frozen parameters and eval mode.
+    """
+    import deepspeed
+
+    if kind not in KINDS:
+        raise ValueError(f"kind must be one of {KINDS}, got {kind!r}")
+    ds_cfg = build_ds_config(role_cfg, stage=stage, dtype=dtype, train=train, batch=batch, world_size=world_size,
+                             eval_micro_batch_size=eval_micro_batch_size,
+                             user_config=load_json(role_cfg.ds_config) if role_cfg.ds_config else None)
+    checkpointing = role_cfg.gradient_checkpointing and train
+    if kind == "causal_lm":
+        model = load_causal_lm(path, torch_dtype(dtype), ds_cfg, checkpointing)
+    else:
+        model = load_scalar_model(path, torch_dtype(dtype), ds_cfg, pad_token_id, checkpointing)
+    if train:
+        sched = scheduler_factory(role_cfg.lr_scheduler_type, role_cfg.num_warmup_steps, num_training_steps)
+        engine, *_ = deepspeed.initialize(model=model, config=ds_cfg, lr_scheduler=sched,
+                                          model_parameters=[q for q in model.parameters() if q.requires_grad])
+    else:
+        model.requires_grad_(False)
+        engine, *_ = deepspeed.initialize(model=model, config=ds_cfg)
+        engine.eval()
+    return engine, ds_cfg
+
+
+def write_ds_config(output_dir: str, role: str, ds_cfg: dict) -> str:
+    """`<output_dir>/ds_config_<role>.json` (the resolved DeepSpeed config of one engine); call on the main rank."""
+    os.makedirs(output_dir, exist_ok=True)
+    path = os.path.join(output_dir, f"ds_config_{role}.json")
+    with open(path, "w") as f:
+        json.dump(ds_cfg, f, indent=2, sort_keys=True)
+    return path
+
+
+def rollout_inputs(rollout: Rollout, use_position_ids: bool = True) -> dict:
+    """The forward arguments of a rollout-layout batch (position ids always, except for the trlx-bug test hook)."""
+    return dict(input_ids=rollout.sequences, attention_mask=rollout.attention_mask,
+                position_ids=rollout.position_ids if use_position_ids else None)
+
+
+def sequence_scores(engine: Any, rollout: Rollout, use_position_ids: bool = True) -> torch.Tensor:
+    """[B] fp32 score of each sequence of a `ScalarHeadModel` engine, read at its last real token (EOS included).
+
+    The one scoring function of the project: PPO's reward scores and the reward-model trainer's scores (training and
+    evaluation) both come from here. Runs with or without grad, in whatever mode the engine is in.
+    """
+    return gather_at(engine(**rollout_inputs(rollout, use_position_ids)), rollout.score_index())
+
+
+def backward_global(engine: Any, loss: torch.Tensor, world_size: int) -> None:
+    """Backward of a loss share normalised by the mini-batch's GLOBAL count (all ranks, all micro-batches).
+
+    DeepSpeed averages gradients over ranks (x 1/world) and divides by the accumulation steps; the loss is scaled by
+    the world size and the accumulation scaling is turned off, so the gradients SUM the shares: 1 rank or N, and any
+    micro-batch split, give the same update.
+    """
+    engine.backward(loss * world_size, scale_wrt_gas=False)
+
+
+def full_state_dict(engine: Any, stage: int, is_main: bool) -> Optional[dict]:
+    """The engine's full (ZeRO-3 consolidated) state dict on the main rank, None elsewhere. Collective: call on all
+    ranks."""
+    if stage == 3:
+        sd = engine._zero3_consolidated_16bit_state_dict()
+    else:
+        sd = engine.module.state_dict()
+    return {k: v.detach().cpu().clone() for k, v in sd.items()} if is_main and sd else None
+
+
+def export_engine(engine: Any, stage: int, out_dir: str, tokenizer: Any, is_main: bool) -> None:
+    """Write the engine's model as a plain Hugging Face folder (weights + config + tokenizer) that reloads with
+    `from_pretrained`: a causal LM, or a `*ForSequenceClassification` for a `ScalarHeadModel`. Collective."""
+    sd = full_state_dict(engine, stage, is_main)
+    if is_main:
+        os.makedirs(out_dir, exist_ok=True)
+        engine.module.save_pretrained(out_dir, state_dict=sd)
+        tokenizer.save_pretrained(out_dir)
+    if torch.distributed.is_initialized():
+        torch.distributed.barrier()

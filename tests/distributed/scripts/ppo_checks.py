@@ -1,0 +1,178 @@
+"""Harness for tests/distributed/test_ppo_trainer.py: runs several PPO trainers in one launch and writes what they did.
+
+    deepspeed --num_gpus 2 tests/distributed/scripts/ppo_checks.py --spec spec.json --out result.json
+    python tests/distributed/scripts/ppo_checks.py --spec spec.json --out result.json        (one rank)
+
+spec.json: {"runs": [{"name": str, "args": [train_ppo.py flags...], "hooks": {...}}, ...]}. Each run builds its trainer
+with `rlhf_engine.trainer.build_trainer(parse_args(args))` (the path of launch/train_ppo.py), applies the test hooks,
+trains `max_steps` iterations and records, on rank 0:
+
+  records         the metrics records trainer.train() returned (also in <output_dir>/metrics.jsonl)
+  ratio_trace     max |log-ratio| of every mini-batch, in order (epoch-major), over all ranks
+  optimizer_steps {role: engine step counter before and after}
+  max_param_change {role: max |after - before| over every parameter}, and
+  state dict files <output_dir>/final_<role>.pt of the final parameters (for cross-run comparisons)
+  ranks           per rank (gathered): "rollouts" (per iteration: prompt_length of each generation batch, their
+                  response lengths, and the sequences/attention masks of the first generation batch, so tests can
+                  compare rollouts), "minibatch_tokens" (per iteration: real tokens of each of this rank's
+                  mini-batches) and "experience" (the last iteration's response lengths, prompt length, scores)
+
+Hooks (all default off): "use_position_ids": false  -> engine.use_position_ids = False (trlx's left-padding bug);
+"loss_token_mean": "local" -> the per-rank token mean (negative control of the global token mean);
+"left_pad_training": k -> every actor TRAINING forward gets k extra left-padding columns (harness-only: wraps
+engine.actor_forward), so it sees another left padding than the experience forward of the same rows;
+"reward_fn": "fraction:<lo>:<hi>" -> score = fraction of response tokens with lo <= id < hi (a programmatic reward).
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import gc
+import json
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))))
+
+import torch  # noqa: E402
+
+
+def fraction_reward(lo: int, hi: int):
+    """reward_fn: the share of real response tokens whose id lies in [lo, hi) (0 for an empty response)."""
+
+    def fn(prompt_ids: torch.Tensor, rollout) -> torch.Tensor:
+        r = rollout.responses
+        hit = ((r >= lo) & (r < hi)).float() * rollout.action_mask
+        return hit.sum(-1) / rollout.action_mask.sum(-1).clamp(min=1)
+
+    return fn
+
+
+def left_padded(rollout, k: int, pad_token_id: int):
+    """The same rows with `k` more padding columns on the left (real tokens, masks and mask-derived position ids of
+    the real tokens unchanged; prompt_length grows by k, so the [B, R] per-action outputs stay aligned)."""
+    from rlhf_engine.rollout import position_ids_from_mask
+
+    F = torch.nn.functional
+    mask = F.pad(rollout.attention_mask, (k, 0), value=0)
+    return dataclasses.replace(rollout, sequences=F.pad(rollout.sequences, (k, 0), value=pad_token_id),
+                               attention_mask=mask, position_ids=position_ids_from_mask(mask),
+                               prompt_length=rollout.prompt_length + k)
+
+
+def gather(obj):
+    """Every rank's `obj`, in rank order (on every rank)."""
+    world = torch.distributed.get_world_size()
+    out = [None] * world
+    torch.distributed.all_gather_object(out, obj)
+    return out
+
+
+def run_one(spec: dict) -> dict | None:
+    from rlhf_engine.cli import parse_args
+    from rlhf_engine.trainer import build_trainer
+
+    cfg = parse_args(spec["args"])
+    trainer = build_trainer(cfg)
+    engine = trainer.engine
+    is_main = engine.dist.is_main
+    hooks = spec.get("hooks", {})
+    if "use_position_ids" in hooks:
+        engine.use_position_ids = bool(hooks["use_position_ids"])
+    if "loss_token_mean" in hooks:
+        trainer.loss_token_mean = hooks["loss_token_mean"]
+    if "left_pad_training" in hooks:  # the actor's TRAINING forward sees k more left padding than its experience
+        k, orig_actor_forward = int(hooks["left_pad_training"]), engine.actor_forward
+        engine.actor_forward = lambda r, with_entropy=False: orig_actor_forward(
+            left_padded(r, k, engine.pad_token_id), with_entropy=with_entropy)
+    if "reward_fn" in hooks:
+        kind, lo, hi = hooks["reward_fn"].split(":")
+        assert kind == "fraction", kind
+        trainer.reward_fn = fraction_reward(int(lo), int(hi))
+
+    roles = ("actor", "critic")
+    before = {role: engine.full_state_dict(role) for role in roles}
+    steps_before = {role: engine.optimizer_steps(role) for role in roles}
+
+    rollouts = []  # per iteration: this rank's generation batches
+    orig_rollout_phase = trainer.rollout_phase
+
+    def rollout_phase():
+        rs = orig_rollout_phase()
+        rollouts.append({
+            "prompt_lengths": [r.prompt_length for r in rs],
+            "response_lengths": [r.response_lengths.tolist() for r in rs],
+            "sequences": rs[0].sequences.tolist(),
+            "attention_mask": rs[0].attention_mask.tolist(),
+        })
+        return rs
+
+    trainer.rollout_phase = rollout_phase
+    minibatch_tokens = []
+    orig_train_phase = trainer.train_phase
+
+    def train_phase(exp, stats):
+        minibatch_tokens.append([int(m.rollout.action_mask.sum()) for m in exp.split(cfg.batch.mini_batch_size)])
+        return orig_train_phase(exp, stats)
+
+    trainer.train_phase = train_phase
+    records = trainer.train()
+
+    after = {role: engine.full_state_dict(role) for role in roles}
+    steps_after = {role: engine.optimizer_steps(role) for role in roles}
+    exp = trainer.last_experience
+    mine = {
+        "rollouts": rollouts,
+        "minibatch_tokens": minibatch_tokens,
+        "experience": {"response_lengths": exp.rollout.response_lengths.tolist(),
+                       "prompt_length": exp.rollout.prompt_length,
+                       "scores": exp.scores.tolist()},
+    }
+    per_rank = gather(mine)
+    result = None
+    if is_main:
+        change = {}
+        for role in roles:
+            change[role] = max(float((after[role][k].float() - before[role][k].float()).abs().max())
+                               for k in before[role] if before[role][k].numel())
+            torch.save(after[role], os.path.join(cfg.output_dir, f"final_{role}.pt"))
+        result = {
+            "name": spec["name"],
+            "output_dir": cfg.output_dir,
+            "world_size": engine.dist.world_size,
+            "records": records,
+            "ratio_trace": list(trainer.ratio_trace),
+            "optimizer_steps": {role: [steps_before[role], steps_after[role]] for role in roles},
+            "max_param_change": change,
+            "num_params": {role: sum(v.numel() for v in before[role].values()) for role in roles},
+            "ranks": per_rank,
+        }
+    del trainer, engine, before, after
+    gc.collect()
+    return result
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--spec", required=True)
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--local_rank", type=int, default=None)  # passed by the deepspeed launcher
+    args = parser.parse_args()
+    with open(args.spec) as f:
+        spec = json.load(f)
+    results = []
+    for run in spec["runs"]:
+        res = run_one(run)
+        if res is not None:
+            results.append(res)
+            print(f"[ppo_checks] run {run['name']} done", flush=True)
+    if torch.distributed.get_rank() == 0:
+        with open(args.out, "w") as f:
+            json.dump({"runs": results}, f)
+    torch.distributed.barrier()
+    torch.distributed.destroy_process_group()  # see launch/train_ppo.py shutdown(): no gloo abort at exit
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
