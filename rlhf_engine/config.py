@@ -328,6 +328,8 @@ class TrainConfig:
     output_dir: str = opt("runs/ppo", "Run directory: metrics.jsonl, resolved configs, checkpoints.")
     max_steps: int = opt(10, "PPO iterations to run (one iteration = rollouts + ppo_epochs of updates).")
     seed: int = opt(1234, "Seed: data order depends on it; sampling uses seed + rank.")
+    reward_fn: str = opt("", "'module:function' scoring (prompts, responses) as text, one float each; replaces the "
+                         "reward model (no reward engine is built) and the critic then starts from the actor.")
     dtype: str = opt("fp32", "Default dtype of every role: fp32, bf16 or fp16.")
     overwrite_output_dir: bool = opt(False, "Start a new run in an output_dir that holds another run: its files "
                                      "are kept, moved aside as <name>.<timestamp>.bak (nothing is deleted or "
@@ -341,6 +343,11 @@ class TrainConfig:
                           ("batch", BatchConfig), ("data", DataConfig), ("logging", LoggingConfig)):
             if getattr(self, name) is None:
                 setattr(self, name, cls())
+
+    @property
+    def active_roles(self) -> tuple:
+        """The roles that get an engine: no reward model when a reward function scores the rollouts."""
+        return tuple(r for r in ROLES if not (r == "reward" and self.reward_fn))
 
     def validate(self) -> "TrainConfig":
         """Raise one `ConfigError` listing every problem; return self when valid."""

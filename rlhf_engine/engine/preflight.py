@@ -29,7 +29,8 @@ def resolve_paths(cfg: TrainConfig) -> dict[str, str]:
     critic = cfg.critic.model_name_or_path
     reward = cfg.reward.model_name_or_path
     if not critic:
-        critic = actor if cfg.critic.init_from == "actor" else reward
+        from_actor = cfg.critic.init_from == "actor" or (cfg.reward_fn and cfg.critic.init_from != "reward")
+        critic = actor if from_actor else reward
     if not reward:
         reward = critic
     return {"actor": actor, "reference": cfg.reference.model_name_or_path or actor, "critic": critic,
@@ -67,7 +68,7 @@ def plan_roles(cfg: TrainConfig) -> dict[str, RolePlan]:
         p.add("critic_model_name_or_path", "", "give a critic (or reward) model folder, or set critic_init_from=actor")
     configs = {}
     reported = set()  # a path shared by several roles (reference = actor by default) is reported once
-    for role in ROLES:
+    for role in cfg.active_roles:
         path = paths[role]
         if not path or path in reported:
             continue
@@ -110,8 +111,15 @@ def plan_roles(cfg: TrainConfig) -> dict[str, RolePlan]:
             seen.add(paths[role])
             p.add("max_prompt_seq_len + max_answer_seq_len", need, f"exceeds the {role} model's maximum positions "
                   f"({limit}); lower max_prompt_seq_len or max_answer_seq_len")
+    if cfg.reward_fn:
+        try:
+            from ..rewards import load_reward_fn
+
+            load_reward_fn(cfg.reward_fn)
+        except ValueError as e:
+            p.add("reward_fn", cfg.reward_fn, str(e))
     plans = {}
-    for role in ROLES:
+    for role in cfg.active_roles:
         stage = resolve_stage(cfg, role)
         train = role in ("actor", "critic")
         rc = getattr(cfg, role)

@@ -13,7 +13,7 @@ from typing import Optional
 
 import torch
 
-from ..config import ROLES, TrainConfig
+from ..config import TrainConfig
 from ..ppo_math import entropy_from_logits, logprobs_from_logits
 from ..rollout import Rollout
 from .distributed import DistInfo
@@ -55,8 +55,7 @@ class RLHFEngine:
         self.use_position_ids = True  # test hook: False reproduces the trlx left-padding bug
         self.ds_configs: dict[str, dict] = {}
         self.engines = {}
-        for role in ROLES:
-            plan = self.plans[role]
+        for role, plan in self.plans.items():
             kind = "causal_lm" if role in ("actor", "reference") else "scalar"
             engine, ds_cfg = build_role_engine(
                 getattr(cfg, role), plan.path, kind=kind, stage=plan.stage, dtype=plan.dtype, train=plan.train,

@@ -19,6 +19,27 @@ class NonFiniteError(RuntimeError):
 RewardFn = Callable[[torch.Tensor, Rollout], torch.Tensor]
 
 
+def decode_rollout(tokenizer, rollout: Rollout) -> tuple[list[str], list[str]]:
+    """The real prompt and response text of every row (padding dropped by mask; special tokens skipped)."""
+    P = rollout.prompt_length
+    pmask = rollout.attention_mask[:, :P].bool()
+    prompts = [tokenizer.decode(row[m].tolist(), skip_special_tokens=True) for row, m in zip(rollout.prompts, pmask)]
+    responses = [tokenizer.decode(row[: int(n)].tolist(), skip_special_tokens=True)
+                 for row, n in zip(rollout.responses, rollout.response_lengths)]
+    return prompts, responses
+
+
+def text_reward(fn: Callable, tokenizer) -> RewardFn:
+    """Adapt a text reward function `fn(prompts, responses) -> floats` (see rlhf_engine.rewards) to a RewardFn."""
+    from ..rewards import call_reward_fn
+
+    def reward(prompt_ids: torch.Tensor, rollout: Rollout) -> torch.Tensor:
+        prompts, responses = decode_rollout(tokenizer, rollout)
+        return torch.tensor(call_reward_fn(fn, prompts, responses), dtype=torch.float32)
+
+    return reward
+
+
 def make_experience(engine, rollout: Rollout, ppo: PPOConfig, kl_coef: float,
                     reward_fn: Optional[RewardFn] = None) -> tuple[Experience, torch.Tensor]:
     """One rollout batch -> (Experience without whitening, [B, R] rollout entropy).

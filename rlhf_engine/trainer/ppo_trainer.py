@@ -25,7 +25,8 @@ from ..engine import all_reduce
 from ..outputs.metrics import MetricsWriter
 from ..ppo_math import AdaptiveKLController, FixedKLController, policy_loss, value_loss
 from ..rollout import Experience, Rollout
-from .experience import NonFiniteError, RewardFn, global_moments, make_experience, whiten_advantages
+from .experience import (NonFiniteError, RewardFn, decode_rollout, global_moments, make_experience,
+                         whiten_advantages)
 
 log = logging.getLogger(__name__)
 
@@ -83,6 +84,7 @@ class PPOTrainer:
         # Optional programmatic reward replacing the reward model: reward_fn(prompt_ids [B, P], rollout) -> [B]
         # scores (see experience.make_experience). To become `--reward_fn module:function`.
         self.reward_fn: Optional[RewardFn] = None
+        self.samples_per_iteration = 4  # prompt / response / score rows logged per iteration (samples.jsonl, wandb)
         # TEST HOOK (negative control of the token aggregation): "global" (the only correct setting) divides each
         # mini-batch's loss by its global token count; "local" reproduces the naive per-rank token mean (each rank's
         # mean, averaged over ranks), which depends on how tokens fall on ranks.
@@ -225,6 +227,11 @@ class PPOTrainer:
         }
         self.kl_ctl.update(kl_seq, int(n_seq))
         self.metrics.write(rec)
+        if self.engine.dist.is_main and hasattr(self.metrics, "log_samples"):
+            # a few of rank 0's samples (decoding every row of every rank would cost a gather for a table)
+            few = exp.select(slice(0, self.samples_per_iteration))
+            prompts, responses = decode_rollout(self.engine.tokenizer, few.rollout)
+            self.metrics.log_samples(self.iteration, prompts, responses, few.scores.tolist())
         self.iteration += 1
         return rec
 

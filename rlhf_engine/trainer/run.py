@@ -4,9 +4,7 @@ Cheap checks (config, data file, prompt lengths, model configs) all run before a
 """
 from __future__ import annotations
 
-import json
 import logging
-import os
 import sys
 from typing import Optional
 
@@ -14,7 +12,10 @@ import torch
 
 from ..config import TrainConfig
 from ..data.prompts import PromptSampler, load_prompt_data
-from ..engine import RLHFEngine, init_distributed, load_tokenizer
+from ..engine import RLHFEngine, barrier, init_distributed, load_tokenizer
+from ..outputs.run_logger import RunLogger, prepare_output_dir, write_run_files
+from ..rewards import load_reward_fn
+from .experience import text_reward
 from .ppo_trainer import PPOTrainer, updates_per_iteration
 
 log = logging.getLogger("rlhf_engine")
@@ -40,21 +41,31 @@ def build_trainer(cfg: TrainConfig, argv: Optional[list] = None) -> PPOTrainer:
                                verbose=dist.is_main).train
     # too few prompts for one global batch is a batch-arithmetic error: report it before any weight is loaded
     PromptSampler(len(dataset), cfg.batch.per_device_generation_batch_size, dist.rank, dist.world_size, cfg.seed)
-    if dist.is_main:
-        from ..cli import flat_dict
-
-        os.makedirs(cfg.output_dir, exist_ok=True)
-        with open(os.path.join(cfg.output_dir, "config.json"), "w") as f:
-            json.dump(flat_dict(cfg), f, indent=2, sort_keys=True)
-        if argv is not None:
-            with open(os.path.join(cfg.output_dir, "command.txt"), "w") as f:
-                f.write(" ".join(argv) + "\n")
+    prepare_run_dir(cfg, dist, argv)
     # Anything drawn while the engines are built (a new critic head with critic_init_from=actor) depends on the seed
     # only, identically on every rank; the trainer then reseeds with seed + rank for sampling.
     torch.manual_seed(cfg.seed)
     engine = RLHFEngine(cfg, dist, num_training_steps=cfg.max_steps * updates_per_iteration(cfg),
                         output_dir=cfg.output_dir)
-    return PPOTrainer(cfg, engine, dataset)
+    from ..cli import flat_dict
+
+    logger = RunLogger.from_config(cfg, dist.is_main, flat_dict(cfg))
+    trainer = PPOTrainer(cfg, engine, dataset, metrics=logger)
+    if cfg.reward_fn:
+        trainer.reward_fn = text_reward(load_reward_fn(cfg.reward_fn), engine.tokenizer)
+    return trainer
+
+
+def prepare_run_dir(cfg, dist, argv: Optional[list]) -> None:
+    """Refuse an output directory holding another run (unless resume/overwrite), then write the resolved config and
+    the (redacted) command line. Shared by the PPO, SFT and reward-model recipes."""
+    from ..cli import flat_dict
+
+    prepare_output_dir(cfg.output_dir, resume=bool(getattr(cfg, "resume", "")), overwrite=cfg.overwrite_output_dir,
+                       is_main=dist.is_main)
+    barrier()  # only rank 0 creates the folder or moves old files aside
+    if dist.is_main:
+        write_run_files(cfg.output_dir, flat_dict(cfg), list(argv or []))
 
 
 def run_ppo(cfg: TrainConfig, argv: Optional[list] = None) -> PPOTrainer:

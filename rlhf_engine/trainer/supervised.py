@@ -29,9 +29,9 @@ from ..data.supervised import eval_shards
 from ..engine import all_reduce, barrier, init_distributed, load_tokenizer
 from ..engine.preflight import RolePlan, plan_model
 from ..engine.role_engine import backward_global, build_role_engine, export_engine, write_ds_config
-from ..outputs.run_logger import RunLogger, prepare_output_dir, write_run_files
+from ..outputs.run_logger import RunLogger
 from .ppo_trainer import _Sums
-from .run import setup_logging
+from .run import prepare_run_dir, setup_logging
 
 log = logging.getLogger(__name__)
 MODEL_DIR = "model"  # <output_dir>/model: the exported Hugging Face folder
@@ -166,10 +166,8 @@ def build_supervised(cfg: Any, trainer_cls: type, argv: Optional[list] = None) -
     total = per_epoch * t.num_train_epochs
     if t.max_steps:
         total = min(total, t.max_steps)
-    prepare_output_dir(cfg.output_dir, resume=False, overwrite=cfg.overwrite_output_dir, is_main=dist.is_main)
-    barrier()
+    prepare_run_dir(cfg, dist, argv)
     if dist.is_main:
-        write_run_files(cfg.output_dir, flat_dict(cfg), list(argv or []))
         n_eval = 0 if data.eval is None else len(data.eval)
         log.info("%s: %d train / %d eval rows; mini-batch %d/rank (%d x %d accumulation) x %d ranks -> %d optimizer "
                  "steps per epoch (%d rows per epoch dropped: short last global batch); %d steps in all",
