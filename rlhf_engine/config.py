@@ -168,6 +168,8 @@ class RoleConfig:
     offload_params: bool = opt(False, "Also offload parameters to CPU (ZeRO-3 only).")
     dtype: str = opt("", "fp32, bf16 or fp16 ('' = the run's dtype).")
     gradient_checkpointing: bool = opt(False, "Recompute activations in backward to save memory (trained roles).")
+    trainable_layers: int = opt(0, "Train only the top N transformer blocks (+ final norm and score head); the "
+                                "embeddings and lower blocks stay frozen, so backward stops early (0 = train all).")
     learning_rate: float = opt(1e-6, "Peak learning rate (trained roles).")
     weight_decay: float = opt(0.0, "AdamW weight decay (trained roles).")
     adam_beta1: float = opt(0.9, "AdamW beta1.")
@@ -179,13 +181,22 @@ class RoleConfig:
     init_from: str = opt("", "critic only: 'reward' (default: the reward model's weights) or 'actor' (the actor's "
                          "backbone with a new scalar head).")
     ds_config: str = opt("", "Optional DeepSpeed JSON merged over the built config of this role (keys validated).")
+    lora_dim: int = opt(0, "LoRA rank (peft) of a trained role; 0 = off (full fine-tuning). With LoRA only the adapter "
+                        "weights train (and the critic's scalar head); exports merge the adapter into plain weights.")
+    lora_alpha: float = opt(16.0, "LoRA alpha: the adapter's update is scaled by lora_alpha / lora_dim.")
+    lora_dropout: float = opt(0.0, "Dropout on the LoRA input. Must be 0 in PPO (old log-probs come from eval-mode "
+                              "forwards, the update from training forwards: dropout would make the ratio differ from "
+                              "1 at lr 0); steps 1 and 2 allow it.")
+    lora_target_modules: str = opt("all-linear", "Modules that get an adapter: 'all-linear' (every Linear / Conv1D "
+                                   "layer of the backbone; never the LM head or the score head) or comma-separated "
+                                   "module names or name suffixes, e.g. 'q_proj,v_proj' or 'c_attn'.")
 
     def validate(self, p: Problems, prefix: str = "") -> None:
         if self.zero_stage is not None and self.zero_stage not in (0, 1, 2, 3):
             p.add(prefix + "zero_stage", self.zero_stage, "must be 0, 1, 2 or 3")
         if self.dtype and self.dtype not in DTYPES:
             p.add(prefix + "dtype", self.dtype, f"must be one of {', '.join(DTYPES)} (or '' for the run's dtype)")
-        _positive(p, prefix, self, "learning_rate", "weight_decay", "num_warmup_steps", "gradient_clipping",
+        _positive(p, prefix, self, "learning_rate", "weight_decay", "num_warmup_steps", "gradient_clipping", "trainable_layers",
                   allow_zero=True)
         _positive(p, prefix, self, "adam_eps")
         for n in ("adam_beta1", "adam_beta2"):
@@ -194,6 +205,18 @@ class RoleConfig:
         _choice(p, prefix, self, "lr_scheduler_type", SCHEDULERS)
         if self.offload_params and self.zero_stage not in (3, None):
             p.add(prefix + "offload_params", True, f"parameter offload needs zero_stage 3 (got {self.zero_stage})")
+        if not (isinstance(self.lora_dim, int) and not isinstance(self.lora_dim, bool) and self.lora_dim >= 0):
+            p.add(prefix + "lora_dim", self.lora_dim, "must be a whole number >= 0 (0 = LoRA off)")
+        _positive(p, prefix, self, "lora_alpha")
+        if not (_number(self.lora_dropout) and 0.0 <= self.lora_dropout < 1.0):
+            p.add(prefix + "lora_dropout", self.lora_dropout, "must lie in [0, 1)")
+        if not isinstance(self.lora_target_modules, str) or not [t for t in self.lora_target_modules.split(",")
+                                                                 if t.strip()]:
+            p.add(prefix + "lora_target_modules", self.lora_target_modules,
+                  "give 'all-linear' or comma-separated module names")
+        if self.lora_dim and getattr(self, "trainable_layers", 0):
+            p.add(prefix + "lora_dim", self.lora_dim, f"cannot be combined with {prefix}trainable_layers "
+                  f"({self.trainable_layers}): LoRA freezes every base weight; use one of them")
 
 
 LONG_PROMPT_POLICIES = ("error", "skip", "truncate_left")
@@ -312,6 +335,53 @@ class LoggingConfig:
             p.add(prefix + "wandb_sample_interval", self.wandb_sample_interval, "must be a whole number")
 
 
+GATHER_ONCE_MODES = ("auto", "on", "off")
+
+
+@dataclass
+class EngineConfig:
+    """Engine extensions of a PPO run: LoRA reference, EMA of the actor, ZeRO-3 generation, DeepSpeed Hybrid Engine."""
+
+    reference_from_actor_adapter: bool = opt(False, "With actor LoRA (actor_lora_dim > 0): no reference engine is "
+                                             "built; reference log-probs come from the actor with its adapter "
+                                             "disabled, i.e. the initial (base) weights. Saves one model copy.")
+    enable_ema: bool = opt(False, "Keep an exponential moving average of the actor in its own eval-only engine "
+                           "(ZeRO 3 when the actor is at 3, else 0): ema = ema_decay*ema + (1-ema_decay)*actor after "
+                           "every actor optimizer step; saved with checkpoints, exported as <output>/ema.")
+    ema_decay: float = opt(0.992, "EMA decay beta in [0, 1) (DeepSpeed-Chat's value by default).")
+    ema_dtype: str = opt("fp32", "dtype of the EMA weights: fp32 (default, whatever the actor's dtype: a bf16 EMA "
+                         "loses updates smaller than its rounding) or '' (the actor's dtype).")
+    generation_gather_once: str = opt("auto", "ZeRO-3 actor: gather the full actor once around each generate() call "
+                                      "instead of fetching every layer for every new token. 'auto' = on with CUDA, "
+                                      "off on CPU (measured not faster there); 'on'; 'off'. Only when the actor's "
+                                      "weights fit gather_once_max_bytes.")
+    gather_once_max_bytes: int = opt(8 * 2**30, "Largest actor (bytes of its full weights) gathered at once for "
+                                     "generation; a larger actor falls back to per-layer fetching (logged once).")
+    enable_hybrid_engine: bool = opt(False, "DeepSpeed Hybrid Engine for the actor's generation (GPU only, "
+                                     "DeepSpeed-inference architectures only, no LoRA; unverified here). Stops at "
+                                     "start-up where it cannot run, unless hybrid_engine_fallback.")
+    hybrid_engine_fallback: bool = opt(False, "Where the Hybrid Engine cannot run (no CUDA, architecture without a "
+                                       "DeepSpeed inference container, LoRA), log a warning and generate with "
+                                       "Hugging Face instead of stopping.")
+    inference_tp_size: int = opt(1, "Hybrid Engine: tensor-parallel size of generation.")
+    tp_gather_partition_size: int = opt(8, "Hybrid Engine: layers gathered together when inference_tp_size > 1.")
+    release_inference_cache: bool = opt(False, "Hybrid Engine: free the inference workspace after each generate.")
+    unpin_actor_parameters: bool = opt(False, "Hybrid Engine: do not pin the gathered actor parameters (DeepSpeed's "
+                                       "pin_parameters = not unpin_actor_parameters).")
+
+    def validate(self, p: Problems, prefix: str = "") -> None:
+        if not (_number(self.ema_decay) and 0.0 <= self.ema_decay < 1.0):
+            p.add(prefix + "ema_decay", self.ema_decay, "must lie in [0, 1)")
+        if self.ema_dtype and self.ema_dtype not in DTYPES:
+            p.add(prefix + "ema_dtype", self.ema_dtype, f"must be one of {', '.join(DTYPES)} (or '' for the actor's)")
+        _choice(p, prefix, self, "generation_gather_once", GATHER_ONCE_MODES)
+        _positive(p, prefix, self, "gather_once_max_bytes", allow_zero=True)
+        _positive(p, prefix, self, "inference_tp_size", "tp_gather_partition_size")
+        for n in ("gather_once_max_bytes", "inference_tp_size", "tp_gather_partition_size"):
+            if _number(getattr(self, n)) and not isinstance(getattr(self, n), int):
+                p.add(prefix + n, getattr(self, n), "must be a whole number")
+
+
 @dataclass
 class TrainConfig:
     """Everything one PPO run needs."""
@@ -325,22 +395,40 @@ class TrainConfig:
     batch: BatchConfig = opt(None, "Batch arithmetic.")
     data: DataConfig = opt(None, "Prompt data.")
     logging: LoggingConfig = opt(None, "Metrics sinks besides metrics.jsonl.")
+    engine: EngineConfig = opt(None, "Engine extensions: LoRA reference, EMA, gather-once generation, Hybrid Engine.")
     output_dir: str = opt("runs/ppo", "Run directory: metrics.jsonl, resolved configs, checkpoints.")
     max_steps: int = opt(10, "PPO iterations to run (one iteration = rollouts + ppo_epochs of updates).")
     seed: int = opt(1234, "Seed: data order depends on it; sampling uses seed + rank.")
+    eval_interval: int = opt(0, "Evaluate (greedy generation on held-out prompts: eval/score, eval/kl, "
+                             "eval/response_length) before iteration 0, every N iterations, and after the last (0 = off).")
+    eval_data_path: str = opt("", "Held-out prompts for evaluation (.jsonl etc.); '' = the eval_split of data_path.")
     reward_fn: str = opt("", "'module:function' scoring (prompts, responses) as text, one float each; replaces the "
                          "reward model (no reward engine is built) and the critic then starts from the actor.")
     dtype: str = opt("fp32", "Default dtype of every role: fp32, bf16 or fp16.")
     overwrite_output_dir: bool = opt(False, "Start a new run in an output_dir that holds another run: its files "
                                      "are kept, moved aside as <name>.<timestamp>.bak (nothing is deleted or "
                                      "overwritten).")
-    resume: str = opt("", "Resume: '' = no, 'auto' = the latest complete checkpoint in output_dir, or a checkpoint "
-                      "path.")
+    resume: str = opt("", "Resume: '' = no; 'auto' = the newest complete checkpoint under <output_dir>/checkpoints "
+                      "(none: start at iteration 0, so a requeued job can always pass it); or a path: a checkpoint "
+                      "folder (iter_NNNNNN, with its COMPLETE marker) or a run folder (its newest complete one). "
+                      "Continues exactly where the checkpoint stopped (weights, optimizers, schedules, data "
+                      "position, random generators, KL controller).")
+    resume_force: bool = opt(False, "Resume although world size, models, seed, data or batch arithmetic differ from "
+                             "the checkpoint's run (otherwise refused, naming every differing key); not an exact "
+                             "continuation.")
+    save_interval: int = opt(0, "Save a checkpoint every N iterations to <output_dir>/checkpoints/iter_NNNNNN "
+                             "(0 = only at the end; the end is always saved).")
+    keep_last: int = opt(2, "Keep the newest K complete checkpoints; older complete ones are deleted after a new "
+                         "one is complete (0 = keep all). Incomplete folders are never deleted.")
+    export_final: bool = opt(True, "At the end, export the actor and critic (and the EMA) as Hugging Face folders "
+                             "(ZeRO-3 consolidated, LoRA merged, tokenizer saved) to export_dir.")
+    export_dir: str = opt("", "Where export_final writes <role>/ folders ('' = <output_dir>/final).")
 
     def __post_init__(self) -> None:
         for name, cls in (("actor", RoleConfig), ("critic", RoleConfig), ("reference", RoleConfig),
                           ("reward", RoleConfig), ("ppo", PPOConfig), ("generation", GenerationConfig),
-                          ("batch", BatchConfig), ("data", DataConfig), ("logging", LoggingConfig)):
+                          ("batch", BatchConfig), ("data", DataConfig), ("logging", LoggingConfig),
+                          ("engine", EngineConfig)):
             if getattr(self, name) is None:
                 setattr(self, name, cls())
 
@@ -366,6 +454,7 @@ class TrainConfig:
                       f"defaults to 0: set {role}_zero_stage 3 (or drop {role}_offload_params)")
         if self.critic.init_from not in ("", "reward", "actor"):
             p.add("critic_init_from", self.critic.init_from, "must be 'reward' or 'actor'")
+        self._validate_engine_extensions(p)
         self.ppo.validate(p)
         self.generation.validate(p)
         self.batch.validate(p)
@@ -376,10 +465,44 @@ class TrainConfig:
         elif self.resume and self.overwrite_output_dir is True:
             p.add("overwrite_output_dir", True, f"cannot be combined with resume ({self.resume!r}): resume continues "
                   "the run in output_dir, overwrite_output_dir starts a new one; drop one of them")
+        for n in ("save_interval", "keep_last"):
+            v = getattr(self, n)
+            if not isinstance(v, int) or isinstance(v, bool) or v < 0:
+                p.add(n, v, "must be a whole number >= 0")
         _choice(p, "", self, "dtype", DTYPES)
         _positive(p, "", self, "max_steps")
+        _positive(p, "", self, "eval_interval", allow_zero=True)
+        if self.eval_interval and not self.eval_data_path and not self.data.eval_split:
+            p.add("eval_interval", self.eval_interval, "needs held-out prompts: set eval_data_path or eval_split")
         p.raise_if_any()
         return self
+
+    def _validate_engine_extensions(self, p: Problems) -> None:
+        """LoRA per role, the adapter-disabled reference, EMA (the Hybrid Engine's checks need the model config and
+        CUDA: engine.preflight)."""
+        e = self.engine
+        e.validate(p)
+        for role in ("reference", "reward"):
+            if getattr(self, role).lora_dim:
+                p.add(f"{role}_lora_dim", getattr(self, role).lora_dim, f"the {role} is frozen (eval-only) and takes "
+                      "no adapter; LoRA is for the trained roles (actor_lora_dim, critic_lora_dim)")
+        for role in ("actor", "critic"):
+            rc = getattr(self, role)
+            if rc.lora_dim and _number(rc.lora_dropout) and rc.lora_dropout != 0:
+                p.add(f"{role}_lora_dropout", rc.lora_dropout, "must be 0 in PPO: the old log-probs (and values) "
+                      "come from eval-mode forwards and the update from training forwards, so adapter dropout would "
+                      "make the PPO ratio differ from 1 even at learning rate 0")
+        if e.reference_from_actor_adapter is True:
+            if not self.actor.lora_dim:
+                p.add("reference_from_actor_adapter", True, "needs actor LoRA: set actor_lora_dim > 0 (the reference "
+                      "is the actor with its adapter disabled), or drop reference_from_actor_adapter")
+            ref = self.reference.model_name_or_path
+            if ref and ref != self.actor.model_name_or_path:
+                p.add("reference_from_actor_adapter", True, f"the reference would be the actor's base weights "
+                      f"({self.actor.model_name_or_path}), but reference_model_name_or_path is {ref!r}: drop one")
+        if e.enable_ema is True and self.actor.lora_dim:
+            p.add("enable_ema", True, "is not supported with actor LoRA (an average of the adapter factors A and B is "
+                  "not the average of the adapted weights); drop enable_ema or actor_lora_dim")
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)

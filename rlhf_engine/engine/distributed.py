@@ -31,10 +31,25 @@ class DistInfo:
         return self.rank == 0
 
 
+def launch_env(environ) -> dict:
+    """The variables `init_distributed` adds to the environment before the rendezvous: nothing under a launcher
+    (RANK and WORLD_SIZE set: the deepspeed launcher, torchrun; they win over SLURM's variables), SLURM's mapping
+    inside an srun task (`env_from_slurm`: one task per GPU), else one rank on a free local port."""
+    if all(v in environ for v in ("RANK", "WORLD_SIZE")):
+        return {}
+    slurm = env_from_slurm(environ)
+    if slurm:
+        return slurm
+    return dict(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_SIZE="1", MASTER_ADDR="127.0.0.1",
+                MASTER_PORT=environ.get("MASTER_PORT", str(free_port())))
+
+
 def init_distributed(timeout_minutes: float | None = None) -> DistInfo:
     """Initialise torch.distributed through DeepSpeed (idempotent).
 
-    Without launcher variables (a plain `python script.py`) a one-rank environment on a free port is set up first.
+    Without launcher variables (RANK, WORLD_SIZE: the deepspeed launcher, torchrun) but inside an srun task, the
+    rendezvous comes from SLURM's environment (`env_from_slurm`); otherwise (a plain `python script.py`) a one-rank
+    environment on a free port is set up first.
     On CPU the gloo backend is used and DeepSpeed's shm-comm C++ op is not built (its JIT build costs 40 s and plain
     gloo is enough). The collective timeout comes from `timeout_minutes`, else `DEEPSPEED_TIMEOUT` (minutes), else 10.
     """
@@ -43,9 +58,7 @@ def init_distributed(timeout_minutes: float | None = None) -> DistInfo:
     import deepspeed  # local: only the engine package imports deepspeed
     importlib.import_module("torch._dynamo")  # must precede zero.Init (DeepSpeed 0.19 + torch 2.13)
 
-    if not all(v in os.environ for v in ("RANK", "WORLD_SIZE")):
-        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_SIZE="1", MASTER_ADDR="127.0.0.1",
-                          MASTER_PORT=os.environ.get("MASTER_PORT", str(free_port())))
+    os.environ.update(launch_env(os.environ))
     on_gpu = torch.cuda.is_available()
     if not on_gpu:
         deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
@@ -55,11 +68,121 @@ def init_distributed(timeout_minutes: float | None = None) -> DistInfo:
         deepspeed.init_distributed(timeout=datetime.timedelta(minutes=minutes))
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
     if on_gpu:
+        if local_rank >= torch.cuda.device_count():
+            raise RuntimeError(f"LOCAL_RANK is {local_rank} but this process sees {torch.cuda.device_count()} CUDA "
+                               "device(s): every rank of a node must see all of the node's GPUs (under srun: "
+                               "--gpus-per-node=N, not --gpus-per-task=1 or --gpu-bind=single)")
         torch.cuda.set_device(local_rank)
         device = torch.device("cuda", local_rank)
     else:
         device = torch.device("cpu")
     return DistInfo(torch.distributed.get_rank(), torch.distributed.get_world_size(), local_rank, device)
+
+
+# ---- SLURM ---------------------------------------------------------------------------------------------------
+SLURM_PORT_BASE = 15000  # MASTER_PORT = 15000 + job id % 10000: below Linux's ephemeral range, one port per job
+SLURM_PORT_SPAN = 10000
+
+
+def expand_nodelist(nodelist: str) -> list[str]:
+    """SLURM's compressed host list -> host names: `node[01-03,07]` -> node01 node02 node03 node07;
+    `gpu-a[1-2],cpu7` -> gpu-a1 gpu-a2 cpu7; `rack[1-2]-n[1-2]` -> rack1-n1 rack1-n2 rack2-n1 rack2-n2 (zero padding
+    kept)."""
+    hosts: list[str] = []
+    for item in _split_top(nodelist.strip()):
+        parts = [[""]]
+        rest = item
+        while rest:
+            i = rest.find("[")
+            if i < 0:
+                parts.append([rest])
+                break
+            j = rest.index("]", i)
+            parts.append([rest[:i]])
+            parts.append(_expand_ranges(rest[i + 1:j]))
+            rest = rest[j + 1:]
+        names = [""]
+        for choices in parts:
+            names = [n + c for n in names for c in choices]
+        hosts.extend(n for n in names if n)
+    return hosts
+
+
+def _split_top(s: str) -> list[str]:
+    """Split at commas outside brackets."""
+    out, depth, cur = [], 0, ""
+    for ch in s:
+        depth += ch == "["
+        depth -= ch == "]"
+        if ch == "," and depth == 0:
+            out.append(cur)
+            cur = ""
+        else:
+            cur += ch
+    if cur:
+        out.append(cur)
+    return [x for x in out if x]
+
+
+def _expand_ranges(spec: str) -> list[str]:
+    out = []
+    for part in spec.split(","):
+        lo, _, hi = part.partition("-")
+        if not hi:
+            out.append(lo)
+            continue
+        width = len(lo)
+        out.extend(str(n).zfill(width) for n in range(int(lo), int(hi) + 1))
+    return out
+
+
+def parse_tasks_per_node(spec: str) -> list[int]:
+    """SLURM's tasks-per-node list -> one count per node: `4(x2),3` -> [4, 4, 3]."""
+    out: list[int] = []
+    for part in _split_top(spec.strip()):
+        n, _, rep = part.partition("(x")
+        out.extend([int(n)] * (int(rep.rstrip(")")) if rep else 1))
+    return out
+
+
+def slurm_port(job_id: str) -> int:
+    """A rendezvous port derived from the job id: the same for every task of the job (and after a requeue)."""
+    digits = "".join(ch for ch in str(job_id) if ch.isdigit())
+    if not digits:
+        import zlib
+
+        digits = str(zlib.crc32(str(job_id).encode()))
+    return SLURM_PORT_BASE + int(digits) % SLURM_PORT_SPAN
+
+
+def env_from_slurm(environ) -> dict:
+    """The torch.distributed variables of an srun task, from SLURM's environment; {} when this is not one.
+
+    RANK = SLURM_PROCID, WORLD_SIZE = SLURM_STEP_NUM_TASKS (else SLURM_NTASKS), LOCAL_RANK = SLURM_LOCALID,
+    LOCAL_SIZE / LOCAL_WORLD_SIZE = this node's entry of SLURM_STEP_TASKS_PER_NODE (else SLURM_TASKS_PER_NODE),
+    NODE_RANK = SLURM_NODEID, MASTER_ADDR = the first host of SLURM_STEP_NODELIST (else SLURM_JOB_NODELIST,
+    SLURM_NODELIST), MASTER_PORT = `slurm_port(SLURM_JOB_ID)`. MASTER_ADDR / MASTER_PORT already in the environment
+    win. Only inside a job step (SLURM_STEP_ID set, i.e. under srun): the batch script itself also has
+    SLURM_PROCID=0 and the allocation's SLURM_NTASKS, and a plain `python` there must not wait for tasks that
+    never start."""
+    env = environ
+    if "SLURM_PROCID" not in env or not (env.get("SLURM_STEP_ID") or env.get("SLURM_STEPID")):
+        return {}
+    world = env.get("SLURM_STEP_NUM_TASKS") or env.get("SLURM_NTASKS") or env.get("SLURM_NPROCS")
+    nodelist = env.get("SLURM_STEP_NODELIST") or env.get("SLURM_JOB_NODELIST") or env.get("SLURM_NODELIST")
+    if not world:
+        return {}
+    out = {"RANK": str(int(env["SLURM_PROCID"])), "WORLD_SIZE": str(int(world)),
+           "LOCAL_RANK": str(int(env.get("SLURM_LOCALID", 0))), "NODE_RANK": str(int(env.get("SLURM_NODEID", 0)))}
+    per_node = env.get("SLURM_STEP_TASKS_PER_NODE") or env.get("SLURM_TASKS_PER_NODE")
+    if per_node:
+        counts = parse_tasks_per_node(per_node)
+        node = int(out["NODE_RANK"])
+        if node < len(counts):
+            out["LOCAL_SIZE"] = out["LOCAL_WORLD_SIZE"] = str(counts[node])
+    out["MASTER_ADDR"] = env.get("MASTER_ADDR") or (expand_nodelist(nodelist)[0] if nodelist else "127.0.0.1")
+    out["MASTER_PORT"] = env.get("MASTER_PORT") or str(slurm_port(env.get("SLURM_JOB_ID", "0")))
+    return out
 
 
 def all_reduce(tensor: torch.Tensor, op: str = "sum") -> torch.Tensor:

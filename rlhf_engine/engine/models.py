@@ -56,8 +56,9 @@ def load_causal_lm(path: str, dtype: torch.dtype, ds_config: Optional[dict] = No
     with zero3_construction(ds_config):
         model = AutoModelForCausalLM.from_pretrained(path, config=config, dtype=dtype)
     if gradient_checkpointing:
+        # use_cache stays on in the config: generation (eval mode) keeps its KV cache; the training forwards pass
+        # use_cache=False themselves, and HF turns the cache off under checkpointing in training mode anyway
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-        model.config.use_cache = False
     return model
 
 
@@ -76,8 +77,14 @@ class ScalarHeadModel(nn.Module):
                              "*ForSequenceClassification model (e.g. GPT2, Llama, Qwen, Mistral)")
         self.head = head
 
+    @property
+    def hf_model(self) -> nn.Module:
+        """The Hugging Face model (under the peft wrapper when the role has a LoRA adapter)."""
+        return unwrap_peft(self.model)
+
     def forward(self, input_ids, attention_mask, position_ids):
-        backbone = getattr(self.model, self.model.base_model_prefix)
+        hf = self.hf_model
+        backbone = getattr(hf, hf.base_model_prefix)
         hidden = backbone(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
                           use_cache=False).last_hidden_state
         return self.head(hidden).squeeze(-1).float()
@@ -85,7 +92,7 @@ class ScalarHeadModel(nn.Module):
     def save_pretrained(self, out_dir: str, state_dict: Optional[dict] = None) -> None:
         if state_dict is not None:
             state_dict = {k[len("model."):]: v for k, v in state_dict.items() if k.startswith("model.")}
-        self.model.save_pretrained(out_dir, state_dict=state_dict)
+        self.hf_model.save_pretrained(out_dir, state_dict=state_dict)
 
 
 def load_scalar_model(path: str, dtype: torch.dtype, ds_config: Optional[dict] = None, pad_token_id: Optional[int] = None,
@@ -101,3 +108,129 @@ def load_scalar_model(path: str, dtype: torch.dtype, ds_config: Optional[dict] =
     if gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     return ScalarHeadModel(model)
+
+
+# ---- LoRA (peft) ---------------------------------------------------------------------------------------------------
+def unwrap_peft(model: nn.Module) -> nn.Module:
+    """The Hugging Face model inside a peft `PeftModel` (the model itself otherwise)."""
+    return model.get_base_model() if hasattr(model, "peft_config") and hasattr(model, "get_base_model") else model
+
+
+def peft_model_of(module: nn.Module):
+    """The `PeftModel` of an engine module (a causal LM's `PeftModel`, or the one inside a `ScalarHeadModel`), or
+    None when the role has no adapter."""
+    inner = module.model if isinstance(module, ScalarHeadModel) else module
+    return inner if hasattr(inner, "peft_config") and hasattr(inner, "disable_adapter") else None
+
+
+def _adapter_layer_types() -> tuple:
+    from transformers.pytorch_utils import Conv1D
+
+    return (nn.Linear, Conv1D)
+
+
+def _heads(hf_model: nn.Module) -> set:
+    """ids of the output layers that never get an adapter: the LM head and classification / score heads."""
+    heads = [hf_model.get_output_embeddings() if hasattr(hf_model, "get_output_embeddings") else None]
+    heads += [getattr(hf_model, name, None) for name in ("score", "classifier", "lm_head")]
+    return {id(m) for m in heads if isinstance(m, nn.Module)}
+
+
+def lora_target_names(hf_model: nn.Module, spec: str) -> list[str]:
+    """Full names of the modules of `hf_model` that get an adapter under `lora_target_modules = spec`: every Linear /
+    GPT-2 Conv1D layer of the backbone for 'all-linear', else those whose name equals or ends with one of the
+    comma-separated entries. Heads (LM head, score head) are never adapted: the LM head is usually tied to the
+    embeddings, and the critic's score head is trained fully instead."""
+    heads = _heads(hf_model)
+    layers = [n for n, m in hf_model.named_modules() if isinstance(m, _adapter_layer_types()) and id(m) not in heads]
+    wanted = [t.strip() for t in spec.split(",") if t.strip()]
+    if wanted == ["all-linear"]:
+        return layers
+    return [n for n in layers if any(n == t or n.endswith("." + t) for t in wanted)]
+
+
+def lora_config_for(hf_model: nn.Module, rank: int, alpha: float, dropout: float, target_modules: str):
+    """The peft `LoraConfig` of one role (explicit module names, so the same config rebuilds the same adapter on a
+    fresh copy of the model for export). Raises ValueError when nothing matches `target_modules`."""
+    from peft import LoraConfig
+
+    names = lora_target_names(hf_model, target_modules)
+    if not names:
+        layers = [n for n, m in hf_model.named_modules() if isinstance(m, _adapter_layer_types())]
+        raise ValueError(f"lora_target_modules={target_modules!r} matches no Linear/Conv1D layer of "
+                         f"{type(hf_model).__name__}; its layers are e.g. {layers[:6]}")
+    modules = dict(hf_model.named_modules())
+    conv1d = [n for n in names if not isinstance(modules[n], nn.Linear)]  # GPT-2's Conv1D stores W transposed
+    if conv1d and len(conv1d) != len(names):
+        raise ValueError(f"lora_target_modules={target_modules!r} mixes Linear and Conv1D layers; name one kind")
+    return LoraConfig(r=rank, lora_alpha=alpha, lora_dropout=dropout, target_modules=names, bias="none",
+                      fan_in_fan_out=bool(conv1d))
+
+
+def apply_lora(hf_model: nn.Module, rc, gradient_checkpointing: bool = False):
+    """Wrap `hf_model` in a peft `PeftModel` with the role's LoRA adapter (`rc`: a RoleConfig with lora_dim > 0).
+
+    Every base weight is frozen; only the adapter trains. The adapter has the backbone's dtype (no fp32 upcast: ZeRO
+    needs one dtype per engine). Works on a ZeRO-3-partitioned model: the adapter is created unpartitioned and
+    `deepspeed.initialize` partitions (and broadcasts) it. With gradient checkpointing the embedding outputs are made
+    to require grad, so checkpointed blocks see an input that does."""
+    from peft import get_peft_model
+
+    cfg = lora_config_for(hf_model, rc.lora_dim, rc.lora_alpha, rc.lora_dropout, rc.lora_target_modules)
+    if gradient_checkpointing and getattr(hf_model, "_require_grads_hook", None) is None:
+        hf_model.enable_input_require_grads()
+    dtype = next(p.dtype for p in hf_model.parameters() if p.is_floating_point())
+    peft_model = get_peft_model(hf_model, cfg, autocast_adapter_dtype=False)
+    for name, p in peft_model.named_parameters():
+        if "lora_" in name and p.dtype != dtype:
+            p.data = p.data.to(dtype)
+    return peft_model
+
+
+def add_lora(module: nn.Module, rc, gradient_checkpointing: bool = False) -> nn.Module:
+    """A role's model with its LoRA adapter: a causal LM becomes a `PeftModel`; a `ScalarHeadModel` keeps its class
+    with the adapter on its backbone and its score head fully trainable."""
+    if isinstance(module, ScalarHeadModel):
+        module.model = apply_lora(module.model, rc, gradient_checkpointing)
+        module.head.requires_grad_(True)
+        return module
+    return apply_lora(module, rc, gradient_checkpointing)
+
+
+@contextlib.contextmanager
+def adapter_disabled(module: nn.Module):
+    """Run `module` (a role with a LoRA adapter) as its base model: peft's `disable_adapter()`. The adapter's
+    requires_grad flags are restored on exit (DeepSpeed's gradient hooks sit on the tensors and survive)."""
+    peft_model = peft_model_of(module)
+    if peft_model is None:
+        raise ValueError("this model has no LoRA adapter to disable")
+    with peft_model.disable_adapter():
+        yield
+
+
+def merged_copy(module: nn.Module, state_dict: dict) -> nn.Module:
+    """A plain Hugging Face model on CPU with the adapter merged into the base weights: a fresh copy of `module`'s
+    structure (fp32), loaded with its full (consolidated) `state_dict`, then peft's `merge_and_unload`, cast back to
+    the state dict's dtype. `module` is the engine's module (a causal LM `PeftModel` or a `ScalarHeadModel`)."""
+    import copy
+
+    from peft import get_peft_model
+
+    peft_model = peft_model_of(module)
+    if peft_model is None:
+        raise ValueError("this model has no LoRA adapter to merge")
+    if isinstance(module, ScalarHeadModel):
+        state_dict = {k[len("model."):]: v for k, v in state_dict.items() if k.startswith("model.")}
+    base = peft_model.get_base_model()
+    dtype = next(v.dtype for v in state_dict.values() if v.is_floating_point())
+    fresh = type(base)(copy.deepcopy(base.config)).float()
+    fresh_peft = get_peft_model(fresh, copy.deepcopy(peft_model.peft_config[peft_model.active_adapter]),
+                                autocast_adapter_dtype=False)
+    missing, unexpected = fresh_peft.load_state_dict({k: v.float() for k, v in state_dict.items()}, strict=False)
+    # tied weights (an LM head tied to the embeddings) may be stored under one name only
+    tied = {k for k in missing if "lm_head" in k or "embed_out" in k}
+    if set(missing) - tied or unexpected:
+        raise RuntimeError(f"merging the adapter: state dict does not fit the model (missing {sorted(missing)[:5]}, "
+                           f"unexpected {sorted(unexpected)[:5]})")
+    merged = fresh_peft.merge_and_unload()
+    return merged.to(dtype).eval()

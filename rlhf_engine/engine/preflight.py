@@ -4,12 +4,16 @@ Only configs and tokenizers are read here (cheap), never weights.
 """
 from __future__ import annotations
 
+import functools
+import logging
 import os
 from dataclasses import dataclass
 
 from ..config import ROLES, RoleConfig, TrainConfig
-from ..errors import Problems
+from ..errors import ConfigError, Problem, Problems
 from .ds_config import load_user_config
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -118,6 +122,18 @@ def plan_roles(cfg: TrainConfig) -> dict[str, RolePlan]:
             load_reward_fn(cfg.reward_fn)
         except ValueError as e:
             p.add("reward_fn", cfg.reward_fn, str(e))
+    for role in ("actor", "critic"):
+        rc = getattr(cfg, role)
+        config = configs.get(role) or (configs.get("actor") if role == "critic" and cfg.critic.init_from == "actor"
+                                       else None)
+        if rc.lora_dim and config is not None:
+            check_lora_targets(p, rc, config, scalar=role == "critic", prefix=f"{role}_")
+    if cfg.engine.enable_hybrid_engine is True and "actor" in configs:
+        reasons = hybrid_engine_reasons(cfg, configs["actor"])
+        if reasons and not cfg.engine.hybrid_engine_fallback:
+            p.add("enable_hybrid_engine", True, "the DeepSpeed Hybrid Engine cannot run here: " + "; ".join(reasons)
+                  + ". Set enable_hybrid_engine false, or hybrid_engine_fallback true to generate with Hugging Face "
+                  "instead (logged as a warning)")
     plans = {}
     for role in cfg.active_roles:
         stage = resolve_stage(cfg, role)
@@ -192,3 +208,95 @@ def plan_model(rc: RoleConfig, need_positions: int, name: str = "model") -> Role
     check_placement(p, rc, stage, True, prefix="", name=name)
     p.raise_if_any("cannot start: model setup")
     return RolePlan(path, stage, rc.dtype or "fp32", True)
+
+
+# ---- engine extensions ----------------------------------------------------------------------------------------------
+def check_lora_targets(p: Problems, rc: RoleConfig, config, scalar: bool, prefix: str) -> None:
+    """`lora_target_modules` must match layers of the model: checked on a weightless (meta-device) copy built from
+    its config."""
+    import copy
+
+    import torch
+    from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
+
+    from .models import lora_config_for
+
+    try:
+        with torch.device("meta"):
+            if scalar:
+                config = copy.deepcopy(config)
+                config.num_labels = 1
+                model = AutoModelForSequenceClassification.from_config(config)
+            else:
+                model = AutoModelForCausalLM.from_config(config)
+    except Exception:  # noqa: BLE001  (an architecture we cannot build weightless: checked when the engine is built)
+        return
+    try:
+        lora_config_for(model, rc.lora_dim, rc.lora_alpha, rc.lora_dropout, rc.lora_target_modules)
+    except ValueError as e:
+        p.add(f"{prefix}lora_target_modules", rc.lora_target_modules, str(e))
+
+
+@functools.lru_cache(maxsize=1)
+def hybrid_engine_model_types() -> frozenset:
+    """Hugging Face model types with a DeepSpeed inference container (the layer classes of DeepSpeed's
+    `replace_policies`, which the Hybrid Engine swaps in for generation)."""
+    from deepspeed.module_inject.replace_policy import replace_policies
+
+    types = set()
+    for policy in replace_policies:
+        try:
+            policy(None)  # sets the policy's _orig_layer_class (imports the transformers class if it exists)
+        except Exception:  # noqa: BLE001  (a policy whose transformers class is gone)
+            continue
+        classes = getattr(policy, "_orig_layer_class", None)
+        for cls in classes if isinstance(classes, list) else [classes]:
+            parts = getattr(cls, "__module__", "").split(".")
+            if len(parts) >= 3 and parts[:2] == ["transformers", "models"]:
+                types.add(parts[2])
+    return frozenset(types)
+
+
+def hybrid_engine_reasons(cfg: TrainConfig, actor_config, on_gpu: bool | None = None) -> list[str]:
+    """Why the DeepSpeed Hybrid Engine cannot run for this actor (an empty list: it can). `on_gpu` defaults to
+    `torch.cuda.is_available()`."""
+    import torch
+
+    on_gpu = torch.cuda.is_available() if on_gpu is None else on_gpu
+    reasons = []
+    if not on_gpu:
+        reasons.append("no CUDA device (its inference kernels are GPU-only: on CPU deepspeed.initialize fails with "
+                       "'This op had not been implemented on CPU backend')")
+    model_type = getattr(actor_config, "model_type", None)
+    supported = hybrid_engine_model_types()
+    if model_type not in supported:
+        reasons.append(f"the actor's architecture {model_type!r} has no DeepSpeed inference container (supported: "
+                       f"{', '.join(sorted(supported))})")
+    if cfg.actor.lora_dim:
+        reasons.append("the actor has a LoRA adapter (actor_lora_dim > 0): the Hybrid Engine fuses only "
+                       "DeepSpeed-Chat's own LoRA layers, not peft's")
+    return reasons
+
+
+_warned: set = set()
+
+
+def use_hybrid_engine(cfg: TrainConfig, actor_path: str) -> bool:
+    """Whether the actor's engine gets the Hybrid Engine: requested and possible. Requested but impossible: with
+    `hybrid_engine_fallback` a warning (once per message) and False, else a `ConfigError` (plan_roles reports it
+    first, with every other problem)."""
+    if cfg.engine.enable_hybrid_engine is not True:
+        return False
+    from transformers import AutoConfig
+
+    reasons = hybrid_engine_reasons(cfg, AutoConfig.from_pretrained(actor_path))
+    if not reasons:
+        return True
+    if not cfg.engine.hybrid_engine_fallback:
+        raise ConfigError([Problem("enable_hybrid_engine", True, "; ".join(reasons))], "cannot start: model setup")
+    message = ("enable_hybrid_engine: the DeepSpeed Hybrid Engine cannot run here (" + "; ".join(reasons) + "); "
+               "hybrid_engine_fallback is set, so the actor generates with Hugging Face generate")
+    if message not in _warned:
+        _warned.add(message)
+        log.warning(message)
+    return False

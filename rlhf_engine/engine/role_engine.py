@@ -21,8 +21,9 @@ import torch
 
 from ..config import RoleConfig
 from ..rollout import Rollout, gather_at
-from .ds_config import build_ds_config, load_json, torch_dtype
-from .models import load_causal_lm, load_scalar_model
+from .ds_config import _merge, build_ds_config, load_json, torch_dtype
+from .freezing import freeze_below_top
+from .models import add_lora, load_causal_lm, load_scalar_model, merged_copy, peft_model_of
 
 KINDS = ("causal_lm", "scalar")
 
@@ -39,7 +40,7 @@ def scheduler_factory(name: str, warmup: int, total: int):
 
 def build_role_engine(role_cfg: RoleConfig, path: str, *, kind: str, stage: int, dtype: str, train: bool, batch: Any,
                       world_size: int, eval_micro_batch_size: int, num_training_steps: int,
-                      pad_token_id: Optional[int] = None) -> tuple[Any, dict]:
+                      pad_token_id: Optional[int] = None, ds_overrides: Optional[dict] = None) -> tuple[Any, dict]:
     """One model as a DeepSpeed engine -> (engine, its DeepSpeed config).
 
     kind "causal_lm" loads an `AutoModelForCausalLM`; "scalar" a `ScalarHeadModel` (a `*ForSequenceClassification`
@@ -47,19 +48,31 @@ def build_role_engine(role_cfg: RoleConfig, path: str, *, kind: str, stage: int,
     `per_device_training_batch_size`, `gradient_accumulation_steps` and `mini_batch_size` (a `BatchConfig` or a
     `SupervisedConfig`). Trained engines get AdamW and the role's LR schedule over `num_training_steps`; eval-only
     engines (stage 0 or 3) get frozen parameters and eval mode.
+
+    `role_cfg.lora_dim > 0` (trained roles): the model gets a peft LoRA adapter (`models.add_lora`) and only the
+    adapter (and a scalar model's head) is handed to the optimizer. `ds_overrides` (e.g. a `hybrid_engine` section)
+    is merged into the built DeepSpeed config before the role's own ds_config file (which wins).
     """
     import deepspeed
 
     if kind not in KINDS:
         raise ValueError(f"kind must be one of {KINDS}, got {kind!r}")
+    if role_cfg.lora_dim and not train:
+        raise ValueError("LoRA (lora_dim > 0) is for trained roles; an eval-only engine takes no adapter")
+    user = load_json(role_cfg.ds_config) if role_cfg.ds_config else None
+    if ds_overrides:
+        user = _merge(ds_overrides, user or {})
     ds_cfg = build_ds_config(role_cfg, stage=stage, dtype=dtype, train=train, batch=batch, world_size=world_size,
-                             eval_micro_batch_size=eval_micro_batch_size,
-                             user_config=load_json(role_cfg.ds_config) if role_cfg.ds_config else None)
+                             eval_micro_batch_size=eval_micro_batch_size, user_config=user)
     checkpointing = role_cfg.gradient_checkpointing and train
     if kind == "causal_lm":
         model = load_causal_lm(path, torch_dtype(dtype), ds_cfg, checkpointing)
     else:
         model = load_scalar_model(path, torch_dtype(dtype), ds_cfg, pad_token_id, checkpointing)
+    if train and role_cfg.trainable_layers:
+        freeze_below_top(model, role_cfg.trainable_layers)
+    if train and role_cfg.lora_dim:
+        model = add_lora(model, role_cfg, checkpointing)
     if train:
         sched = scheduler_factory(role_cfg.lr_scheduler_type, role_cfg.num_warmup_steps, num_training_steps)
         engine, *_ = deepspeed.initialize(model=model, config=ds_cfg, lr_scheduler=sched,
@@ -117,11 +130,17 @@ def full_state_dict(engine: Any, stage: int, is_main: bool) -> Optional[dict]:
 
 def export_engine(engine: Any, stage: int, out_dir: str, tokenizer: Any, is_main: bool) -> None:
     """Write the engine's model as a plain Hugging Face folder (weights + config + tokenizer) that reloads with
-    `from_pretrained`: a causal LM, or a `*ForSequenceClassification` for a `ScalarHeadModel`. Collective."""
+    `from_pretrained`: a causal LM, or a `*ForSequenceClassification` for a `ScalarHeadModel`. Collective.
+
+    A model with a LoRA adapter is exported merged (`models.merged_copy`: the consolidated weights loaded into a
+    fresh CPU copy, then peft's `merge_and_unload`): a plain model, no peft needed to load it."""
     sd = full_state_dict(engine, stage, is_main)
     if is_main:
         os.makedirs(out_dir, exist_ok=True)
-        engine.module.save_pretrained(out_dir, state_dict=sd)
+        if peft_model_of(engine.module) is not None:
+            merged_copy(engine.module, sd).save_pretrained(out_dir)
+        else:
+            engine.module.save_pretrained(out_dir, state_dict=sd)
         tokenizer.save_pretrained(out_dir)
     if torch.distributed.is_initialized():
         torch.distributed.barrier()

@@ -52,7 +52,7 @@ _TRUE = ("1", "true", "yes", "on")
 # what holds "another run" in an output directory, and what `overwrite_output_dir` moves aside
 RUN_MARKERS = ("metrics.jsonl", "checkpoints")
 RUN_FILES = ("metrics.jsonl", "samples.jsonl", "config.json", "command.txt", "metrics.png", "checkpoints",
-             "tensorboard", "model")  # model/: the HF export of an SFT or reward-model run
+             "tensorboard", "model", "final")  # model/: the HF export of an SFT or reward-model run; final/: PPO's
 
 
 # ---- redaction ---------------------------------------------------------------------------------------------------

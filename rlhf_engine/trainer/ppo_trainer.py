@@ -25,6 +25,7 @@ from ..engine import all_reduce
 from ..outputs.metrics import MetricsWriter
 from ..ppo_math import AdaptiveKLController, FixedKLController, policy_loss, value_loss
 from ..rollout import Experience, Rollout
+from .state import Checkpointer, DataCursor
 from .experience import (NonFiniteError, RewardFn, decode_rollout, global_moments, make_experience,
                          whiten_advantages)
 
@@ -73,17 +74,23 @@ class PPOTrainer:
         dist = engine.dist
         self.sampler = PromptSampler(len(dataset), cfg.batch.per_device_generation_batch_size, dist.rank,
                                      dist.world_size, cfg.seed)
-        self._batches = self.sampler.iter_from(0, 0)
+        self._batches = DataCursor(self.sampler)  # (epoch, k, indices) like sampler.iter_from, with a position
         ppo = cfg.ppo
         self.kl_ctl = (AdaptiveKLController(ppo.kl_coef, ppo.kl_target, ppo.kl_horizon) if ppo.adaptive_kl
                        else FixedKLController(ppo.kl_coef))
         self.metrics = metrics or MetricsWriter(cfg.output_dir, enabled=dist.is_main)
+        # What a checkpoint saves besides the engines, per rank (trainer/state.py; "trainer" and "rng" are added
+        # there): name -> object with state_dict() / load_state_dict(). A ptx data cursor or a reward normalizer
+        # registers here too.
+        self.state_providers = {"data": self._batches, "kl_controller": self.kl_ctl}
+        self.checkpointer = Checkpointer(self)  # save_interval / keep_last / export_final; build_trainer resumes
         self.iteration = 0
         self.last_experience: Optional[Experience] = None  # kept for tests and debugging
         self.ratio_trace: list[float] = []  # max |log-ratio| per mini-batch (cheap, used by tests and guards)
         # Optional programmatic reward replacing the reward model: reward_fn(prompt_ids [B, P], rollout) -> [B]
         # scores (see experience.make_experience). To become `--reward_fn module:function`.
         self.reward_fn: Optional[RewardFn] = None
+        self.evaluator = None  # trainer.evaluation.Evaluator when eval_interval > 0
         self.samples_per_iteration = 4  # prompt / response / score rows logged per iteration (samples.jsonl, wandb)
         # TEST HOOK (negative control of the token aggregation): "global" (the only correct setting) divides each
         # mini-batch's loss by its global token count; "local" reproduces the naive per-rank token mean (each rank's
@@ -156,6 +163,7 @@ class PPOTrainer:
                         loss = loss - ppo.entropy_coef * (entropy * r.action_mask).sum() / global_tokens
                     engine.backward("actor", loss)
                     engine.step("actor")
+                    engine.update_ema()  # acts only when the actor's optimizer just stepped (and EMA is on)
                     values = engine.critic_forward(r)
                     vloss, vs = value_loss(values=values, old_values=micro.values, returns=micro.returns,
                                            action_mask=r.action_mask, clip_range=ppo.value_clip,
@@ -185,6 +193,7 @@ class PPOTrainer:
     def step(self) -> dict:
         """One iteration; returns the metrics record (also written to metrics.jsonl on rank 0)."""
         stats = _Sums(self.engine.device)
+        evaluated = self.evaluate() if self.evaluator and self.iteration % self.cfg.eval_interval == 0 else {}
         t0 = time.perf_counter()
         rollouts = self.rollout_phase()
         t1 = time.perf_counter()
@@ -225,6 +234,7 @@ class PPOTrainer:
             "system/optimizer_steps": self.engine.optimizer_steps("actor"),
             "system/kl_coef": self.kl_ctl.value,
         }
+        rec.update(evaluated)
         self.kl_ctl.update(kl_seq, int(n_seq))
         self.metrics.write(rec)
         if self.engine.dist.is_main and hasattr(self.metrics, "log_samples"):
@@ -234,6 +244,15 @@ class PPOTrainer:
             self.metrics.log_samples(self.iteration, prompts, responses, few.scores.tolist())
         self.iteration += 1
         return rec
+
+    def evaluate(self) -> dict:
+        """Greedy generation on the held-out prompts -> eval/* metrics; rank 0 appends samples to eval_samples.jsonl."""
+        from .evaluation import write_eval_samples
+
+        metrics, samples = self.evaluator.run(self.engine, self.reward_fn)
+        if self.engine.dist.is_main:
+            write_eval_samples(self.cfg.output_dir, self.iteration, samples)
+        return metrics
 
     def train(self) -> list[dict]:
         records = []
@@ -249,6 +268,12 @@ class PPOTrainer:
                              self.cfg.max_steps, rec["objective/score"], rec["objective/kl"],
                              rec["rollout/response_length"], rec["time/generate"] + rec["time/experience"]
                              + rec["time/train"])
+                self.checkpointer.after_iteration()  # every save_interval iterations
+            if self.evaluator and self.iteration == self.cfg.max_steps:  # "after": one record of eval/* keys only
+                rec = {"iteration": self.iteration, **self.evaluate()}
+                self.metrics.write(rec)
+                records.append(rec)
+            self.checkpointer.finish()  # the final checkpoint and the export (export_final)
         finally:
             self.metrics.close()  # also when a step fails: what was written stays flushed and the file is closed
         return records

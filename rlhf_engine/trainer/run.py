@@ -4,6 +4,7 @@ Cheap checks (config, data file, prompt lengths, model configs) all run before a
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 import sys
 from typing import Optional
@@ -15,8 +16,10 @@ from ..data.prompts import PromptSampler, load_prompt_data
 from ..engine import RLHFEngine, barrier, init_distributed, load_tokenizer
 from ..outputs.run_logger import RunLogger, prepare_output_dir, write_run_files
 from ..rewards import load_reward_fn
+from .evaluation import Evaluator
 from .experience import text_reward
 from .ppo_trainer import PPOTrainer, updates_per_iteration
+from .state import after_resume_cleanup, resolve_and_check
 
 log = logging.getLogger("rlhf_engine")
 
@@ -29,19 +32,48 @@ def setup_logging(is_main: bool) -> None:
     transformers.utils.logging.disable_progress_bar()  # per-role "Loading weights" bars on every rank are noise
 
 
+def resolve_builtins(cfg) -> None:
+    """Replace `builtin:` model and data names (the embedded default) by local paths."""
+    from ..config import ROLES
+    from ..errors import Problems
+    from ..pretrained import resolve_builtin
+
+    p = Problems()
+    fields = [(getattr(cfg, r), f, f"{r}_{f}") for r in ROLES for f in ("model_name_or_path", "tokenizer_name_or_path")]
+    fields.append((cfg.data, "data_path", "data_path"))
+    for owner, name, flag in fields:
+        value = getattr(owner, name)
+        if isinstance(value, str) and value.startswith("builtin:"):
+            try:
+                setattr(owner, name, resolve_builtin(value))
+            except (ValueError, FileNotFoundError) as e:
+                p.add(flag, value, str(e))
+    p.raise_if_any("cannot start: builtin assets")
+
+
 def build_trainer(cfg: TrainConfig, argv: Optional[list] = None) -> PPOTrainer:
     cfg.validate()
+    resolve_builtins(cfg)
     dist = init_distributed()
     setup_logging(dist.is_main)
     from ..engine.preflight import plan_roles
 
     plan_roles(cfg)  # model-side checks before the data is tokenized
     tokenizer = load_tokenizer(cfg.actor.tokenizer_name_or_path or cfg.actor.model_name_or_path)
-    dataset = load_prompt_data(cfg.data, tokenizer, cfg.generation.max_prompt_seq_len, seed=cfg.seed,
-                               verbose=dist.is_main).train
+    data = load_prompt_data(cfg.data, tokenizer, cfg.generation.max_prompt_seq_len, seed=cfg.seed,
+                            verbose=dist.is_main)
+    dataset, eval_set = data.train, data.eval
+    if cfg.eval_data_path:
+        eval_cfg = dataclasses.replace(cfg.data, data_path=cfg.eval_data_path, eval_split=0.0)
+        eval_set = load_prompt_data(eval_cfg, tokenizer, cfg.generation.max_prompt_seq_len, seed=cfg.seed,
+                                    verbose=dist.is_main).train
     # too few prompts for one global batch is a batch-arithmetic error: report it before any weight is loaded
     PromptSampler(len(dataset), cfg.batch.per_device_generation_batch_size, dist.rank, dist.world_size, cfg.seed)
+    # --resume: find the checkpoint, and refuse one of another run (naming every differing key), before any weight
+    resume_path, fingerprint = resolve_and_check(cfg, dist, len(dataset))
     prepare_run_dir(cfg, dist, argv)
+    after_resume_cleanup(cfg, dist, resume_path)  # rank 0: records logged after the checkpoint are logged again
+    barrier()
     # Anything drawn while the engines are built (a new critic head with critic_init_from=actor) depends on the seed
     # only, identically on every rank; the trainer then reseeds with seed + rank for sampling.
     torch.manual_seed(cfg.seed)
@@ -51,8 +83,14 @@ def build_trainer(cfg: TrainConfig, argv: Optional[list] = None) -> PPOTrainer:
 
     logger = RunLogger.from_config(cfg, dist.is_main, flat_dict(cfg))
     trainer = PPOTrainer(cfg, engine, dataset, metrics=logger)
+    if cfg.eval_interval and eval_set is not None:
+        trainer.evaluator = Evaluator(eval_set, cfg.batch.per_device_generation_batch_size, dist.rank,
+                                      dist.world_size)
     if cfg.reward_fn:
         trainer.reward_fn = text_reward(load_reward_fn(cfg.reward_fn), engine.tokenizer)
+    trainer.checkpointer.fingerprint = fingerprint  # written into every checkpoint's marker
+    if resume_path:  # last: the random generators are restored right before training continues
+        trainer.checkpointer.load(resume_path, force=cfg.resume_force)
     return trainer
 
 

@@ -1,0 +1,101 @@
+"""The engines' part of a checkpoint (see rlhf_engine/outputs/checkpoint.py for the folder layout and the marker).
+
+* Trained roles (actor, critic): DeepSpeed `save_checkpoint(<checkpoint folder>, tag=<role>, save_latest=False)`, so
+  each lands in `<checkpoint folder>/<role>/` with its module, optimizer and LR-scheduler state and step counters
+  (per-rank ZeRO partitions included); loaded with `load_checkpoint(<checkpoint folder>, tag=<role>)`.
+* The EMA role ("ema", when the engine keeps one): an eval-only engine has no optimizer for DeepSpeed to checkpoint,
+  so its full weights (ZeRO-3 consolidated) go to `<checkpoint folder>/ema/model.pt` from rank 0, and are loaded
+  back into every rank (under ZeRO-3 through `GatheredParameters(modifier_rank=0)`, which re-partitions them).
+* The reference and reward models are frozen and never saved: a resumed run builds them from their paths again.
+
+Every function is collective: call it on all ranks.
+"""
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import torch
+
+TRAINED = ("actor", "critic")
+WEIGHTS_ONLY = ("ema",)
+EMA_FILE = "model.pt"
+
+
+def checkpoint_roles(engine: Any) -> list[str]:
+    """The roles of an RLHFEngine a checkpoint holds: the trained ones, then the EMA when there is one."""
+    return [r for r in TRAINED + WEIGHTS_ONLY if r in engine.engines]
+
+
+def _is_zero3(ds_engine: Any) -> bool:
+    fn = getattr(ds_engine, "zero_optimization_partition_weights", None)
+    return bool(fn()) if callable(fn) else False
+
+
+def _rank() -> int:
+    return torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
+
+
+def _barrier() -> None:
+    if torch.distributed.is_initialized():
+        torch.distributed.barrier()
+
+
+def save_engines(engine: Any, ckpt_dir: str) -> list[str]:
+    """Save every checkpointed role of `engine` (an RLHFEngine) under `ckpt_dir`; returns the roles."""
+    roles = checkpoint_roles(engine)
+    for role in roles:
+        ds = engine.engines[role]
+        if role in TRAINED:
+            ds.save_checkpoint(ckpt_dir, tag=role, save_latest=False)
+        else:
+            save_weights(ds, os.path.join(ckpt_dir, role))
+    return roles
+
+
+def load_engines(engine: Any, ckpt_dir: str, roles: list[str] | None = None) -> list[str]:
+    """Load the checkpointed roles of `engine` from `ckpt_dir` (module, optimizer, LR scheduler and step counters of
+    the trained roles; weights of the EMA). A role missing from the checkpoint is an error."""
+    roles = checkpoint_roles(engine) if roles is None else roles
+    for role in roles:
+        ds = engine.engines[role]
+        if role in TRAINED:
+            path, _ = ds.load_checkpoint(ckpt_dir, tag=role, load_optimizer_states=True,
+                                         load_lr_scheduler_states=True)
+            if path is None:
+                raise FileNotFoundError(f"no {role} checkpoint in {ckpt_dir} (expected {ckpt_dir}/{role}/)")
+        else:
+            load_weights(ds, os.path.join(ckpt_dir, role))
+    return roles
+
+
+def save_weights(ds_engine: Any, out_dir: str) -> None:
+    """The engine's full weights (ZeRO-3 consolidated, dtype kept) to `<out_dir>/model.pt` from rank 0."""
+    if _is_zero3(ds_engine):
+        sd = ds_engine._zero3_consolidated_16bit_state_dict()  # dtype of the parameters, despite the name
+    else:
+        sd = ds_engine.module.state_dict()
+    if _rank() == 0:
+        os.makedirs(out_dir, exist_ok=True)
+        sd = {k: v.detach().cpu().clone() for k, v in sd.items()}
+        tmp = os.path.join(out_dir, EMA_FILE + ".tmp")
+        torch.save(sd, tmp)
+        os.replace(tmp, os.path.join(out_dir, EMA_FILE))
+    _barrier()
+
+
+def load_weights(ds_engine: Any, in_dir: str) -> None:
+    """Load `<in_dir>/model.pt` (written by `save_weights`) into the engine on every rank."""
+    path = os.path.join(in_dir, EMA_FILE)
+    module = ds_engine.module
+    if _is_zero3(ds_engine):
+        import deepspeed
+
+        sd = torch.load(path, map_location="cpu", weights_only=True) if _rank() == 0 else None
+        with deepspeed.zero.GatheredParameters(list(module.parameters()), modifier_rank=0):
+            if _rank() == 0:
+                module.load_state_dict(sd)
+    else:
+        sd = torch.load(path, map_location="cpu", weights_only=True)
+        module.load_state_dict(sd)
+    _barrier()

@@ -1,0 +1,75 @@
+"""Evaluation in the loop: greedy generation on held-out prompts, scored like training rollouts.
+
+Every rank takes an equal share of the eval prompts (the last share is filled by repeating prompts, and repeated rows
+are not counted), so every rank makes the same number of `generate` calls, which ZeRO-3 needs.
+"""
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+from typing import Optional
+
+import torch
+
+from ..data.prompts import PromptDataset, collate_prompts
+from .experience import decode_rollout
+
+
+@contextlib.contextmanager
+def greedy(engine):
+    """Generation settings switched to greedy decoding for the duration (the run's config is restored after)."""
+    g = engine.cfg.generation
+    saved = g.do_sample
+    g.do_sample = False
+    try:
+        yield
+    finally:
+        g.do_sample = saved
+
+
+class Evaluator:
+    def __init__(self, dataset: PromptDataset, batch_size: int, rank: int, world_size: int):
+        self.dataset = dataset
+        n = len(dataset)
+        per_rank = -(-n // world_size)  # ceil
+        pad = per_rank * world_size - n
+        order = list(range(n)) + [i % n for i in range(pad)]
+        real = [True] * n + [False] * pad
+        shard = slice(rank * per_rank, (rank + 1) * per_rank)
+        self.indices, self.real = order[shard], real[shard]
+        self.batch_size = batch_size
+
+    def run(self, engine, reward_fn) -> tuple[dict, list[dict]]:
+        """-> (metrics eval/score, eval/kl, eval/response_length over all ranks; this rank's samples)."""
+        from ..engine import all_reduce
+
+        sums = torch.zeros(4, dtype=torch.float64, device=engine.device)  # count, score, kl, length
+        samples = []
+        with greedy(engine):
+            for start in range(0, len(self.indices), self.batch_size):
+                idx = self.indices[start:start + self.batch_size]
+                real = torch.tensor(self.real[start:start + self.batch_size], device=engine.device)
+                ids, mask = collate_prompts(self.dataset, idx, engine.pad_token_id)
+                rollout = engine.generate(ids, mask)
+                scores = (engine.reward_scores(rollout) if reward_fn is None
+                          else reward_fn(rollout.prompts, rollout)).to(engine.device, torch.float64)
+                lp = engine.actor_logprobs(rollout)
+                kl = ((lp - engine.ref_logprobs(rollout)) * rollout.action_mask).sum(-1).double()
+                w = real.double()
+                sums += torch.stack([w.sum(), (scores * w).sum(), (kl * w).sum(),
+                                     (rollout.response_lengths.double() * w).sum()])
+                prompts, responses = decode_rollout(engine.tokenizer, rollout)
+                samples += [{"prompt": p, "response": r, "score": float(s)}
+                            for p, r, s, keep in zip(prompts, responses, scores.tolist(), real.tolist()) if keep]
+        n, score, kl, length = all_reduce(sums).tolist()
+        n = max(n, 1.0)
+        return {"eval/score": score / n, "eval/kl": kl / n, "eval/response_length": length / n}, samples
+
+
+def write_eval_samples(output_dir: str, iteration: int, samples: list[dict], limit: Optional[int] = 8) -> None:
+    """Append this evaluation's first samples to `<output_dir>/eval_samples.jsonl` (before/after comparisons)."""
+    os.makedirs(output_dir, exist_ok=True)
+    with open(os.path.join(output_dir, "eval_samples.jsonl"), "a", encoding="utf-8") as f:
+        for s in samples[:limit]:
+            f.write(json.dumps({"iteration": iteration, **s}) + "\n")

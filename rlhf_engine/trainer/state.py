@@ -1,0 +1,342 @@
+"""The trainer's own checkpoint state, per rank, and the checkpoint / resume / export flow of a PPO run.
+
+A checkpoint (layout and marker: rlhf_engine/outputs/checkpoint.py) holds the engines' DeepSpeed state and one
+`state_rank<r>.pt` per rank, written by `Checkpointer.save`:
+
+    {"format": 1, "rank": r, "world_size": W, "iteration": n,
+     "providers": {"trainer": {"iteration": n}, "rng": {...}, "data": {...}, "kl_controller": {...}, ...}}
+
+The providers are `trainer.state_providers` (name -> object with `state_dict()` / `load_state_dict(state)`) plus
+"trainer" and "rng", which this module adds itself. The trainer registers "data" (the prompt `DataCursor`) and
+"kl_controller"; a ptx data cursor ("ptx_data") or a reward normalizer ("reward_normalizer") slot in the same way:
+register them in `state_providers` and they are saved and restored with every checkpoint. A provider the run has
+but the checkpoint lacks is an error on resume (unless --resume_force); one the checkpoint has but the run lacks is
+logged and ignored.
+
+"rng" is per rank: python `random`, numpy, the torch CPU generator and, with CUDA, the current device's generator.
+It is restored last, after the engines were loaded, right before training continues.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import random
+import time
+from typing import Any, Optional
+
+import numpy as np
+import torch
+
+from ..engine import barrier
+from ..errors import ConfigError, Problem
+from ..outputs import checkpoint as ckpt
+
+log = logging.getLogger(__name__)
+
+STATE_FORMAT = 1
+# TEST HOOK: provider names NOT restored on resume (the negative control of the RNG restore sets {"rng"}).
+SKIP_ON_RESUME: set = set()
+
+
+# ---- providers ---------------------------------------------------------------------------------------------------
+class RNGState:
+    """This rank's random generators: python `random`, numpy's global generator, torch CPU and (with CUDA) the current
+    device. Everything is stored as plain python values and tensors (loads with `weights_only=True`)."""
+
+    def state_dict(self) -> dict:
+        kind, keys, pos, has_gauss, cached = np.random.get_state()
+        state = {"python": random.getstate(),
+                 "numpy": {"kind": kind, "keys": torch.from_numpy(np.asarray(keys, dtype=np.int64)), "pos": int(pos),
+                           "has_gauss": int(has_gauss), "cached_gaussian": float(cached)},
+                 "torch": torch.get_rng_state()}
+        if torch.cuda.is_available() and torch.cuda.is_initialized():
+            state["cuda"] = torch.cuda.get_rng_state()
+        return state
+
+    def load_state_dict(self, state: dict) -> None:
+        random.setstate(_tuples(state["python"]))
+        n = state["numpy"]
+        np.random.set_state((n["kind"], n["keys"].numpy().astype(np.uint32), n["pos"], n["has_gauss"],
+                             n["cached_gaussian"]))
+        torch.set_rng_state(state["torch"])
+        if "cuda" in state and torch.cuda.is_available():
+            torch.cuda.set_rng_state(state["cuda"])
+
+
+def _tuples(x: Any) -> Any:
+    """random.setstate needs tuples (a state that went through a list-producing format is converted back)."""
+    return tuple(_tuples(v) for v in x) if isinstance(x, (list, tuple)) else x
+
+
+class DataCursor:
+    """An iterator over a `PromptSampler` that knows where it is: yields (epoch, k, indices) like
+    `sampler.iter_from`, and its state is the position of the NEXT batch, so a resumed run continues with exactly
+    the batch the interrupted one would have drawn (mid-epoch too)."""
+
+    def __init__(self, sampler: Any, epoch: int = 0, batch: int = 0):
+        self.sampler = sampler
+        self.consumed = 0
+        self._seek(epoch, batch)
+
+    def _seek(self, epoch: int, batch: int) -> None:
+        self.epoch, self.batch = epoch, batch
+        self._it = self.sampler.iter_from(epoch, batch)
+
+    def __iter__(self) -> "DataCursor":
+        return self
+
+    def __next__(self) -> tuple[int, int, list]:
+        epoch, k, idx = next(self._it)
+        self.consumed += 1
+        self.epoch, self.batch = (epoch, k + 1) if k + 1 < self.sampler.batches_per_epoch else (epoch + 1, 0)
+        return epoch, k, idx
+
+    def state_dict(self) -> dict:
+        s = self.sampler
+        return {"epoch": self.epoch, "batch": self.batch, "consumed": self.consumed, "num_prompts": s.num_prompts,
+                "global_batch_size": s.global_batch_size, "seed": s.seed}
+
+    def load_state_dict(self, state: dict, strict: bool = True) -> None:
+        s = self.sampler
+        same = (state["num_prompts"], state["global_batch_size"], state["seed"]) == (
+            s.num_prompts, s.global_batch_size, s.seed)
+        epoch, batch = int(state["epoch"]), int(state["batch"])
+        if not same:
+            if strict:
+                raise ConfigError([Problem("data", f"{s.num_prompts} prompts, global batch {s.global_batch_size}, "
+                                           f"seed {s.seed}", f"the checkpoint's data position is for "
+                                           f"{state['num_prompts']} prompts, global batch "
+                                           f"{state['global_batch_size']}, seed {state['seed']}")],
+                                  "cannot resume the data position")
+            # --resume_force: keep the epoch, move to the batch holding the same share of it
+            batch = min(s.batches_per_epoch - 1, batch * int(state["global_batch_size"]) // s.global_batch_size)
+            log.warning("--resume_force: the data changed; continuing at epoch %d, batch %d of %d", epoch, batch,
+                        s.batches_per_epoch)
+        self.consumed = int(state.get("consumed", 0))
+        self._seek(epoch, batch)
+
+
+class _Counter:
+    """The "trainer" provider: the iteration counter."""
+
+    def __init__(self, trainer: Any):
+        self.trainer = trainer
+
+    def state_dict(self) -> dict:
+        return {"iteration": int(self.trainer.iteration)}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.trainer.iteration = int(state["iteration"])
+
+
+def providers_of(trainer: Any) -> dict:
+    """Every state provider of a trainer, in restore order ("rng" last)."""
+    out = {"trainer": _Counter(trainer)}
+    out.update(getattr(trainer, "state_providers", {}) or {})
+    out["rng"] = RNGState()
+    return out
+
+
+# ---- run identity ------------------------------------------------------------------------------------------------
+FINGERPRINT_BATCH = ("per_device_generation_batch_size", "generation_batches", "per_device_training_batch_size",
+                     "gradient_accumulation_steps")
+
+
+def run_fingerprint(cfg: Any, world_size: int, num_prompts: int) -> dict:
+    """What must not change between a run and its resume, as flat keys named like the flags: the world size, each
+    role's model (path, ZeRO stage and dtype of the trained roles), the reward function, the seed, the data (path
+    and usable prompts), the batch arithmetic and PPO epochs (the LR schedule's length depends on them, and on
+    max_steps when a role's schedule decays)."""
+    from ..engine.preflight import resolve_paths, resolve_stage
+
+    paths = resolve_paths(cfg)
+    fp: dict = {"world_size": int(world_size), "seed": cfg.seed, "reward_fn": cfg.reward_fn,
+                "data_path": cfg.data.data_path, "num_prompts": int(num_prompts), "ppo_epochs": cfg.ppo.ppo_epochs}
+    for role in cfg.active_roles:
+        fp[f"{role}_model_name_or_path"] = _norm_path(paths[role])
+    for role in ("actor", "critic"):
+        rc = getattr(cfg, role)
+        fp[f"{role}_zero_stage"] = resolve_stage(cfg, role)
+        fp[f"{role}_dtype"] = rc.dtype or cfg.dtype
+        for name in ("lora_dim", "trainable_layers"):  # fields of the engine extensions, when present
+            if hasattr(rc, name):
+                fp[f"{role}_{name}"] = getattr(rc, name)
+    if getattr(getattr(cfg, "engine", None), "enable_ema", False):
+        fp["enable_ema"] = True
+    for name in FINGERPRINT_BATCH:
+        fp[name] = getattr(cfg.batch, name)
+    if any(getattr(cfg, r).lr_scheduler_type in ("linear", "cosine") for r in ("actor", "critic")):
+        fp["max_steps"] = cfg.max_steps  # the decaying schedule spans max_steps iterations
+    return fp
+
+
+def _norm_path(path: str) -> str:
+    """Local folders compare by absolute path (a relative path from another working directory is the same model);
+    hub ids as given."""
+    if path and os.path.isdir(os.path.expanduser(path)):
+        return os.path.realpath(os.path.expanduser(path))
+    return path
+
+
+# ---- checkpoints -------------------------------------------------------------------------------------------------
+class Checkpointer:
+    """Checkpoints, resume and the final export of one PPO trainer.
+
+    * `after_iteration()`: a checkpoint every `save_interval` iterations (0 = none between);
+    * `finish()`: the checkpoint at the end (unless this iteration was just saved) and the export;
+    * `save()`: DeepSpeed engines + per-rank state, barrier, marker (rank 0), rotation (keep_last);
+    * `load(path)`: the reverse, into a freshly built trainer of the same run.
+    """
+
+    def __init__(self, trainer: Any, fingerprint: Optional[dict] = None):
+        self.trainer = trainer
+        cfg = trainer.cfg
+        self.root = ckpt.checkpoints_root(cfg.output_dir)
+        self.save_interval = int(getattr(cfg, "save_interval", 0) or 0)
+        self.keep_last = int(getattr(cfg, "keep_last", 0) or 0)
+        self.fingerprint = fingerprint
+        self.last_saved: Optional[int] = None  # iteration of the newest checkpoint this trainer saved or loaded
+        self.resumed_from: Optional[str] = None
+
+    @property
+    def dist(self):
+        return self.trainer.engine.dist
+
+    # ---- when ----------------------------------------------------------------------------------------------------
+    def after_iteration(self) -> Optional[str]:
+        it = self.trainer.iteration
+        if self.save_interval and it % self.save_interval == 0 and it != self.last_saved:
+            return self.save()
+        return None
+
+    def finish(self) -> Optional[str]:
+        """End of training: the final checkpoint (if not already taken at this iteration), then the export."""
+        path = None
+        if self.trainer.iteration != self.last_saved:
+            path = self.save()
+        cfg = self.trainer.cfg
+        if getattr(cfg, "export_final", False):
+            self.export(getattr(cfg, "export_dir", "") or os.path.join(cfg.output_dir, "final"))
+        return path
+
+    # ---- save ----------------------------------------------------------------------------------------------------
+    def save(self) -> str:
+        trainer, dist = self.trainer, self.dist
+        it = int(trainer.iteration)
+        tag = ckpt.tag_for(it)
+        path = os.path.join(self.root, tag)
+        t0 = time.perf_counter()
+        if dist.is_main:
+            ckpt.prepare_tag_dir(self.root, tag)
+        barrier()
+        roles = trainer.engine.save(path)  # collective; DeepSpeed writes <path>/<role>/
+        # the RNG is captured after the engines were saved: exactly what the next iteration starts from
+        state = {"format": STATE_FORMAT, "rank": dist.rank, "world_size": dist.world_size, "iteration": it,
+                 "providers": {name: p.state_dict() for name, p in providers_of(trainer).items()}}
+        target = os.path.join(path, ckpt.state_file(dist.rank))
+        with open(target + ".tmp", "wb") as f:
+            torch.save(state, f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(target + ".tmp", target)
+        barrier()  # every rank has finished every file
+        if dist.is_main:
+            ckpt.write_marker(path, {
+                "tag": tag, "iteration": it, "world_size": dist.world_size, "roles": roles,
+                "state_files": [ckpt.state_file(r) for r in range(dist.world_size)],
+                "providers": sorted(state["providers"]), "fingerprint": self.fingerprint or {},
+                "time": time.strftime("%Y-%m-%dT%H:%M:%S%z")})
+            deleted = ckpt.rotate(self.root, self.keep_last)
+            log.info("checkpoint %s saved in %.2fs%s", path, time.perf_counter() - t0,
+                     f"; removed {', '.join(os.path.basename(d) for d in deleted)} (keep_last {self.keep_last})"
+                     if deleted else "")
+        barrier()
+        self.last_saved = it
+        return path
+
+    # ---- load ----------------------------------------------------------------------------------------------------
+    def load(self, path: str, force: bool = False) -> None:
+        """Restore a complete checkpoint into this (freshly built) trainer: engines, then every provider, RNG last."""
+        trainer, dist = self.trainer, self.dist
+        meta = ckpt.read_marker(path)
+        if meta is None:  # resolve_resume never returns such a folder; a direct call must not load one either
+            raise ConfigError([Problem("resume", path, f"is not a complete checkpoint (no {ckpt.MARKER} marker)")],
+                              "cannot resume")
+        trainer.engine.load(path)
+        own = os.path.join(path, ckpt.state_file(dist.rank))
+        fallback = not os.path.isfile(own)
+        if fallback and not force:
+            raise ConfigError([Problem("resume", path, f"has no {ckpt.state_file(dist.rank)} (it was written by "
+                                       f"{meta.get('world_size')} ranks); resume with that many ranks")],
+                              "cannot resume")
+        state = torch.load(own if not fallback else os.path.join(path, ckpt.state_file(0)), map_location="cpu",
+                           weights_only=True)
+        saved = state["providers"]
+        providers = providers_of(trainer)
+        missing = [n for n in providers if n not in saved]
+        if missing and not force:
+            raise ConfigError([Problem(n, "(not in the checkpoint)", f"the run keeps state {n!r} that the "
+                                       f"checkpoint {path} lacks; pass --resume_force to start it fresh")
+                               for n in missing], "cannot resume")
+        extra = sorted(set(saved) - set(providers))
+        if extra and dist.is_main:
+            log.warning("checkpoint state not used by this run: %s", ", ".join(extra))
+        skip = set(SKIP_ON_RESUME) | set(missing)
+        if fallback:
+            skip.add("rng")  # another rank's generators would repeat its samples: this rank starts fresh
+            torch.manual_seed(trainer.cfg.seed + dist.rank)
+            log.warning("--resume_force: rank %d has no state file in %s; using rank 0's, with fresh random "
+                        "generators", dist.rank, path)
+        for name, provider in providers.items():
+            if name in skip:
+                continue
+            if isinstance(provider, DataCursor):
+                provider.load_state_dict(saved[name], strict=not force)
+            else:
+                provider.load_state_dict(saved[name])
+        barrier()
+        self.last_saved = int(state["iteration"])
+        self.resumed_from = path
+
+    # ---- export --------------------------------------------------------------------------------------------------
+    def export(self, out_dir: str) -> list[str]:
+        """The final actor and critic (and EMA) as Hugging Face folders `<out_dir>/<role>` (ZeRO-3 consolidated, LoRA
+        merged by the engine's export, tokenizer saved). Collective."""
+        engine = self.trainer.engine
+        roles = [r for r in ("actor", "critic", "ema") if r in engine.engines]
+        for role in roles:
+            engine.export(role, os.path.join(out_dir, role))
+        if self.dist.is_main:
+            log.info("exported %s to %s", ", ".join(roles), out_dir)
+        return [os.path.join(out_dir, r) for r in roles]
+
+
+# ---- resume at build time ----------------------------------------------------------------------------------------
+def resolve_and_check(cfg: Any, dist: Any, num_prompts: int) -> tuple[Optional[str], dict]:
+    """Before any weight is loaded: find the checkpoint `cfg.resume` names (rank 0 decides, every rank follows) and
+    compare its run fingerprint with this run's (a `ConfigError` naming every differing key unless
+    `cfg.resume_force`). Returns (checkpoint path or None, this run's fingerprint)."""
+    fingerprint = run_fingerprint(cfg, dist.world_size, num_prompts)
+    path, why = ckpt.resolve_resume(cfg.resume, cfg.output_dir) if cfg.resume else (None, "")
+    if torch.distributed.is_initialized() and dist.world_size > 1:
+        box = [path]
+        torch.distributed.broadcast_object_list(box, src=0)  # one decision, whatever each rank's view of the disk
+        path = box[0]
+    if cfg.resume and dist.is_main:
+        log.info(why)
+    if path:
+        meta = ckpt.read_marker(path) or {}
+        ckpt.check_fingerprint(meta.get("fingerprint", {}), fingerprint, path, force=bool(cfg.resume_force))
+    return path, fingerprint
+
+
+def after_resume_cleanup(cfg: Any, dist: Any, path: Optional[str]) -> None:
+    """Rank 0, once the run directory is prepared: metrics/samples logged after the checkpoint are moved aside
+    (they are logged again), and later checkpoints of the abandoned timeline too (so `--resume auto` never goes
+    back to them)."""
+    if not cfg.resume or not dist.is_main:
+        return
+    it = int((ckpt.read_marker(path) or {}).get("iteration", 0)) if path else 0
+    ckpt.trim_after_resume(cfg.output_dir, it)
+    if path and os.path.realpath(os.path.dirname(path)) == os.path.realpath(ckpt.checkpoints_root(cfg.output_dir)):
+        ckpt.abandon_newer(os.path.dirname(path), it)
