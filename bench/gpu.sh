@@ -1,0 +1,136 @@
+#!/usr/bin/env bash
+# The prepared single-GPU benchmark: DeepSpeed-Chat's OPT example shapes, finishing in under 8 minutes.
+#
+#   bash bench/gpu.sh                  on the GPU machine (offline; its own Python, torch and transformers)
+#   bash bench/gpu.sh --tiny           the same script and code path on CPU with tiny shapes (CI, ~1 minute)
+#   options: --out DIR (default bench/results/gpu, or bench/results/gpu-tiny), --budget SECONDS (default 465)
+#   env: PYTHON (default python3; --tiny: the repo's .venv when present), WHEELS (default bench/wheels),
+#        BENCH_WORK_DIR (models, JIT cache, carried packages; default $TMPDIR/rlhf_bench_gpu[_tiny])
+#
+# Steps (each a separate process with its own time cap, all inside --budget; a step that runs out of time is
+# killed and recorded as timed out, keeping the iterations it finished):
+#   env     bench/gpu_env.py: deepspeed and its pure-Python dependencies (and accelerate) from the carried wheels
+#           (bench/fetch_wheels.sh) into $BENCH_WORK_DIR/pydeps, put first on PYTHONPATH; torch is never reinstalled;
+#           the project runs from this source tree (PYTHONPATH), not installed
+#   models  random-weight OPT-1.3B-shaped actor and OPT-350M-shaped critic/reward from configs (bf16, cached)
+#   zero2   K PPO iterations, 256 prompt + 256 generated tokens (fixed length), global batch 16, bf16, ZeRO-2
+#   zero3   the same at ZeRO-3 (reference/reward at ZeRO-3 too)
+#   hybrid  last, with the time that is left: ZeRO-2 + DeepSpeed Hybrid Engine, first a greedy self-check
+#           (HE kernels against the native HF path on the same weights), then PPO iterations. Skipped, with the
+#           reason recorded, without a GPU or without the CUDA toolkit (its kernels are JIT-compiled)
+#   summary bench/gpu_summary.py -> $OUT/gpu.json (everything above in one file) and $OUT/gpu.md
+# Optimizer: torch's AdamW through DeepSpeed's `torch_adam` (no JIT build; a FusedAdam build would cost about a
+# minute of the budget). BENCH_ADAM=auto uses DeepSpeed's FusedAdam when the CUDA toolkit (nvcc) is there.
+# With nvcc, the Hybrid Engine's inference kernels are JIT-built in the background (nice 19) from the env step on,
+# so the hybrid step finds them built; without nvcc the hybrid step is skipped with that reason.
+set -uo pipefail
+root=$(cd "$(dirname "$0")/.." && pwd)
+tiny=0
+out=""
+budget=${BENCH_BUDGET:-465}
+while [ $# -gt 0 ]; do
+    case "$1" in
+        --tiny) tiny=1 ;;
+        --out) out=$2; shift ;;
+        --budget) budget=$2; shift ;;
+        -h|--help) awk 'NR > 1 && /^#/ { sub(/^# ?/, ""); print; next } NR > 1 { exit }' "$0"; exit 0 ;;
+        *) echo "gpu.sh: unknown argument $1 (see --help)" >&2; exit 2 ;;
+    esac
+    shift
+done
+py=${PYTHON:-python3}
+if [ "$tiny" = 1 ] && [ -z "${PYTHON:-}" ] && [ -x "$root/.venv/bin/python" ]; then py=$root/.venv/bin/python; fi
+suffix=$([ "$tiny" = 1 ] && echo "_tiny" || echo "")
+out=${out:-$root/bench/results/gpu${suffix/_/-}}
+work=${BENCH_WORK_DIR:-${TMPDIR:-/tmp}/rlhf_bench_gpu$suffix}
+mkdir -p "$out" "$work"
+out=$(cd "$out" && pwd)
+for f in steps.jsonl gpu.json gpu.md; do rm -f "$out/$f"; done
+for step in env models zero2 zero3 hybrid prebuild; do rm -f "$out/$step.json" "$out/$step.md" "$out/$step.log"; done
+start=$(date +%s)
+
+export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 TOKENIZERS_PARALLELISM=false WANDB_MODE=disabled PYTHONUNBUFFERED=1
+export TORCH_EXTENSIONS_DIR=${TORCH_EXTENSIONS_DIR:-$work/torch_extensions}
+export BENCH_WORK_DIR=$work
+if [ "$tiny" = 1 ]; then
+    export CUDA_VISIBLE_DEVICES="" DS_ACCELERATOR=cpu OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
+    preset=cpu-tiny
+else
+    preset=opt-1.3b
+fi
+
+elapsed() { echo $(( $(date +%s) - start )); }
+record() {  # name rc elapsed cap
+    printf '{"name": "%s", "rc": %s, "elapsed_s": %s, "cap_s": %s}\n' "$1" "$2" "$3" "$4" >> "$out/steps.jsonl"
+}
+has_timeout=$(command -v timeout >/dev/null 2>&1 && echo 1 || echo 0)
+run_capped() {  # name cap cmd...: run with a hard time limit, log to $out/name.log
+    local name=$1 cap=$2; shift 2
+    local t0; t0=$(date +%s)
+    if [ "$has_timeout" = 1 ]; then
+        timeout --signal=TERM --kill-after=20 "$cap" "$@" > "$out/$name.log" 2>&1
+    else
+        "$@" > "$out/$name.log" 2>&1
+    fi
+    local rc=$?
+    record "$name" "$rc" "$(( $(date +%s) - t0 ))" "$cap"
+    echo "gpu.sh: $name rc=$rc after $(( $(date +%s) - t0 ))s (cap ${cap}s; ${out}/$name.log)"
+    return $rc
+}
+cap_for() {  # wanted cap ('rest' = all that is left) -> the cap that fits the budget (20 s kept for the summary)
+    local left=$(( budget - $(elapsed) - 20 ))
+    local want=$1
+    [ "$want" = rest ] && want=$left
+    [ "$want" -gt "$left" ] && want=$left
+    echo "$want"
+}
+
+# ---- env ----------------------------------------------------------------------------------------------------------
+deps=$work/pydeps
+run_capped env "$(cap_for 90)" "$py" "$root/bench/gpu_env.py" --wheels "${WHEELS:-$root/bench/wheels}" \
+    --target "$deps" --report "$out/env.json"
+env_rc=$?
+export PYTHONPATH="$deps:$root${PYTHONPATH:+:$PYTHONPATH}" PATH="$deps/bin:$PATH"  # bin: ninja for JIT builds
+
+prebuild_pid=""
+if [ "$tiny" = 0 ] && [ "$env_rc" = 0 ] && "$py" -c 'import json, sys; sys.exit(0 if json.load(open(sys.argv[1])).get("nvcc") else 1)' "$out/env.json"; then
+    echo "gpu.sh: nvcc found: building the Hybrid Engine's inference kernels in the background ($out/prebuild.log)"
+    launcher=nice; command -v setsid >/dev/null 2>&1 && launcher=setsid  # setsid: its own process group, killable
+    if [ "$launcher" = setsid ]; then launcher_args=(setsid nice -n 19); else launcher_args=(nice -n 19); fi
+    "${launcher_args[@]}" "$py" -c 'import time; t = time.time()
+from deepspeed.ops.op_builder import InferenceBuilder
+InferenceBuilder().load()
+print(f"prebuild: transformer_inference ready after {time.time() - t:.0f}s")' > "$out/prebuild.log" 2>&1 &
+    prebuild_pid=$!
+fi
+
+# ---- benchmark steps ----------------------------------------------------------------------------------------------
+bench() {  # name cap args...
+    local name=$1 cap; cap=$(cap_for "$2"); shift 2
+    if [ "$env_rc" != 0 ]; then echo "gpu.sh: $name skipped: the environment is not ready ($out/env.json)"; \
+        record "$name" '"skipped: environment not ready"' 0 0; return; fi
+    if [ "$cap" -lt 30 ]; then echo "gpu.sh: $name skipped: no time left"; \
+        record "$name" '"skipped: no time left in the budget"' 0 0; return; fi
+    run_capped "$name" "$cap" "$py" "$root/bench/ppo_iteration.py" --preset "$preset" --work-dir "$work" \
+        --adam "${BENCH_ADAM:-torch}" --label "$name" --time-budget $(( cap - 30 )) --out "$out/$name.json" \
+        --md "$out/$name.md" "$@"
+}
+if [ "$env_rc" = 0 ]; then
+    run_capped models "$(cap_for 120)" "$py" "$root/bench/ppo_iteration.py" --preset "$preset" --work-dir "$work" \
+        --prepare-only --out "$out/models.json"
+fi
+bench zero2 170 --variant zero2:zero=2 --warmup 1 --iterations 3
+bench zero3 170 --variant zero3:zero=3 --warmup 1 --iterations 2
+bench hybrid rest --variant hybrid:zero=2,hybrid_engine=1 --greedy-check 8 --greedy-tokens 32 --warmup 1 \
+    --iterations 2
+
+if [ -n "$prebuild_pid" ] && kill -0 "$prebuild_pid" 2>/dev/null; then  # still building: stop it (and its compilers)
+    echo "prebuild: stopped at the end of the budget" >> "$out/prebuild.log"
+    kill -- "-$prebuild_pid" 2>/dev/null || kill "$prebuild_pid" 2>/dev/null
+fi
+
+# ---- summary ------------------------------------------------------------------------------------------------------
+"$py" "$root/bench/gpu_summary.py" --dir "$out" --budget "$budget" --elapsed "$(elapsed)" --tiny "$tiny"
+rc=$?
+echo "gpu.sh: done in $(elapsed)s; results in $out/gpu.json and $out/gpu.md"
+exit $rc

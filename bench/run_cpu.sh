@@ -1,0 +1,60 @@
+#!/usr/bin/env bash
+# The CPU benchmark set behind bench/README.md, then the README itself (generated from the JSON results).
+#
+#   bash bench/run_cpu.sh                  everything (about 10 minutes on 2 cores)
+#   bash bench/run_cpu.sh scaling readme   some steps: phases scaling costs costs_zero3 tiny readme
+#
+# Results go to bench/results/cpu/*.json; models and run folders to $BENCH_WORK_DIR (default $TMPDIR/rlhf_bench).
+set -euo pipefail
+root=$(cd "$(dirname "$0")/.." && pwd)
+py=${PYTHON:-$root/.venv/bin/python}
+res=bench/results/cpu  # relative: the commands recorded in the results read the same on any checkout
+export OMP_NUM_THREADS=1 HF_HUB_OFFLINE=1 DS_ACCELERATOR=cpu TOKENIZERS_PARALLELISM=false WANDB_MODE=disabled
+export BENCH_WORK_DIR=${BENCH_WORK_DIR:-${TMPDIR:-/tmp}/rlhf_bench}
+export TORCH_EXTENSIONS_DIR=${TORCH_EXTENSIONS_DIR:-$(dirname "$py")/../torch_extensions}
+mkdir -p "$res"
+cd "$root"
+steps=("$@")
+[ ${#steps[@]} -eq 0 ] && steps=(phases scaling costs costs_zero3 tiny readme)
+timings=$res/run_cpu_timings.jsonl
+[ $# -eq 0 ] && rm -f "$timings"
+
+run() {  # name cmd...
+    local name=$1; shift
+    echo "== $name: $*"
+    local t0; t0=$(date +%s)
+    "$@"
+    printf '{"step": "%s", "seconds": %s}\n' "$name" "$(( $(date +%s) - t0 ))" >> "$timings"
+}
+
+for step in "${steps[@]}"; do
+    case "$step" in
+        phases)
+            run phases "$py" bench/ppo_iteration.py --preset cpu-small --variant zero0:zero=0 --variant zero2:zero=2 \
+                --warmup 1 --iterations 4 --label phases --out "$res/phases.json"
+            run phases_variable "$py" bench/ppo_iteration.py --preset cpu-small --variable-length \
+                --variant zero0:zero=0 --warmup 1 --iterations 2 --label phases-variable \
+                --out "$res/phases_variable.json" ;;
+        scaling)
+            run scaling "$py" bench/scaling.py --preset cpu-small --repeats 2 --warmup 1 --iterations 2 \
+                --out "$res/scaling.json" ;;
+        costs)
+            run costs "$py" bench/costs.py --preset cpu-small --reps 5 --check-equivalence --label costs-1rank \
+                --variant current --variant logits_to_keep:patch=logits_to_keep \
+                --variant top_k_off:patch=top_k_off --variant no_value_checks:patch=no_value_checks \
+                --variant no_entropy:patch=no_entropy \
+                --variant all_fixes:patch=logits_to_keep+top_k_off+no_value_checks --out "$res/costs_1rank.json" ;;
+        costs_zero3)
+            run costs_zero3 "$(dirname "$py")/torchrun" --nproc_per_node 2 --master_port "$("$py" -c \
+                'import socket; s=socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')" \
+                bench/costs.py --preset cpu-small --zero 3 --reps 3 --check-equivalence --label costs-zero3-2ranks \
+                --variant current:gather_once=0 --variant gather_once:gather_once=1 \
+                --variant gather_once_patch:patch=gather_once --variant gather_copy:patch=gather_copy \
+                --out "$res/costs_zero3_2ranks.json" ;;
+        tiny)
+            run tiny bash bench/gpu.sh --tiny --out "$res/gpu-tiny" ;;
+        readme)
+            "$py" bench/make_readme.py ;;
+        *) echo "run_cpu.sh: unknown step $step" >&2; exit 2 ;;
+    esac
+done
