@@ -3,6 +3,10 @@
     deepspeed --num_gpus N launch/train_ppo.py --actor_model_name_or_path ... --data_path prompts.jsonl
     torchrun --nproc_per_node N launch/train_ppo.py ...
     python launch/train_ppo.py ...          (one process; a one-rank environment is set up)
+
+Exit codes: 0 = done; 2 = a configuration / data error (nothing trained); 3 = max_consecutive_skips updates in a row
+were skipped (non-finite gradients / fp16 overflow); 4 = a non-finite score, advantage or loss (every rank stops);
+1 = anything else. The deepspeed launcher exits with the failing rank's code; torchrun reports 1.
 """
 import os
 import sys
@@ -15,7 +19,13 @@ from rlhf_engine.trainer import run_ppo  # noqa: E402
 
 
 def main(argv=None):
-    return run_main(argv, __doc__, TrainConfig, run_ppo)
+    from rlhf_engine.trainer.guards import TrainingStopped
+
+    try:
+        return run_main(argv, __doc__, TrainConfig, run_ppo)
+    except TrainingStopped as e:  # every rank stops together, each with this message (trainer/guards.py)
+        print(f"error: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
+        return e.exit_code
 
 
 if __name__ == "__main__":

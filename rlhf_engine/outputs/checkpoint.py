@@ -16,6 +16,10 @@ Layout (one folder per checkpoint, tag = `iter_<iteration, 6 digits>`, the numbe
 * DeepSpeed's `latest` pointer is not written (`save_latest=False`); checkpoints are found by tag and marker.
 * **Rotation** (`keep_last` K > 0) runs after the new marker exists and deletes only marked checkpoints older than the
   K newest marked ones; it removes a marker before the files, so a half-deleted folder is never taken for complete.
+* **Sizes**: the marker lists every file of the checkpoint with its size in bytes (`files`); a checkpoint whose files
+  are missing or of another size (a truncated copy, a disk that filled up) is corrupt: `--resume auto` skips it (and
+  says so), an explicit path is refused. A file of the right size with other bytes is not detected here (a state
+  file that does not unpickle is named when it is read).
 * **Run identity**: the marker holds a fingerprint (world size, model paths and placement, seed, data, batch
   arithmetic); `diff_fingerprints` names every key that differs on resume.
 * Shared filesystem: every rank writes into the same folder, and rank 0 must see the other ranks' files (multi-node
@@ -107,6 +111,37 @@ def is_complete(ckpt_dir: str) -> bool:
     return read_marker(ckpt_dir) is not None
 
 
+def file_sizes(ckpt_dir: str) -> dict[str, int]:
+    """Every file under `ckpt_dir` (relative path -> bytes), the marker and temporary files excepted: what the marker
+    records, after every rank finished writing."""
+    out = {}
+    for d, _, files in os.walk(ckpt_dir):
+        for name in files:
+            path = os.path.join(d, name)
+            rel = os.path.relpath(path, ckpt_dir)
+            if rel in (MARKER, MARKER + ".tmp") or name.endswith(".tmp"):
+                continue
+            out[rel.replace(os.sep, "/")] = os.path.getsize(path)
+    return dict(sorted(out.items()))
+
+
+def corrupt_files(ckpt_dir: str, meta: Optional[Mapping[str, Any]] = None) -> list[str]:
+    """What is wrong with a complete checkpoint's files, compared with the sizes its marker records: one line per
+    missing or resized file ([] when all match, or when the marker predates the size list)."""
+    meta = read_marker(ckpt_dir) if meta is None else meta
+    sizes = (meta or {}).get("files")
+    if not isinstance(sizes, Mapping):
+        return []
+    out = []
+    for rel, size in sizes.items():
+        path = os.path.join(ckpt_dir, *str(rel).split("/"))
+        if not os.path.isfile(path):
+            out.append(f"{rel} is missing")
+        elif os.path.getsize(path) != size:
+            out.append(f"{rel} has {os.path.getsize(path)} bytes, the marker says {size}")
+    return out
+
+
 # ---- discovery ---------------------------------------------------------------------------------------------------
 def list_checkpoints(root: str) -> tuple[list[tuple[int, str]], list[tuple[int, str]]]:
     """(complete, incomplete) checkpoint folders under `root`, each as (iteration, path) sorted by iteration.
@@ -142,10 +177,10 @@ def resolve_resume(resume: str, output_dir: str) -> tuple[Optional[str], str]:
     if resume == "auto":
         root = checkpoints_root(output_dir)
         complete, incomplete = list_checkpoints(root)
-        skipped = _skipped(incomplete, complete[-1][0] if complete else -1)
         if not complete:
+            skipped = _skipped(incomplete, -1)
             return None, (f"--resume auto: no complete checkpoint under {root}{skipped}; starting at iteration 0")
-        it, path = complete[-1]
+        it, path, skipped = _newest_sound(complete, incomplete, "resume", resume)
         return path, f"--resume auto: resuming from {path} (iteration {it}), the newest complete checkpoint{skipped}"
     path = os.path.abspath(os.path.expanduser(resume))
     if not os.path.isdir(path):
@@ -153,6 +188,12 @@ def resolve_resume(resume: str, output_dir: str) -> tuple[Optional[str], str]:
                                    f"(<output_dir>/{CHECKPOINTS_DIR}/iter_NNNNNN) or a run folder")],
                           "cannot resume")
     if is_complete(path):
+        bad = corrupt_files(path)
+        if bad:
+            raise ConfigError([Problem("resume", resume, f"the checkpoint is corrupt: {'; '.join(bad[:5])}"
+                                       f"{' ...' if len(bad) > 5 else ''}; resume from an earlier one (or 'auto', "
+                                       "which skips corrupt checkpoints)" + _complete_hint(os.path.dirname(path)))],
+                              "cannot resume")
         return path, f"--resume {resume}: resuming from {path} (iteration {read_marker(path).get('iteration')})"
     if iteration_of(path) is not None:
         raise ConfigError([Problem("resume", resume, f"is not a complete checkpoint: it has no {MARKER} marker (its "
@@ -161,9 +202,9 @@ def resolve_resume(resume: str, output_dir: str) -> tuple[Optional[str], str]:
     for root in (path, checkpoints_root(path)):
         complete, incomplete = list_checkpoints(root)
         if complete:
-            it, found = complete[-1]
+            it, found, skipped = _newest_sound(complete, incomplete, "resume", resume)
             return found, (f"--resume {resume}: resuming from {found} (iteration {it}), the newest complete "
-                           f"checkpoint there{_skipped(incomplete, it)}")
+                           f"checkpoint there{skipped}")
     raise ConfigError([Problem("resume", resume, "holds no complete checkpoint (no iter_NNNNNN folder with a "
                                f"{MARKER} marker here or in {CHECKPOINTS_DIR}/)")], "cannot resume")
 
@@ -171,6 +212,25 @@ def resolve_resume(resume: str, output_dir: str) -> tuple[Optional[str], str]:
 def _skipped(incomplete: Sequence[tuple[int, str]], newest: int) -> str:
     newer = [os.path.basename(p) for it, p in incomplete if it > newest]
     return f" (skipped incomplete, no {MARKER} marker: {', '.join(newer)})" if newer else ""
+
+
+def _newest_sound(complete: Sequence[tuple[int, str]], incomplete: Sequence[tuple[int, str]], field: str,
+                  value: str) -> tuple[int, str, str]:
+    """The newest complete checkpoint whose files match its marker -> (iteration, path, what was skipped, for the
+    log). Newer incomplete and corrupt ones are skipped and named; a `ConfigError` when every complete one is
+    corrupt."""
+    corrupt = []
+    for it, path in reversed(complete):
+        bad = corrupt_files(path)
+        if not bad:
+            skipped = _skipped(incomplete, it)
+            if corrupt:
+                skipped += f" (skipped corrupt: {'; '.join(corrupt)})"
+            return it, path, skipped
+        corrupt.append(f"{os.path.basename(path)}: {bad[0]}" + (f" (+{len(bad) - 1} more)" if len(bad) > 1 else ""))
+    raise ConfigError([Problem(field, value, f"every complete checkpoint is corrupt ({'; '.join(corrupt)}); restore "
+                               "the files, or start a new run (--overwrite_output_dir or another --output_dir)")],
+                      "cannot resume")
 
 
 def _complete_hint(root: str) -> str:

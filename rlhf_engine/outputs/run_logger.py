@@ -265,8 +265,8 @@ class RunLogger:
                         "metrics.jsonl only")
             return None
         mode = wandb_mode()
-        kwargs = dict(project=project, entity=entity or None, name=name or None, dir=self.output_dir,
-                      config=redact(config), mode=mode)
+        kwargs = dict(project=redact(project), entity=redact(entity) or None, name=redact(name) or None,
+                      dir=self.output_dir, config=redact(config), mode=mode)  # wandb writes all of them to disk
         if mode == "offline":
             log.info("wandb runs offline (no WANDB_API_KEY, or WANDB_MODE=offline): files in %s/wandb; upload later "
                      "with `wandb sync`", self.output_dir)

@@ -36,7 +36,9 @@ def call_reward_fn(fn: RewardFn, prompts: Sequence[str], responses: Sequence[str
     try:
         out = fn(list(prompts), list(responses))
     except Exception as e:  # noqa: BLE001
-        raise RewardFunctionError(f"reward function {name} raised {type(e).__name__}: {e}") from e
+        raise RewardFunctionError(f"reward function {name} raised {type(e).__name__}: {e} (on a batch of "
+                                  f"{len(responses)} responses); fix the function: it is called as fn(prompts, "
+                                  "responses), two lists of str, and returns one float per response") from e
     try:
         values = [float(v) for v in out]
     except Exception as e:  # noqa: BLE001

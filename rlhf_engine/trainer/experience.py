@@ -1,6 +1,7 @@
 """Experience making: rollout -> old/reference log-probs, values, scores -> rewards -> GAE -> (global) whitening."""
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Callable, Optional
 
 import torch
@@ -9,10 +10,7 @@ from ..config import PPOConfig
 from ..engine import all_reduce
 from ..ppo_math import compute_gae, compute_rewards, masked_whiten
 from ..rollout import Experience, Rollout
-
-
-class NonFiniteError(RuntimeError):
-    """A non-finite score, loss or advantage: training cannot continue with a silent wrong number."""
+from .guards import NonFiniteError  # noqa: F401  (re-exported: defined with the other stop reasons)
 
 
 # A programmatic reward: (prompt_ids [B, P] left-padded, rollout) -> [B] scores, replacing the reward model.
@@ -37,24 +35,48 @@ def text_reward(fn: Callable, tokenizer) -> RewardFn:
         prompts, responses = decode_rollout(tokenizer, rollout)
         return torch.tensor(call_reward_fn(fn, prompts, responses), dtype=torch.float32)
 
+    reward.source_name = f"reward_fn {getattr(fn, '__rlhf_spec__', getattr(fn, '__qualname__', repr(fn)))}"
     return reward
 
 
-def make_experience(engine, rollout: Rollout, ppo: PPOConfig, kl_coef: float,
-                    reward_fn: Optional[RewardFn] = None) -> tuple[Experience, torch.Tensor]:
-    """One rollout batch -> (Experience without whitening, [B, R] rollout entropy).
+@dataclass
+class Forwards:
+    """The experience forwards of one rollout batch: [B, R] old log-probs, entropy, reference log-probs and values,
+    and the [B] scores (None when scoring failed: `error` holds why)."""
 
-    Every forward runs in eval mode with the rollout's position ids (engine contract). `reward_fn`, when given,
-    scores the batch instead of the reward model: `reward_fn(rollout.prompts, rollout)` returns [B] scores.
-    """
+    old_logprobs: torch.Tensor
+    entropy: torch.Tensor
+    ref_logprobs: torch.Tensor
+    values: torch.Tensor
+    scores: Optional[torch.Tensor]
+    error: Optional[Exception] = None
+
+
+def experience_forwards(engine, rollout: Rollout, reward_fn: Optional[RewardFn] = None) -> Forwards:
+    """Every forward of the experience (eval mode, the rollout's position ids), then the scores: the reward model's,
+    or `reward_fn(rollout.prompts, rollout)`. A scoring failure (the reward function raising, a wrong shape, a
+    non-finite score) does not raise here: it is returned in `error`, so the trainer can stop every rank together
+    (`StepGuard.agree`). The scoring comes after every (possibly collective) forward."""
     old_logprobs, entropy = engine.actor_logprobs(rollout, with_entropy=True)
     ref_logprobs = engine.ref_logprobs(rollout)
     values = engine.critic_values(rollout)
+    scores, error = None, None
+    try:
+        scores = score_rollout(engine, rollout, reward_fn, device=old_logprobs.device)
+    except Exception as e:  # noqa: BLE001  (any scoring failure is reported on every rank by the trainer)
+        error = e
+    return Forwards(old_logprobs, entropy, ref_logprobs, values, scores, error)
+
+
+def score_rollout(engine, rollout: Rollout, reward_fn: Optional[RewardFn] = None,
+                  device: Optional[torch.device] = None) -> torch.Tensor:
+    """[B] fp32 scores of a rollout batch, checked: one finite score per sequence (else ValueError / NonFiniteError
+    naming the source: "reward model", "reward_fn", or the reward function's `source_name`)."""
     if reward_fn is None:
         scores, source = engine.reward_scores(rollout), "reward model"
     else:
-        scores, source = reward_fn(rollout.prompts, rollout), "reward_fn"
-    scores = torch.as_tensor(scores).to(device=old_logprobs.device, dtype=torch.float32)
+        scores, source = reward_fn(rollout.prompts, rollout), getattr(reward_fn, "source_name", "reward_fn")
+    scores = torch.as_tensor(scores).to(device=device or rollout.sequences.device, dtype=torch.float32)
     if scores.shape != (rollout.batch_size,):
         raise ValueError(f"{source} returned scores of shape {tuple(scores.shape)}; expected "
                          f"({rollout.batch_size},), one score per sequence")
@@ -62,13 +84,35 @@ def make_experience(engine, rollout: Rollout, ppo: PPOConfig, kl_coef: float,
         bad = torch.nonzero(~torch.isfinite(scores)).flatten().tolist()
         raise NonFiniteError(f"{source} returned non-finite scores for rows {bad} of this rank's rollout batch "
                              f"(values {scores[bad].tolist()})")
+    return scores
+
+
+def build_experience(rollout: Rollout, fw: Forwards, scores: torch.Tensor, ppo: PPOConfig,
+                     kl_coef: float) -> Experience:
+    """Forwards + the scores that enter the reward -> rewards (KL penalty, clipped score) -> GAE -> Experience."""
     mask = rollout.action_mask
-    rewards, kl = compute_rewards(logprobs=old_logprobs, ref_logprobs=ref_logprobs, scores=scores, action_mask=mask,
-                                  kl_coef=kl_coef, reward_clip=ppo.reward_clip, kl_estimator=ppo.kl_estimator)
-    advantages, returns = compute_gae(rewards=rewards, values=values, action_mask=mask, gamma=ppo.gamma, lam=ppo.lam)
-    exp = Experience(rollout=rollout, old_logprobs=old_logprobs, ref_logprobs=ref_logprobs, values=values,
-                     scores=scores, rewards=rewards, kl=kl, advantages=advantages, returns=returns)
-    return exp, entropy
+    rewards, kl = compute_rewards(logprobs=fw.old_logprobs, ref_logprobs=fw.ref_logprobs, scores=scores,
+                                  action_mask=mask, kl_coef=kl_coef, reward_clip=ppo.reward_clip,
+                                  kl_estimator=ppo.kl_estimator)
+    advantages, returns = compute_gae(rewards=rewards, values=fw.values, action_mask=mask, gamma=ppo.gamma,
+                                      lam=ppo.lam)
+    return Experience(rollout=rollout, old_logprobs=fw.old_logprobs, ref_logprobs=fw.ref_logprobs, values=fw.values,
+                      scores=scores, rewards=rewards, kl=kl, advantages=advantages, returns=returns)
+
+
+def make_experience(engine, rollout: Rollout, ppo: PPOConfig, kl_coef: float,
+                    reward_fn: Optional[RewardFn] = None) -> tuple[Experience, torch.Tensor]:
+    """One rollout batch -> (Experience without whitening, [B, R] rollout entropy).
+
+    Every forward runs in eval mode with the rollout's position ids (engine contract). `reward_fn`, when given,
+    scores the batch instead of the reward model: `reward_fn(rollout.prompts, rollout)` returns [B] scores. A scoring
+    failure raises here (this rank only); the trainer uses `experience_forwards` + `build_experience` instead, to stop
+    every rank together.
+    """
+    fw = experience_forwards(engine, rollout, reward_fn)
+    if fw.error is not None:
+        raise fw.error
+    return build_experience(rollout, fw, fw.scores, ppo, kl_coef), fw.entropy
 
 
 def global_moments(x: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

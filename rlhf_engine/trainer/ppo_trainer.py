@@ -5,10 +5,19 @@ One iteration:
   2. the batches concatenated into one buffer (re-padded to one width), then experience on it (eval-mode forwards, in
      experience micro-batches), advantages whitened with global statistics;
   3. for each PPO epoch, for each mini-batch (`per_device_training_batch_size x gradient_accumulation_steps` samples in
-     rollout order), for each micro-batch: actor forward/backward/step, then critic forward/backward/step. Losses are
+     rollout order), for each micro-batch: actor forward (+ the ptx forward) and ONE actor backward, critic forward
+     and backward, then both engines' `step` through the `StepGuard` (trainer/guards.py): at the accumulation boundary
+     one collective checks every rank's losses and gradients, and both engines update or neither does. Losses are
      divided by the mini-batch's GLOBAL token count, so any micro-batch split and any number of ranks give the same
-     gradient (ppo_math module docstring);
+     gradient (ppo_math module docstring). The two models are independent, so stepping the actor after the critic's
+     backward (instead of before the critic's forward) changes no number;
   4. metrics (token-weighted over every rank) to metrics.jsonl.
+
+Scores may be normalized and penalized before they enter the reward (trainer/reward_shaping.py); a non-finite score,
+advantage or loss on any rank stops every rank (NonFiniteError, exit code 4); `max_consecutive_skips` skipped updates
+in a row stop the run (TooManySkippedSteps, exit code 3). The first `critic_warmup_iterations` iterations train only
+the critic. The run lasts `total_iterations(cfg, batches_per_epoch)` iterations (max_steps, or fewer with
+num_train_epochs).
 """
 from __future__ import annotations
 
@@ -24,10 +33,14 @@ from ..data.prompts import PromptDataset, PromptSampler, collate_prompts
 from ..engine import all_reduce
 from ..outputs.metrics import MetricsWriter
 from ..ppo_math import AdaptiveKLController, FixedKLController, policy_loss, value_loss
+from ..errors import ConfigError, Problem
 from ..rollout import Experience, Rollout
 from .state import Checkpointer, DataCursor
-from .experience import (NonFiniteError, RewardFn, decode_rollout, global_moments, make_experience,
-                         whiten_advantages)
+from .experience import (NonFiniteError, RewardFn, build_experience, decode_rollout, experience_forwards,
+                         global_moments, whiten_advantages)
+from .guards import Injection, StepGuard, injection_from_env
+from .ptx import build_ptx, ptx_loss
+from .reward_shaping import ScoreShaper, reward_model_scorer
 
 log = logging.getLogger(__name__)
 
@@ -35,6 +48,22 @@ log = logging.getLogger(__name__)
 def updates_per_iteration(cfg: TrainConfig) -> int:
     """Optimizer steps per trained engine per iteration (for the LR schedule)."""
     return cfg.ppo.ppo_epochs * (cfg.batch.rollout_size // cfg.batch.mini_batch_size)
+
+
+def total_iterations(cfg: TrainConfig, batches_per_epoch: int) -> int:
+    """Iterations of the run: max_steps, or with num_train_epochs E > 0
+    min(max_steps, floor(E x batches_per_epoch / generation_batches)), batches_per_epoch being the sampler's global
+    generation batches per epoch (an iteration may straddle two epochs). Raises ConfigError when that is 0."""
+    epochs = getattr(cfg, "num_train_epochs", 0) or 0
+    if not epochs:
+        return cfg.max_steps
+    n = min(cfg.max_steps, epochs * batches_per_epoch // cfg.batch.generation_batches)
+    if n < 1:
+        raise ConfigError([Problem("num_train_epochs", epochs, f"{epochs} epoch(s) of {batches_per_epoch} generation "
+                                   f"batches hold less than one iteration (generation_batches "
+                                   f"{cfg.batch.generation_batches}); raise num_train_epochs or add prompts")],
+                          "invalid configuration")
+    return n
 
 
 @dataclass
@@ -69,7 +98,8 @@ class _Sums:
 
 
 class PPOTrainer:
-    def __init__(self, cfg: TrainConfig, engine, dataset: PromptDataset, metrics: Optional[MetricsWriter] = None):
+    def __init__(self, cfg: TrainConfig, engine, dataset: PromptDataset, metrics: Optional[MetricsWriter] = None,
+                 ptx_dataset=None):
         self.cfg, self.engine, self.dataset = cfg, engine, dataset
         dist = engine.dist
         self.sampler = PromptSampler(len(dataset), cfg.batch.per_device_generation_batch_size, dist.rank,
@@ -80,16 +110,30 @@ class PPOTrainer:
                        else FixedKLController(ppo.kl_coef))
         self.metrics = metrics or MetricsWriter(cfg.output_dir, enabled=dist.is_main)
         # What a checkpoint saves besides the engines, per rank (trainer/state.py; "trainer" and "rng" are added
-        # there): name -> object with state_dict() / load_state_dict(). A ptx data cursor or a reward normalizer
-        # registers here too.
+        # there): name -> object with state_dict() / load_state_dict(); "ptx_data" and "reward_normalizer" below.
         self.state_providers = {"data": self._batches, "kl_controller": self.kl_ctl}
+        self.total_iterations = total_iterations(cfg, self.sampler.batches_per_epoch)
+        # PPO-ptx: the unsupervised stream of this rank (trainer/ptx.py), its position saved with checkpoints
+        self.ptx = build_ptx(cfg, engine, ptx_dataset)
+        if self.ptx is not None:
+            self.state_providers["ptx_data"] = self.ptx.cursor
+        # scores -> (normalized, missing-EOS penalty) -> reward (trainer/reward_shaping.py)
+        self.shaper = ScoreShaper(ppo.normalize_reward, ppo.missing_eos_penalty)
+        if self.shaper.normalizer is not None:
+            self.state_providers["reward_normalizer"] = self.shaper.normalizer
+        # both engines step together or neither; non-finite losses stop every rank (trainer/guards.py)
+        self.guard = StepGuard(engine, ppo.max_consecutive_skips)
+        # TEST HOOK (guards.Injection): inject a non-finite score/advantage/loss/gradient; also from the environment
+        # variable RLHF_ENGINE_TEST_INJECT_NONFINITE (JSON). Never set in a real run.
+        self.inject_nonfinite: Optional[dict] = injection_from_env()
         self.checkpointer = Checkpointer(self)  # save_interval / keep_last / export_final; build_trainer resumes
         self.iteration = 0
         self.last_experience: Optional[Experience] = None  # kept for tests and debugging
         self.ratio_trace: list[float] = []  # max |log-ratio| per mini-batch (cheap, used by tests and guards)
         # Optional programmatic reward replacing the reward model: reward_fn(prompt_ids [B, P], rollout) -> [B]
-        # scores (see experience.make_experience). To become `--reward_fn module:function`.
-        self.reward_fn: Optional[RewardFn] = None
+        # scores (see experience.experience_forwards); build_trainer sets it from `--reward_fn module:function`. A
+        # reward model with its own tokenizer (reward_tokenizer_name_or_path) scores through a re-tokenizing one.
+        self.reward_fn: Optional[RewardFn] = reward_model_scorer(engine, cfg)
         self.evaluator = None  # trainer.evaluation.Evaluator when eval_interval > 0
         self.samples_per_iteration = 4  # prompt / response / score rows logged per iteration (samples.jsonl, wandb)
         # TEST HOOK (negative control of the token aggregation): "global" (the only correct setting) divides each
@@ -111,6 +155,13 @@ class PPOTrainer:
             rollouts.append(self.engine.generate(ids, mask))
         return rollouts
 
+    def _injection(self, what: str, role: Optional[str] = None) -> bool:
+        """TEST HOOK: whether `inject_nonfinite` asks for `what` on this rank now."""
+        spec = self.inject_nonfinite
+        if not spec:
+            return False
+        return Injection(spec).active(what, self.engine.dist.rank, self.iteration, role)
+
     def experience_phase(self, rollouts, stats: _Sums) -> Experience:
         # The generation batches are concatenated (re-padded to one width) BEFORE the experience forwards, so the old
         # log-probs, reference log-probs and values are computed on exactly the tensors the training forwards see.
@@ -118,14 +169,33 @@ class PPOTrainer:
         # layout also removes the fp32 kernel noise of a different row width (a few ulps, ~1e-6 in log-prob), so at
         # lr = 0 every PPO ratio is exactly 1.
         rollout = rollouts[0] if len(rollouts) == 1 else Rollout.cat(rollouts, self.engine.pad_token_id)
-        exp, entropy = make_experience(self.engine, rollout, self.cfg.ppo, self.kl_ctl.value,
-                                       reward_fn=self.reward_fn)
+        reward_fn = self.reward_fn
+        if self._injection("score"):  # TEST HOOK: row 0's score becomes NaN
+            base = reward_fn or (lambda p, r: self.engine.reward_scores(r))
+
+            def reward_fn(p, r):
+                out = torch.as_tensor(base(p, r)).float().clone()
+                out[0] = float("nan")
+                return out
+
+        fw = experience_forwards(self.engine, rollout, reward_fn)
+        # every rank learns whether any rank's scoring failed before the next collective (normalizer, whitening)
+        self.guard.agree(self.iteration, errors={"score": fw.error})
+        raw_scores = fw.scores
+        scores = self.shaper(raw_scores, rollout) if self.shaper.active else raw_scores
+        exp = build_experience(rollout, fw, scores, self.cfg.ppo, self.kl_ctl.value)
+        entropy = fw.entropy
+        if self._injection("advantage"):  # TEST HOOK
+            exp.advantages[0, 0] = float("nan")
         mask = rollout.action_mask
+        self.guard.agree(self.iteration, tensors={"advantage": (exp.advantages, mask)})
         stats.add("entropy_sum", (entropy * mask).sum())
         stats.add("tokens", mask.sum())
         mask = mask.float()
         stats.add("sequences", torch.tensor(float(exp.batch_size)))
-        stats.add("score_sum", exp.scores.sum())
+        stats.add("score_sum", raw_scores.sum())
+        if self.shaper.active:
+            stats.add("shaped_score_sum", exp.scores.sum())
         k1 = ((exp.old_logprobs - exp.ref_logprobs) * mask).sum(-1)  # objective/kl is always the k1 sequence sum
         stats.add("kl_sum", k1.sum())
         stats.add("rlhf_reward_sum", (exp.rewards * mask).sum())
@@ -142,41 +212,72 @@ class PPOTrainer:
     def train_phase(self, exp: Experience, stats: _Sums) -> None:
         b, ppo, engine = self.cfg.batch, self.cfg.ppo, self.engine
         with_entropy = ppo.entropy_coef > 0
+        train_actor = self.iteration >= ppo.critic_warmup_iterations  # critic warm-up: the actor does not train
+        roles = ("actor", "critic") if train_actor else ("critic",)
+        ptx = self.ptx if train_actor else None
+        inject_loss = {r: self._injection("loss", r) for r in ("actor", "critic")}  # TEST HOOKS
+        inject_grad = {r: self._injection("grad", r) for r in ("actor", "critic")}
         trace = []
-        for _epoch in range(ppo.ppo_epochs):
-            for mini in exp.split(b.mini_batch_size):
-                local_tokens = mini.rollout.action_mask.sum().double()
+        for epoch in range(ppo.ppo_epochs):
+            for m, mini in enumerate(exp.split(b.mini_batch_size)):
+                micros = mini.split(b.per_device_training_batch_size)
+                ptx_batches = ptx.next_batches(len(micros), engine.device) if ptx is not None else None
+                local = torch.stack([mini.rollout.action_mask.sum().double(),
+                                     sum(x.num_tokens for x in ptx_batches).double() if ptx_batches
+                                     else torch.zeros((), dtype=torch.float64, device=engine.device)])
                 if self.loss_token_mean == "global":
-                    global_tokens = all_reduce(local_tokens.clone()).float()
+                    global_tokens, global_ptx_tokens = all_reduce(local.clone()).float().unbind()
                 elif self.loss_token_mean == "local":  # test hook only: the naive per-rank mean
-                    global_tokens = (local_tokens * engine.dist.world_size).float()
+                    global_tokens, global_ptx_tokens = (local * engine.dist.world_size).float().unbind()
                 else:
                     raise ValueError(f"loss_token_mean must be 'global' or 'local', got {self.loss_token_mean!r}")
                 max_abs_log_ratio = torch.zeros((), dtype=torch.float64, device=engine.device)
-                for micro in mini.split(b.per_device_training_batch_size):
+                for k, micro in enumerate(micros):
                     r = micro.rollout
-                    logprobs, entropy = engine.actor_forward(r, with_entropy=with_entropy)
-                    loss, ps = policy_loss(logprobs=logprobs, old_logprobs=micro.old_logprobs,
-                                           advantages=micro.advantages, action_mask=r.action_mask,
-                                           clip_eps=ppo.clip_eps, dual_clip=ppo.dual_clip, num_tokens=global_tokens)
-                    if with_entropy:
-                        loss = loss - ppo.entropy_coef * (entropy * r.action_mask).sum() / global_tokens
-                    engine.backward("actor", loss)
-                    engine.step("actor")
-                    engine.update_ema()  # acts only when the actor's optimizer just stepped (and EMA is on)
+                    if train_actor:
+                        logprobs, entropy = engine.actor_forward(r, with_entropy=with_entropy)
+                        loss, ps = policy_loss(logprobs=logprobs, old_logprobs=micro.old_logprobs,
+                                               advantages=micro.advantages, action_mask=r.action_mask,
+                                               clip_eps=ppo.clip_eps, dual_clip=ppo.dual_clip,
+                                               num_tokens=global_tokens)
+                        if with_entropy:
+                            loss = loss - ppo.entropy_coef * (entropy * r.action_mask).sum() / global_tokens
+                        if inject_loss["actor"]:
+                            loss = loss * float("nan")
+                        self.guard.watch("policy loss", loss)
+                        actor_loss = loss
+                        if ptx_batches is not None:
+                            lm_loss, lm = ptx_loss(engine, ptx_batches[k], global_ptx_tokens)
+                            self.guard.watch("ptx loss", lm_loss)
+                            actor_loss = actor_loss + self.cfg.unsup_coef * lm_loss
+                            stats.add("ptx_loss", lm_loss.detach())
+                            stats.add("ptx_tokens", lm["tokens"])
+                        if inject_grad["actor"]:
+                            actor_loss = actor_loss + Injection.nan_gradient_term(logprobs)
+                        engine.backward("actor", actor_loss)  # ONE backward: policy (+ entropy) + ptx
                     values = engine.critic_forward(r)
                     vloss, vs = value_loss(values=values, old_values=micro.values, returns=micro.returns,
                                            action_mask=r.action_mask, clip_range=ppo.value_clip,
                                            num_tokens=global_tokens)
+                    if inject_loss["critic"]:
+                        vloss = vloss * float("nan")
+                    self.guard.watch("value loss", vloss)
+                    if inject_grad["critic"]:
+                        vloss = vloss + Injection.nan_gradient_term(values)
                     engine.backward("critic", vloss)
-                    engine.step("critic")
+                    # both engines step together (boundary: one collective; non-finite gradient -> both skip)
+                    self.guard.step(roles, self.iteration, where=f"PPO epoch {epoch}, mini-batch {m}")
+                    engine.update_ema()  # acts only when the actor's optimizer just stepped (and EMA is on)
+                    stats.add("value_loss", vloss.detach())
+                    stats.add("value_clipfrac_sum", vs["clipfrac"] * vs["tokens"])
+                    stats.add("value_tokens", vs["tokens"])
+                    if not train_actor:
+                        continue
                     t = ps["tokens"]
                     stats.add("policy_loss", loss.detach())
-                    stats.add("value_loss", vloss.detach())
                     stats.add("approx_kl_sum", ps["approx_kl"] * t)
                     stats.add("clipfrac_sum", ps["clipfrac"] * t)
                     stats.add("ratio_sum", ps["ratio_mean"] * t)
-                    stats.add("value_clipfrac_sum", vs["clipfrac"] * t)
                     stats.add("train_tokens", t)
                     # a micro-batch without real tokens must not contribute its neutral ratio 1
                     stats.max("ratio_max", torch.where(t > 0, ps["ratio_max"], -torch.inf))
@@ -184,10 +285,12 @@ class PPOTrainer:
                     with torch.no_grad():
                         lr = ((logprobs.detach() - micro.old_logprobs) * r.action_mask).abs().max()
                     max_abs_log_ratio = torch.maximum(max_abs_log_ratio, lr.double())
-                trace.append(max_abs_log_ratio)
+                if train_actor:
+                    trace.append(max_abs_log_ratio)
                 stats.add("minibatches", torch.tensor(1.0))
-        # one collective for the whole phase: max |log-ratio| of every mini-batch over all ranks
-        self.ratio_trace.extend(all_reduce(torch.stack(trace), "max").tolist())
+        # one collective for the whole phase: max |log-ratio| of every mini-batch over all ranks (none in warm-up)
+        if trace:
+            self.ratio_trace.extend(all_reduce(torch.stack(trace), "max").tolist())
 
     # ---- loop ------------------------------------------------------------------------------------------------
     def step(self) -> dict:
@@ -204,7 +307,8 @@ class PPOTrainer:
         t3 = time.perf_counter()
         s = stats.reduce()
         world = self.engine.dist.world_size
-        n_seq, tokens, train_tokens = s["sequences"], s["tokens"], s["train_tokens"]
+        n_seq, tokens, value_tokens = s["sequences"], s["tokens"], s["value_tokens"]
+        train_tokens = s.get("train_tokens", 0.0)
         kl_seq = s["kl_sum"] / n_seq
         minibatches = s["minibatches"] / world  # every rank counted each mini-batch
         rec = {
@@ -213,15 +317,25 @@ class PPOTrainer:
             "objective/kl": kl_seq,
             "objective/rlhf_reward": s["rlhf_reward_sum"] / n_seq,
             "objective/entropy": s["entropy_sum"] / tokens if tokens else None,
-            # losses: each micro loss is a share of its mini-batch's global token mean; sum -> per-mini-batch mean
-            "policy/loss": s["policy_loss"] / minibatches,
-            "policy/approx_kl": s["approx_kl_sum"] / train_tokens if train_tokens else None,
-            "policy/clipfrac": s["clipfrac_sum"] / train_tokens if train_tokens else None,
-            "policy/ratio_mean": s["ratio_sum"] / train_tokens if train_tokens else None,
-            "policy/ratio_max": s.get("ratio_max"),
-            "policy/ratio_min": s.get("ratio_min"),
+        }
+        if "shaped_score_sum" in s:
+            rec["objective/shaped_score"] = s["shaped_score_sum"] / n_seq
+        if "policy_loss" in s:  # the actor trained (not a critic warm-up iteration)
+            rec.update({
+                # losses: each micro loss is a share of its mini-batch's global token mean; sum -> per-mini-batch mean
+                "policy/loss": s["policy_loss"] / minibatches,
+                "policy/approx_kl": s["approx_kl_sum"] / train_tokens if train_tokens else None,
+                "policy/clipfrac": s["clipfrac_sum"] / train_tokens if train_tokens else None,
+                "policy/ratio_mean": s["ratio_sum"] / train_tokens if train_tokens else None,
+                "policy/ratio_max": s.get("ratio_max"),
+                "policy/ratio_min": s.get("ratio_min"),
+            })
+        if "ptx_loss" in s:
+            rec["ptx/loss"] = s["ptx_loss"] / minibatches  # token mean per mini-batch, without unsup_coef
+            rec["ptx/tokens"] = s["ptx_tokens"]
+        rec.update({
             "value/loss": s["value_loss"] / minibatches,
-            "value/clipfrac": s["value_clipfrac_sum"] / train_tokens if train_tokens else None,
+            "value/clipfrac": s["value_clipfrac_sum"] / value_tokens if value_tokens else None,
             "value/explained_var": self._explained_var,
             "rollout/response_length": s["response_length_sum"] / n_seq,
             "rollout/eos_rate": s["eos_sum"] / n_seq,
@@ -232,8 +346,9 @@ class PPOTrainer:
             "throughput/samples_per_s": n_seq / (t3 - t0),
             "throughput/tokens_per_s": tokens / (t3 - t0),
             "system/optimizer_steps": self.engine.optimizer_steps("actor"),
+            "system/skipped_steps": self.guard.skipped_steps(),
             "system/kl_coef": self.kl_ctl.value,
-        }
+        })
         rec.update(evaluated)
         self.kl_ctl.update(kl_seq, int(n_seq))
         self.metrics.write(rec)
@@ -257,19 +372,21 @@ class PPOTrainer:
     def train(self) -> list[dict]:
         records = []
         try:
-            for _ in range(self.iteration, self.cfg.max_steps):
+            for _ in range(self.iteration, self.total_iterations):
                 try:
                     rec = self.step()
                 except NonFiniteError as e:
+                    if str(e).startswith("rank "):  # the guards name rank and iteration themselves
+                        raise
                     raise NonFiniteError(f"rank {self.engine.dist.rank}, iteration {self.iteration}: {e}") from e
                 records.append(rec)
                 if self.engine.dist.is_main:
                     log.info("iteration %d/%d  score %.4f  kl %.4f  len %.1f  %.1fs", rec["iteration"] + 1,
-                             self.cfg.max_steps, rec["objective/score"], rec["objective/kl"],
+                             self.total_iterations, rec["objective/score"], rec["objective/kl"],
                              rec["rollout/response_length"], rec["time/generate"] + rec["time/experience"]
                              + rec["time/train"])
                 self.checkpointer.after_iteration()  # every save_interval iterations
-            if self.evaluator and self.iteration == self.cfg.max_steps:  # "after": one record of eval/* keys only
+            if self.evaluator and self.iteration == self.total_iterations:  # "after": one record of eval/* keys only
                 rec = {"iteration": self.iteration, **self.evaluate()}
                 self.metrics.write(rec)
                 records.append(rec)

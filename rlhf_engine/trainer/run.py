@@ -18,7 +18,8 @@ from ..outputs.run_logger import RunLogger, prepare_output_dir, write_run_files
 from ..rewards import load_reward_fn
 from .evaluation import Evaluator
 from .experience import text_reward
-from .ppo_trainer import PPOTrainer, updates_per_iteration
+from .ppo_trainer import PPOTrainer, total_iterations, updates_per_iteration
+from .ptx import PtxData, load_ptx_data
 from .state import after_resume_cleanup, resolve_and_check
 
 log = logging.getLogger("rlhf_engine")
@@ -54,7 +55,7 @@ def resolve_builtins(cfg) -> None:
 def build_trainer(cfg: TrainConfig, argv: Optional[list] = None) -> PPOTrainer:
     cfg.validate()
     resolve_builtins(cfg)
-    dist = init_distributed()
+    dist = init_distributed(cfg.dist_timeout_minutes)
     setup_logging(dist.is_main)
     from ..engine.preflight import plan_roles
 
@@ -68,7 +69,15 @@ def build_trainer(cfg: TrainConfig, argv: Optional[list] = None) -> PPOTrainer:
         eval_set = load_prompt_data(eval_cfg, tokenizer, cfg.generation.max_prompt_seq_len, seed=cfg.seed,
                                     verbose=dist.is_main).train
     # too few prompts for one global batch is a batch-arithmetic error: report it before any weight is loaded
-    PromptSampler(len(dataset), cfg.batch.per_device_generation_batch_size, dist.rank, dist.world_size, cfg.seed)
+    sampler = PromptSampler(len(dataset), cfg.batch.per_device_generation_batch_size, dist.rank, dist.world_size,
+                            cfg.seed)
+    iterations = total_iterations(cfg, sampler.batches_per_epoch)  # max_steps, or fewer with num_train_epochs
+    ptx_data = None
+    if cfg.unsupervised_dataset_name:  # ptx documents: read and checked before any weight too
+        g = cfg.generation
+        ptx_data = load_ptx_data(cfg.unsupervised_dataset_name, tokenizer, g.max_prompt_seq_len + g.max_answer_seq_len,
+                                 cfg.unsup_text_column, verbose=dist.is_main)
+        PtxData(ptx_data, cfg.batch.per_device_training_batch_size, dist.rank, dist.world_size, cfg.seed, 0)  # fits?
     # --resume: find the checkpoint, and refuse one of another run (naming every differing key), before any weight
     resume_path, fingerprint = resolve_and_check(cfg, dist, len(dataset))
     prepare_run_dir(cfg, dist, argv)
@@ -77,12 +86,12 @@ def build_trainer(cfg: TrainConfig, argv: Optional[list] = None) -> PPOTrainer:
     # Anything drawn while the engines are built (a new critic head with critic_init_from=actor) depends on the seed
     # only, identically on every rank; the trainer then reseeds with seed + rank for sampling.
     torch.manual_seed(cfg.seed)
-    engine = RLHFEngine(cfg, dist, num_training_steps=cfg.max_steps * updates_per_iteration(cfg),
+    engine = RLHFEngine(cfg, dist, num_training_steps=iterations * updates_per_iteration(cfg),
                         output_dir=cfg.output_dir)
     from ..cli import flat_dict
 
     logger = RunLogger.from_config(cfg, dist.is_main, flat_dict(cfg))
-    trainer = PPOTrainer(cfg, engine, dataset, metrics=logger)
+    trainer = PPOTrainer(cfg, engine, dataset, metrics=logger, ptx_dataset=ptx_data)
     if cfg.eval_interval and eval_set is not None:
         trainer.evaluator = Evaluator(eval_set, cfg.batch.per_device_generation_batch_size, dist.rank,
                                       dist.world_size)

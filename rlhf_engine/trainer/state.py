@@ -27,6 +27,7 @@ from typing import Any, Optional
 import numpy as np
 import torch
 
+from .. import faults
 from ..engine import barrier
 from ..errors import ConfigError, Problem
 from ..outputs import checkpoint as ckpt
@@ -197,6 +198,7 @@ class Checkpointer:
         self.fingerprint = fingerprint
         self.last_saved: Optional[int] = None  # iteration of the newest checkpoint this trainer saved or loaded
         self.resumed_from: Optional[str] = None
+        faults.install(trainer)  # TEST HOOK: RLHF_ENGINE_TEST_KILL / _STALL (rlhf_engine/faults.py); no-op unset
 
     @property
     def dist(self):
@@ -230,6 +232,7 @@ class Checkpointer:
             ckpt.prepare_tag_dir(self.root, tag)
         barrier()
         roles = trainer.engine.save(path)  # collective; DeepSpeed writes <path>/<role>/
+        faults.fault_point("checkpoint", it, dist.rank)  # TEST HOOK: a save cut short between files
         # the RNG is captured after the engines were saved: exactly what the next iteration starts from
         state = {"format": STATE_FORMAT, "rank": dist.rank, "world_size": dist.world_size, "iteration": it,
                  "providers": {name: p.state_dict() for name, p in providers_of(trainer).items()}}
@@ -245,7 +248,7 @@ class Checkpointer:
                 "tag": tag, "iteration": it, "world_size": dist.world_size, "roles": roles,
                 "state_files": [ckpt.state_file(r) for r in range(dist.world_size)],
                 "providers": sorted(state["providers"]), "fingerprint": self.fingerprint or {},
-                "time": time.strftime("%Y-%m-%dT%H:%M:%S%z")})
+                "files": ckpt.file_sizes(path), "time": time.strftime("%Y-%m-%dT%H:%M:%S%z")})
             deleted = ckpt.rotate(self.root, self.keep_last)
             log.info("checkpoint %s saved in %.2fs%s", path, time.perf_counter() - t0,
                      f"; removed {', '.join(os.path.basename(d) for d in deleted)} (keep_last {self.keep_last})"
@@ -262,16 +265,23 @@ class Checkpointer:
         if meta is None:  # resolve_resume never returns such a folder; a direct call must not load one either
             raise ConfigError([Problem("resume", path, f"is not a complete checkpoint (no {ckpt.MARKER} marker)")],
                               "cannot resume")
-        trainer.engine.load(path)
         own = os.path.join(path, ckpt.state_file(dist.rank))
         fallback = not os.path.isfile(own)
         if fallback and not force:
             raise ConfigError([Problem("resume", path, f"has no {ckpt.state_file(dist.rank)} (it was written by "
                                        f"{meta.get('world_size')} ranks); resume with that many ranks")],
                               "cannot resume")
-        state = torch.load(own if not fallback else os.path.join(path, ckpt.state_file(0)), map_location="cpu",
-                           weights_only=True)
-        saved = state["providers"]
+        state_path = own if not fallback else os.path.join(path, ckpt.state_file(0))
+        try:  # this rank's own state first (small): a corrupt file is named before the engines' weights are read
+            state = torch.load(state_path, map_location="cpu", weights_only=True)
+            saved = state["providers"]
+        except Exception as e:  # noqa: BLE001  (any unreadable state file is a user-facing resume error)
+            raise ConfigError([Problem("resume", path, f"{os.path.basename(state_path)} cannot be read "
+                                       f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}); the "
+                                       "checkpoint is corrupt: resume from an earlier one (--resume "
+                                       "<output_dir>/checkpoints/iter_NNNNNN) or restore the file")],
+                              "cannot resume") from e
+        trainer.engine.load(path)
         providers = providers_of(trainer)
         missing = [n for n in providers if n not in saved]
         if missing and not force:
@@ -327,7 +337,31 @@ def resolve_and_check(cfg: Any, dist: Any, num_prompts: int) -> tuple[Optional[s
     if path:
         meta = ckpt.read_marker(path) or {}
         ckpt.check_fingerprint(meta.get("fingerprint", {}), fingerprint, path, force=bool(cfg.resume_force))
+        _check_state_files(path, dist, force=bool(cfg.resume_force))
     return path, fingerprint
+
+
+def _check_state_files(path: str, dist: Any, force: bool) -> None:
+    """Every rank reads the state file it will resume from (small) before anything is written or moved: an
+    unreadable one is a `ConfigError` naming it, raised on every rank alike (one all-gather)."""
+    own = os.path.join(path, ckpt.state_file(dist.rank))
+    target = own if os.path.isfile(own) or not force else os.path.join(path, ckpt.state_file(0))
+    problem = ""
+    if os.path.isfile(target):  # a missing own file is refused (or tolerated by --resume_force) by Checkpointer.load
+        try:
+            _ = torch.load(target, map_location="cpu", weights_only=True)["providers"]
+        except Exception as e:  # noqa: BLE001  (any unreadable state file is a user-facing resume error)
+            problem = f"{os.path.basename(target)} cannot be read ({type(e).__name__}: " \
+                      f"{str(e).splitlines()[0] if str(e) else ''})"
+    problems = [problem]
+    if torch.distributed.is_initialized() and dist.world_size > 1:
+        problems = [None] * dist.world_size
+        torch.distributed.all_gather_object(problems, problem)
+    bad = [p for p in problems if p]
+    if bad:
+        raise ConfigError([Problem("resume", path, f"{'; '.join(bad)}; the checkpoint is corrupt: resume from an "
+                                   "earlier one (--resume <output_dir>/checkpoints/iter_NNNNNN) or restore the file")],
+                          "cannot resume")
 
 
 def after_resume_cleanup(cfg: Any, dist: Any, path: Optional[str]) -> None:

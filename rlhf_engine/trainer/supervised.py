@@ -154,7 +154,7 @@ class SupervisedTrainer:
 def build_supervised(cfg: Any, trainer_cls: type, argv: Optional[list] = None) -> SupervisedTrainer:
     """The recipe in the module docstring: everything checked, then one engine built; returns the trainer."""
     cfg.validate()
-    dist = init_distributed()
+    dist = init_distributed(cfg.dist_timeout_minutes)
     setup_logging(dist.is_main)
     t = cfg.train
     plan = plan_model(cfg.model, t.max_prompt_seq_len + t.max_answer_seq_len, name=trainer_cls.role)

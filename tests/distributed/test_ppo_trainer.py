@@ -89,10 +89,10 @@ def two_rank(tiny, tmp_path_factory):
 
 # Toy task: the score is the share of response tokens with ids in [3, 131) (a quarter of the vocabulary, about 0.25
 # for the untrained tiny model), given by the trainer's `reward_fn` hook instead of the reward model.
-LEARN = dict(per_device_generation_batch_size=8, per_device_training_batch_size=8, ppo_epochs=2, max_steps=30,
-             kl_coef=0.0, actor_learning_rate=1e-3, critic_learning_rate=1e-3, stop_token_ids=[])
+LEARN = dict(per_device_generation_batch_size=8, per_device_training_batch_size=8, ppo_epochs=4, max_steps=30,
+             kl_coef=0.0, actor_learning_rate=3e-3, critic_learning_rate=1e-3, stop_token_ids=[])
 LEARN_REWARD = {"reward_fn": "fraction:3:131"}
-LEARN_MARGIN = 0.2  # mean score of the last 5 iterations minus the first 5 (the learners gain about 0.4)
+LEARN_MARGIN = 0.2  # mean score of the last 5 iterations minus the first 5 (learners sample from the full softmax)
 
 
 @pytest.fixture(scope="module")

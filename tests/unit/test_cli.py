@@ -167,4 +167,51 @@ def test_help_lists_grouped_sections_with_defaults(capsys):
     assert "--config" in out and "--local_rank" not in out
     kl = out[out.index("--kl_coef"):out.index("--kl_estimator")]
     assert "KL penalty" in kl and "(default: 0.1)" in kl  # help text and the dataclass default
-    assert len(build_parser()._action_groups) == 2 + len(sections)  # positionals/options + one per section
+    assert "DeepSpeed-Chat aliases:" in out
+    # positionals/options + one per section + the aliases
+    assert len(build_parser()._action_groups) == 2 + len(sections) + 1
+
+
+def test_deepspeed_chat_aliases_set_their_fields_and_a_specific_flag_wins(capsys):
+    cfg = parse_args(BASE + ["--offload", "--critic_offload", "false", "--num_warmup_steps", "5",
+                             "--lr_scheduler_type", "cosine", "--offload_reference_model", "--offload_reward_model",
+                             "--reference_zero_stage", "3", "--reward_zero_stage", "3", "--enable_hybrid_engine",
+                             "false"])
+    assert (cfg.actor.offload, cfg.critic.offload) == (True, False)  # the specific flag wins, in any order
+    assert cfg.actor.num_warmup_steps == cfg.critic.num_warmup_steps == 5
+    assert cfg.actor.lr_scheduler_type == cfg.critic.lr_scheduler_type == "cosine"
+    assert cfg.reference.offload is True and cfg.reward.offload is True
+    assert cfg.actor.learning_rate == TrainConfig().actor.learning_rate  # nothing else moved
+    flat = flat_dict(cfg)
+    assert not {"offload", "num_warmup_steps", "lr_scheduler_type", "offload_reward_model"} & set(flat)
+    assert flat["critic_num_warmup_steps"] == 5
+    assert parse_args(BASE + ["--offload", "false"]).actor.offload is False
+    with pytest.raises(SystemExit):
+        parse_args(BASE + ["--lr_scheduler_type"])  # a value is required
+    capsys.readouterr()
+    with pytest.raises(ConfigError) as e:
+        parse_args(BASE + ["--lr_scheduler_type", "cosin"])
+    assert {p.field for p in e.value.problems} == {"actor_lr_scheduler_type", "critic_lr_scheduler_type"}
+
+
+def test_aliases_in_a_config_file_and_flags_over_them(tmp_path):
+    path = tmp_path / "run.yaml"
+    path.write_text(yaml.safe_dump({"actor_model_name_or_path": "a", "num_warmup_steps": 7,
+                                    "critic_num_warmup_steps": 2, "offload": True}))
+    cfg = parse_args(["--config", str(path)])
+    assert (cfg.actor.num_warmup_steps, cfg.critic.num_warmup_steps) == (7, 2)  # the specific key of the file wins
+    assert cfg.actor.offload is True and cfg.critic.offload is True
+    cfg = parse_args(["--config", str(path), "--num_warmup_steps", "1"])  # a flag alias beats the file's keys
+    assert (cfg.actor.num_warmup_steps, cfg.critic.num_warmup_steps) == (1, 1)
+    path.write_text(yaml.safe_dump({"actor_model_name_or_path": "a", "num_warmup_step": 7}))
+    with pytest.raises(ConfigError, match='did you mean "num_warmup_steps"'):
+        parse_args(["--config", str(path)])
+
+
+def test_aliases_only_where_they_do_not_shadow_a_field():
+    from rlhf_engine.config import SFTConfig
+
+    cfg = parse_args(["--model_name_or_path", "m", "--data_path", "d.jsonl", "--offload", "--num_warmup_steps", "3"],
+                     config_cls=SFTConfig)
+    assert cfg.model.offload is True and cfg.model.num_warmup_steps == 3  # SFT's own flat fields
+    assert "DeepSpeed-Chat aliases" not in build_parser(config_cls=SFTConfig).format_help()

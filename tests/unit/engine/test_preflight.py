@@ -19,6 +19,8 @@ def folders(tiny, tmp_path_factory):
     GPT2Config(vocab_size=600, n_layer=1, n_embd=16, n_head=2, num_labels=1).save_pretrained(other_vocab)
     short = str(root / "reward_short")
     GPT2Config(vocab_size=512, n_positions=32, n_layer=1, n_embd=16, n_head=2, num_labels=1).save_pretrained(short)
+    for folder in (other_vocab, short):  # preflight checks that weights exist (it never reads them)
+        open(os.path.join(folder, "model.safetensors"), "wb").close()
     ds_typo = str(root / "reward_ds.json")
     with open(ds_typo, "w") as f:
         json.dump({"gradient_clippping": 1.0, "zero_optimization": {"stage3_max_live_parameterz": 10}}, f)

@@ -150,3 +150,43 @@ def test_trim_after_resume_keeps_earlier_iterations_and_backs_up_the_rest(tmp_pa
     assert open(os.path.join(out, "samples.jsonl")).read().count("\n") == 1  # nothing to drop: untouched
     assert ck.trim_after_resume(out, 0)[0].startswith(os.path.join(out, "metrics.jsonl.dropped-"))
     assert open(os.path.join(out, "metrics.jsonl")).read() == ""
+
+
+def _sized(root, iteration):
+    """A complete checkpoint whose marker records its file sizes (as Checkpointer.save writes it)."""
+    path = make(root, iteration, complete=False)
+    with open(os.path.join(path, "actor", "model_states.pt"), "wb") as f:
+        f.write(b"w" * 100)
+    ck.write_marker(path, {"iteration": iteration, "files": ck.file_sizes(path)})
+    return path
+
+
+def test_marker_sizes_detect_a_truncated_or_missing_file(tmp_path):
+    out = str(tmp_path)
+    root = ck.checkpoints_root(out)
+    p4, p8 = _sized(root, 4), _sized(root, 8)
+    assert ck.read_marker(p8)["files"] == {"actor/model_states.pt": 100, "state_rank0.pt": 1}
+    assert ck.corrupt_files(p8) == []
+    assert ck.corrupt_files(make(root, 2)) == []  # a marker without sizes (older format): not checked
+    with open(os.path.join(p8, "actor", "model_states.pt"), "r+b") as f:
+        f.truncate(40)
+    os.remove(os.path.join(p8, "state_rank0.pt"))
+    assert ck.corrupt_files(p8) == ["actor/model_states.pt has 40 bytes, the marker says 100",
+                                    "state_rank0.pt is missing"]
+    # auto skips it and says so; a run folder too
+    for spec in ("auto", out):
+        path, why = ck.resolve_resume(spec, out)
+        assert path == p4, why
+        assert why.endswith("(skipped corrupt: iter_000008: actor/model_states.pt has 40 bytes, the marker says 100 "
+                            "(+1 more))"), why
+    # an explicit path is refused, naming the file and the complete ones there
+    with pytest.raises(ConfigError) as e:
+        ck.resolve_resume(p8, out)
+    assert "the checkpoint is corrupt: actor/model_states.pt has 40 bytes" in str(e.value)
+    assert "complete ones there: iter_000002, iter_000004, iter_000008" in str(e.value)
+    # every complete one corrupt: refused (never a silent restart at iteration 0)
+    for p in (p4, os.path.join(root, "iter_000002")):
+        os.remove(os.path.join(p, "state_rank0.pt"))
+    ck.write_marker(os.path.join(root, "iter_000002"), {"iteration": 2, "files": {"state_rank0.pt": 1}})
+    with pytest.raises(ConfigError, match="every complete checkpoint is corrupt"):
+        ck.resolve_resume("auto", out)

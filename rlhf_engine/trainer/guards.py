@@ -1,0 +1,274 @@
+"""Update guards of the PPO loop: both trained engines step together or neither does, and a non-finite number on any
+rank stops every rank at the same point.
+
+* **Gradients.** A hook on every trainable parameter of the actor and the critic records (on device, no host sync)
+  whether a gradient of this rank was non-finite (`grad.sum(dtype=float32)` is not finite: an inf or NaN element, or an
+  fp16 loss-scale overflow, which shows as inf in the scaled gradients). At each accumulation boundary, after both
+  engines' backward and BEFORE either optimizer step, `StepGuard.step` all-reduces one small table (ranks x flags).
+  If any rank saw a non-finite gradient in either engine, BOTH engines skip the step: `engine.step()` still runs (so
+  DeepSpeed clears the accumulated gradients, its partitions and buffers, and advances its micro-step counter) but
+  the wrapped torch optimizer's own `step` is replaced by a no-op for that call and the LR scheduler is detached, so
+  neither the weights, the Adam moments (`exp_avg`, `exp_avg_sq`, `step`) nor the schedule move. DeepSpeed's own
+  fp16/ZeRO overflow detection may also skip an engine; either way the engine's `skipped_steps` counts it once and
+  `RLHFEngine.optimizer_steps` (global minus skipped) counts applied steps only (so the EMA does not move either).
+  Skips are counted (`system/skipped_steps`, the critic engine's skipped steps, saved with its DeepSpeed checkpoint)
+  and warned about; `max_consecutive_skips` skips in a row raise `TooManySkippedSteps` (exit code 3).
+* **Losses.** `watch(name, loss)` records a non-finite loss of this rank; the same boundary collective sees it and
+  every rank raises `NonFiniteError` before anything steps, naming the rank(s), the iteration and the tensor.
+* **Scores and advantages.** `agree(...)` (used by the experience phase) shares this rank's failure (an exception
+  while scoring, or a non-finite tensor) in one collective, so every rank raises together instead of one rank dying
+  while the others wait in their next collective until the timeout.
+
+Known limit: a gradient that becomes non-finite only in the cross-rank reduction (an fp16 sum overflowing while every
+rank's own gradient is finite) is not seen by the hooks; DeepSpeed's fp16 optimizer then skips that engine alone.
+
+Exit codes of launch/train_ppo.py: 3 = `TooManySkippedSteps`, 4 = `NonFiniteError` (2 = a configuration error, 1 =
+anything else). The deepspeed launcher exits with the code of the first rank that failed; torchrun reports 1.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+from typing import Any, Optional
+
+import torch
+
+from ..engine import all_reduce
+
+log = logging.getLogger(__name__)
+
+EXIT_SKIPPED_STEPS = 3
+EXIT_NON_FINITE = 4
+TRAINED = ("actor", "critic")
+# the losses watched between two boundaries (fixed order: every rank builds the same table)
+LOSSES = ("policy loss", "ptx loss", "value loss")
+
+
+class TrainingStopped(RuntimeError):
+    """Training cannot go on; `exit_code` is what launch/train_ppo.py exits with."""
+
+    exit_code = 1
+
+
+class NonFiniteError(TrainingStopped):
+    """A non-finite score, loss or advantage: training cannot continue with a silent wrong number."""
+
+    exit_code = EXIT_NON_FINITE
+
+
+class TooManySkippedSteps(TrainingStopped):
+    """`max_consecutive_skips` updates in a row were skipped (non-finite gradients / fp16 overflow)."""
+
+    exit_code = EXIT_SKIPPED_STEPS
+
+
+def base_optimizer(optimizer: Any) -> Any:
+    """The torch optimizer inside DeepSpeed's wrappers (ZeRO, fp16, bf16): the object whose `step` moves weights and
+    Adam moments."""
+    opt = optimizer
+    for _ in range(8):
+        if isinstance(opt, torch.optim.Optimizer) or not hasattr(opt, "optimizer"):
+            break
+        opt = opt.optimizer
+    return opt
+
+
+def _ranks(xs: list[int]) -> str:
+    return f"rank {xs[0]}" if len(xs) == 1 else f"ranks {xs}"
+
+
+# ---- test hook ------------------------------------------------------------------------------------------------------
+INJECT_ENV = "RLHF_ENGINE_TEST_INJECT_NONFINITE"
+
+
+def injection_from_env() -> Optional[dict]:
+    """TEST HOOK: `RLHF_ENGINE_TEST_INJECT_NONFINITE` (JSON, see `Injection`) -> the injection spec, or None."""
+    raw = os.environ.get(INJECT_ENV, "").strip()
+    return json.loads(raw) if raw else None
+
+
+class Injection:
+    """TEST HOOK (never set in a real run): inject a non-finite number to exercise the guards.
+
+    spec: {"what": "score" | "advantage" | "loss" | "grad", "role": "actor" | "critic" (loss, grad; default actor),
+           "rank": r (default: every rank), "iteration": first iteration (default 0),
+           "iterations": how many iterations in a row (default 1; 0 = every iteration from then on)}.
+    * score: row 0 of the rank's scores becomes NaN (as if the reward model / function returned it);
+    * advantage: advantage [0, 0] of the rank becomes NaN;
+    * loss: the role's loss of every micro-batch becomes NaN;
+    * grad: a term with value 0 and a NaN gradient is added to the role's loss (the loss stays finite, every
+      gradient of the role becomes NaN: what an fp16 overflow in backward looks like to the guard).
+    Set it as `trainer.inject_nonfinite = spec` or through the environment variable RLHF_ENGINE_TEST_INJECT_NONFINITE
+    (JSON), read when the trainer is built.
+    """
+
+    WHAT = ("score", "advantage", "loss", "grad")
+
+    def __init__(self, spec: dict):
+        self.what = spec["what"]
+        if self.what not in self.WHAT:
+            raise ValueError(f"inject_nonfinite: 'what' must be one of {self.WHAT}, got {self.what!r}")
+        self.role = spec.get("role", "actor")
+        self.rank = spec.get("rank")
+        self.first = int(spec.get("iteration", 0))
+        self.count = int(spec.get("iterations", 1))
+
+    def active(self, what: str, rank: int, iteration: int, role: Optional[str] = None) -> bool:
+        if what != self.what or (self.rank is not None and rank != self.rank):
+            return False
+        if role is not None and role != self.role:
+            return False
+        return iteration >= self.first and (self.count == 0 or iteration < self.first + self.count)
+
+    @staticmethod
+    def nan_gradient_term(x: torch.Tensor) -> torch.Tensor:
+        """0 in value, NaN in gradient w.r.t. x: d sqrt(u)/du = inf at u = 0, times du/dx = 0."""
+        return (x.sum() * 0.0).abs().sqrt()
+
+
+# ---- the guard ------------------------------------------------------------------------------------------------------
+class StepGuard:
+    """Steps the trained engines together (see the module docstring). Call `watch` for every loss, then `step(roles)`
+    after every micro-batch's backwards (all ranks, same order)."""
+
+    def __init__(self, engine: Any, max_consecutive_skips: int):
+        self.engine = engine
+        self.max_consecutive_skips = int(max_consecutive_skips)
+        self.consecutive = 0  # skipped updates in a row (not saved: a resumed run starts at 0)
+        self.skipped = 0  # skipped updates decided by this guard in this process
+        device = engine.device
+        self._loss_bad = {n: torch.zeros((), dtype=torch.bool, device=device) for n in LOSSES}
+        self._grad_bad = {r: torch.zeros((), dtype=torch.bool, device=device) for r in TRAINED}
+        self._hooks = []
+        for role in TRAINED:
+            flag = self._grad_bad[role]
+            for p in engine.engines[role].module.parameters():
+                if p.requires_grad:
+                    self._hooks.append(p.register_hook(self._hook(flag)))
+
+    @staticmethod
+    def _hook(flag: torch.Tensor):
+        def hook(grad: torch.Tensor) -> None:
+            flag.logical_or_(~torch.isfinite(grad.detach().sum(dtype=torch.float32)))
+
+        return hook
+
+    def remove_hooks(self) -> None:
+        for h in self._hooks:
+            h.remove()
+        self._hooks = []
+
+    def watch(self, name: str, loss: torch.Tensor) -> None:
+        """Record whether `loss` (one of LOSSES) is non-finite on this rank (no host sync)."""
+        self._loss_bad[name].logical_or_(~torch.isfinite(loss.detach()).all())
+
+    def skipped_steps(self) -> int:
+        """Skipped updates so far, this run and before a resume: the critic engine's DeepSpeed counter (the critic
+        trains in every iteration, critic warm-up included)."""
+        return int(getattr(self.engine.engines["critic"], "skipped_steps", 0))
+
+    def step(self, roles: tuple, iteration: int, where: str = "") -> bool:
+        """Step `roles` after a micro-batch. At an accumulation boundary: one collective decides; raises
+        `NonFiniteError` for a non-finite loss on any rank, skips every role for a non-finite gradient on any rank
+        (raising `TooManySkippedSteps` after max_consecutive_skips in a row). Returns whether an update was applied
+        (True between boundaries)."""
+        engine = self.engine
+        if not engine.is_boundary(roles[0]):
+            for role in roles:
+                engine.step(role)  # DeepSpeed only counts the micro-step here
+            return True
+        dist = engine.dist
+        names = list(LOSSES) + [f"{r} gradient" for r in TRAINED]
+        local = torch.stack([self._loss_bad[n] for n in LOSSES] + [self._grad_bad[r] for r in TRAINED]).float()
+        table = torch.zeros((dist.world_size, len(names)), dtype=torch.float32, device=engine.device)
+        table[dist.rank] = local
+        all_reduce(table)
+        for flag in list(self._loss_bad.values()) + list(self._grad_bad.values()):
+            flag.zero_()
+        bad = {n: [r for r in range(dist.world_size) if table[r, j] > 0] for j, n in enumerate(names)}
+        at = f" ({where})" if where else ""
+        for n in LOSSES:
+            if bad[n]:
+                raise NonFiniteError(f"rank {dist.rank}, iteration {iteration}: non-finite {n} on {_ranks(bad[n])}"
+                                     f"{at}; every rank stops before the update")
+        grads = [f"{r} gradient on {_ranks(bad[f'{r} gradient'])}" for r in TRAINED if bad[f"{r} gradient"]]
+        if not grads:
+            for role in roles:
+                engine.step(role)
+            self.consecutive = 0
+            return True
+        for role in roles:
+            self._skip(role)
+        self.skipped += 1
+        self.consecutive += 1
+        if dist.is_main:
+            log.warning("iteration %d%s: non-finite %s: skipped the update of %s (%d in a row; %d skipped in all; "
+                        "max_consecutive_skips %d)", iteration, at, ", ".join(grads), " and ".join(roles),
+                        self.consecutive, self.skipped_steps(), self.max_consecutive_skips)
+        if self.max_consecutive_skips and self.consecutive >= self.max_consecutive_skips:
+            raise TooManySkippedSteps(f"rank {dist.rank}, iteration {iteration}: {self.consecutive} updates in a row "
+                                      f"were skipped (last: non-finite {', '.join(grads)}); stopping "
+                                      f"(max_consecutive_skips {self.max_consecutive_skips}). Lower the learning "
+                                      "rate, check the reward scale, or use bf16/fp32 instead of fp16")
+        return False
+
+    def _skip(self, role: str) -> None:
+        """`engine.step()` at a boundary without moving anything: DeepSpeed clears the gradients and counts the
+        micro-step; the torch optimizer's step is a no-op for this call and the LR schedule does not advance."""
+        ds = self.engine.engines[role]
+        opt = base_optimizer(ds.optimizer)
+        sched = ds.lr_scheduler
+        opt.step = lambda *args, **kwargs: None  # instance attribute shadows the class method for this call
+        ds.lr_scheduler = None
+        try:
+            self.engine.step(role)
+        finally:
+            del opt.step
+            ds.lr_scheduler = sched
+        if getattr(ds, "_step_applied", True):  # DeepSpeed did not see an overflow itself: count the skip here
+            ds.skipped_steps += 1
+            ds._step_applied = False
+
+    # ---- experience phase ---------------------------------------------------------------------------------------
+    def agree(self, iteration: int, errors: Optional[dict] = None, tensors: Optional[dict] = None) -> None:
+        """One collective: if any rank failed (an exception in `errors`, name -> exception or None; or a non-finite
+        value in `tensors`, name -> (tensor, mask or None)), every rank raises. The failing rank re-raises its own
+        exception (prefixed with rank and iteration); the others raise `NonFiniteError` (a non-finite tensor) or
+        `TrainingStopped` naming the failing rank(s)."""
+        dist, device = self.engine.dist, self.engine.device
+        errors, tensors = errors or {}, tensors or {}
+        names = list(errors) + list(tensors)
+        # 2 = a non-finite value reported as an exception (NonFiniteError), 1 = another exception
+        flags = [0.0 if errors[n] is None else 2.0 if isinstance(errors[n], NonFiniteError) else 1.0 for n in errors]
+        details = {}
+        for n, (x, mask) in tensors.items():
+            bad = ~torch.isfinite(x.detach())
+            if mask is not None:
+                bad = bad & mask.bool()
+            flags.append(float(bad.any()))
+            if flags[-1]:
+                details[n] = f"at {min(int(bad.sum()), 10**9)} position(s), first {torch.nonzero(bad)[0].tolist()}"
+        table = torch.zeros((dist.world_size, len(names)), dtype=torch.float32, device=device)
+        table[dist.rank] = torch.tensor(flags, dtype=torch.float32, device=device)
+        all_reduce(table)
+        failed = {n: [r for r in range(dist.world_size) if table[r, j] > 0] for j, n in enumerate(names)}
+        prefix = f"rank {dist.rank}, iteration {iteration}: "
+        for n in errors:
+            e = errors[n]
+            if e is not None:
+                try:
+                    err = type(e)(prefix + str(e))
+                except Exception:  # noqa: BLE001  (an exception type that takes other arguments)
+                    raise e
+                raise err from e
+        for n in tensors:
+            if dist.rank in failed[n]:
+                raise NonFiniteError(f"{prefix}non-finite {n} on {_ranks(failed[n])} ({details[n]} on this rank); "
+                                     "every rank stops")
+        for j, n in enumerate(names):
+            if failed[n]:
+                non_finite = n in tensors or bool((table[:, j] == 2).any())
+                what = f"non-finite {n}" if non_finite else f"{n} failed"
+                raise (NonFiniteError if non_finite else TrainingStopped)(
+                    f"{prefix}stopping: {what} on {_ranks(failed[n])} (see that rank's error); every rank stops")

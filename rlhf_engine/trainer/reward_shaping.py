@@ -1,0 +1,173 @@
+"""What happens to the scores between the reward model (or function) and the reward, and a reward model with its own
+tokenizer.
+
+Order, per iteration (every rank):
+  1. raw scores [B] from the reward model / `reward_fn`, checked (one finite score per sequence);
+  2. `normalize_reward`: the running statistics are updated with this iteration's scores of EVERY rank (one
+     all-reduce of count, sum and sum of squares in float64, merged with Chan's formula), then
+     score = (score - mean) / (std + 1e-8) with the updated mean and (population) std of every score seen so far;
+  3. `missing_eos_penalty` p >= 0: score -= p for every response that did not end with a stop token (it hit
+     max_answer_seq_len), in the units of step 2's output;
+  4. `ppo_math.compute_rewards` clamps the score to [-reward_clip, reward_clip] and adds it to the reward of the last
+     real action.
+`objective/score` logs the raw scores of step 1; `objective/shaped_score` the scores after step 3 (when 2 or 3 is on).
+The normalizer's state (count, mean, M2) is a checkpoint state provider ("reward_normalizer"); it is identical on every
+rank.
+
+A reward model whose vocabulary differs from the actor's (`--reward_tokenizer_name_or_path`):
+`RetokenizedRewardModel` decodes each row's prompt and response with the actor's tokenizer (special tokens skipped),
+encodes them with the reward tokenizer (the prompt with its default special tokens, the response without, plus the
+reward tokenizer's EOS when the response ended with a stop token: the layout the reward-model trainer trains on),
+left-pads prompts and right-pads responses (`Rollout.from_responses`, position ids from the mask) and scores with
+`RLHFEngine.reward_scores` (`role_engine.sequence_scores`: the score at the last real token). Prompts longer than the
+reward model's positions allow are cut from the left.
+"""
+from __future__ import annotations
+
+import logging
+import math
+from typing import Any, Optional
+
+import torch
+
+from ..engine import all_reduce
+from ..rollout import Rollout, pad_prompts
+from .experience import decode_rollout
+
+log = logging.getLogger(__name__)
+
+
+class RewardNormalizer:
+    """Running mean / std of every score seen, over all ranks (see the module docstring)."""
+
+    def __init__(self, eps: float = 1e-8):
+        self.eps = eps
+        self.count = 0.0
+        self.mean = 0.0
+        self.m2 = 0.0  # sum of squared deviations from the mean
+
+    @property
+    def std(self) -> float:
+        return math.sqrt(self.m2 / self.count) if self.count > 0 else 1.0
+
+    def update(self, scores: torch.Tensor) -> None:
+        """Merge this rank's `scores` and every other rank's (collective: call on every rank)."""
+        x = scores.detach().double().flatten()
+        packed = torch.stack([torch.tensor(float(x.numel()), dtype=torch.float64, device=x.device), x.sum(),
+                              (x * x).sum()])
+        n, s, ss = all_reduce(packed).tolist()
+        if n <= 0:
+            return
+        mean_b = s / n
+        m2_b = max(ss - n * mean_b * mean_b, 0.0)
+        total = self.count + n
+        delta = mean_b - self.mean
+        self.mean += delta * n / total
+        self.m2 += m2_b + delta * delta * self.count * n / total
+        self.count = total
+
+    def normalize(self, scores: torch.Tensor) -> torch.Tensor:
+        return ((scores.double() - self.mean) / (self.std + self.eps)).to(scores.dtype)
+
+    def __call__(self, scores: torch.Tensor) -> torch.Tensor:
+        """Update with this batch (all ranks), then normalize it."""
+        self.update(scores)
+        return self.normalize(scores)
+
+    def state_dict(self) -> dict:
+        return {"count": self.count, "mean": self.mean, "m2": self.m2}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.count, self.mean, self.m2 = float(state["count"]), float(state["mean"]), float(state["m2"])
+
+
+def apply_missing_eos_penalty(scores: torch.Tensor, ended_with_eos: torch.Tensor, penalty: float) -> torch.Tensor:
+    """score - penalty for every row that did not end with a stop token (penalty >= 0; 0 = unchanged)."""
+    if not penalty:
+        return scores
+    return scores - penalty * (~ended_with_eos.bool()).to(scores.device, scores.dtype)
+
+
+class ScoreShaper:
+    """Steps 2 and 3 of the module docstring for one trainer; `active` is False when both are off."""
+
+    def __init__(self, normalize: bool, missing_eos_penalty: float):
+        self.normalizer = RewardNormalizer() if normalize else None
+        self.missing_eos_penalty = float(missing_eos_penalty or 0.0)
+
+    @property
+    def active(self) -> bool:
+        return self.normalizer is not None or self.missing_eos_penalty != 0.0
+
+    def __call__(self, scores: torch.Tensor, rollout: Rollout) -> torch.Tensor:
+        if self.normalizer is not None:
+            scores = self.normalizer(scores)
+        return apply_missing_eos_penalty(scores, rollout.ended_with_eos, self.missing_eos_penalty)
+
+
+# ---- a reward model with its own tokenizer ---------------------------------------------------------------------
+def same_vocab(a: Any, b: Any) -> bool:
+    """Whether two tokenizers map every token to the same id."""
+    return len(a) == len(b) and a.get_vocab() == b.get_vocab()
+
+
+class RetokenizedRewardModel:
+    """A `RewardFn` scoring with the reward engine through the reward model's own tokenizer (module docstring)."""
+
+    source_name = "reward model (re-tokenized)"
+
+    def __init__(self, engine: Any, tokenizer: Any, max_positions: Optional[int] = None):
+        self.engine, self.tokenizer, self.max_positions = engine, tokenizer, max_positions
+        self.pad_token_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (
+            tokenizer.eos_token_id if tokenizer.eos_token_id is not None else 0)
+        self.eos_token_id = tokenizer.eos_token_id
+
+    def encode(self, rollout: Rollout) -> Rollout:
+        """The rows of `rollout` in the reward tokenizer's ids, canonical layout (on the rollout's device)."""
+        prompts, responses = decode_rollout(self.engine.tokenizer, rollout)
+        tok = self.tokenizer
+        filler = self.eos_token_id if self.eos_token_id is not None else self.pad_token_id
+        p_ids = [list(x) or [filler] for x in tok(prompts, add_special_tokens=True)["input_ids"]]
+        ended = rollout.ended_with_eos.bool().tolist()
+        r_ids = []
+        for ids, e in zip(tok(responses, add_special_tokens=False)["input_ids"], ended):
+            ids = list(ids) + ([self.eos_token_id] if e and self.eos_token_id is not None else [])
+            r_ids.append(ids or [filler])
+        limit = self.max_positions
+        if limit and limit > 1:
+            for i, (p, r) in enumerate(zip(p_ids, r_ids)):
+                if len(p) + len(r) > limit:  # keep the end of the prompt (the question) and of the response
+                    r_ids[i] = r = r[-(limit - 1):]
+                    p_ids[i] = p[-(limit - len(r)):]
+        ids, mask = pad_prompts(p_ids, self.pad_token_id)
+        out = Rollout.from_responses(ids, mask, r_ids, self.pad_token_id, ended_with_eos=ended)
+        return out.to(rollout.sequences.device)
+
+    def __call__(self, prompt_ids: torch.Tensor, rollout: Rollout) -> torch.Tensor:
+        return self.engine.reward_scores(self.encode(rollout))
+
+
+def reward_model_scorer(engine: Any, cfg: Any) -> Optional[RetokenizedRewardModel]:
+    """The re-tokenizing scorer when the run has a reward model with its own tokenizer
+    (`reward_tokenizer_name_or_path`) whose vocabulary differs from the actor's; None otherwise (the actor's ids are
+    the reward model's)."""
+    path = getattr(cfg.reward, "tokenizer_name_or_path", "")
+    if getattr(cfg, "reward_fn", "") or not path or "reward" not in engine.engines:
+        return None
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(path)
+    if same_vocab(tok, engine.tokenizer):
+        return None
+    module = engine.reward.module
+    config = getattr(getattr(module, "hf_model", module), "config", None)
+    limit = None
+    for name in ("max_position_embeddings", "n_positions", "max_seq_len", "seq_length"):
+        v = getattr(config, name, None)
+        if isinstance(v, int) and v > 0:
+            limit = v
+            break
+    if engine.dist.is_main:
+        log.info("reward model has its own tokenizer (%s, %d tokens vs the actor's %d): prompts and responses are "
+                 "decoded and re-encoded for it", path, len(tok), len(engine.tokenizer))
+    return RetokenizedRewardModel(engine, tok, limit)

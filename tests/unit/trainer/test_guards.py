@@ -1,0 +1,148 @@
+"""Update guards on one in-process rank (trainer/guards.py): an injected non-finite gradient in ONE engine skips the
+update of BOTH, leaving weights, Adam moments and LR schedules untouched and counting the skip; K skips in a row stop
+the run with exit code 3; a non-finite loss / advantage and a failing reward function stop the run naming rank,
+iteration and tensor (or function). The cross-rank versions run in tests/distributed/test_trainer_extensions.py."""
+import logging
+import math
+import sys
+import types
+
+import pytest
+import torch
+
+from _trainer_args import train_args
+from rlhf_engine.cli import parse_args
+from rlhf_engine.rewards import RewardFunctionError, load_reward_fn
+from rlhf_engine.trainer import build_trainer
+from rlhf_engine.trainer.experience import text_reward
+from rlhf_engine.trainer.guards import (EXIT_NON_FINITE, EXIT_SKIPPED_STEPS, Injection, NonFiniteError,
+                                        TooManySkippedSteps, base_optimizer)
+
+# one rank, 4 rollouts per iteration, micro-batch 2 x accumulation 2 = one optimizer step per engine per iteration;
+# a linear schedule with warm-up so that an advanced schedule would show in the learning rate
+FLAGS = dict(per_device_generation_batch_size=4, per_device_training_batch_size=2, gradient_accumulation_steps=2,
+             ppo_epochs=1, seed=3, actor_learning_rate=1e-3, critic_learning_rate=1e-3,
+             actor_lr_scheduler_type="linear", actor_num_warmup_steps=2, critic_lr_scheduler_type="linear",
+             critic_num_warmup_steps=2, export_final="false")
+
+
+def _build(tiny, out, **flags):
+    trainer = build_trainer(parse_args(train_args(tiny, str(out), **{**FLAGS, **flags})))
+    return trainer
+
+
+def _snapshot(trainer):
+    """Weights, Adam moments (and step counts) and learning rate of both trained engines (CPU copies)."""
+    out = {}
+    for role in ("actor", "critic"):
+        ds = trainer.engine.engines[role]
+        opt = base_optimizer(ds.optimizer)
+        state = {}
+        for i, (p, st) in enumerate(opt.state.items()):
+            state[i] = {k: (v.detach().clone() if torch.is_tensor(v) else v) for k, v in st.items()}
+        out[role] = {"params": trainer.engine.full_state_dict(role),  # ZeRO-3 consolidated
+                     "moments": state, "lr": [g["lr"] for g in opt.param_groups],
+                     "steps": trainer.engine.optimizer_steps(role)}
+    return out
+
+
+def _same(a, b):
+    if isinstance(a, dict):
+        return a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
+    if torch.is_tensor(a):
+        return torch.equal(a, b)
+    return a == b
+
+
+@pytest.mark.parametrize("stages", [(0, 0), (3, 3)], ids=["zero0", "zero3"])
+def test_nonfinite_gradient_in_one_engine_skips_both_and_counts(tiny, dist_single, tmp_path, caplog, stages):
+    trainer = _build(tiny, tmp_path, max_steps=3, max_consecutive_skips=2, actor_zero_stage=stages[0],
+                     critic_zero_stage=stages[1])
+    rec0 = trainer.step()
+    before = _snapshot(trainer)
+    assert before["actor"]["steps"] == before["critic"]["steps"] == 1 and before["actor"]["moments"]
+    # iteration 1: only the CRITIC's gradients become NaN (its loss stays finite)
+    trainer.inject_nonfinite = {"what": "grad", "role": "critic", "iteration": 1}
+    with caplog.at_level(logging.WARNING, logger="rlhf_engine.trainer.guards"):
+        rec1 = trainer.step()
+    after = _snapshot(trainer)
+    for role in ("actor", "critic"):
+        assert _same(after[role]["params"], before[role]["params"]), role
+        assert _same(after[role]["moments"], before[role]["moments"]), role  # exp_avg, exp_avg_sq, step
+        assert after[role]["lr"] == before[role]["lr"], role  # the schedule did not advance either
+        assert after[role]["steps"] == before[role]["steps"] == 1, role
+    assert math.isfinite(rec1["value/loss"]) and math.isfinite(rec1["policy/loss"])  # the losses were finite
+    assert (rec0["system/skipped_steps"], rec1["system/skipped_steps"]) == (0, 1)
+    assert rec1["system/optimizer_steps"] == 1
+    assert any("non-finite critic gradient on rank 0" in r.getMessage() and "skipped the update of actor and critic"
+               in r.getMessage() for r in caplog.records), [r.getMessage() for r in caplog.records]
+    # positive control: iteration 2 updates both again (weights, moments, schedule), the count stays
+    rec2 = trainer.step()
+    moved = _snapshot(trainer)
+    for role in ("actor", "critic"):
+        assert not _same(moved[role]["params"], after[role]["params"]), role
+        assert not _same(moved[role]["moments"], after[role]["moments"]), role
+        assert moved[role]["lr"] != after[role]["lr"] and moved[role]["steps"] == 2, role
+    assert rec2["system/skipped_steps"] == 1 and trainer.guard.consecutive == 0
+    trainer.metrics.close()
+
+
+def test_k_consecutive_skips_stop_with_exit_code_3(tiny, dist_single, tmp_path):
+    trainer = _build(tiny, tmp_path, max_steps=5, max_consecutive_skips=2)
+    trainer.inject_nonfinite = {"what": "grad", "role": "actor", "iteration": 1, "iterations": 0}  # from 1 on
+    with pytest.raises(TooManySkippedSteps, match=r"rank 0, iteration 2: 2 updates in a row were skipped \(last: "
+                                                  r"non-finite actor gradient on rank 0\).*max_consecutive_skips 2"):
+        trainer.train()
+    assert TooManySkippedSteps.exit_code == EXIT_SKIPPED_STEPS == 3
+    assert trainer.engine.optimizer_steps("actor") == trainer.engine.optimizer_steps("critic") == 1
+    assert trainer.guard.skipped_steps() == 2
+
+
+def test_nonfinite_advantage_reward_errors_and_loss_stop_naming_rank_iteration_and_tensor(tiny, dist_single, tmp_path,
+                                                                                           monkeypatch):
+    trainer = _build(tiny, tmp_path, max_steps=3)
+    trainer.step()
+    steps = trainer.engine.optimizer_steps("actor")
+    # an advantage (stopped before any training of the iteration)
+    trainer.inject_nonfinite = {"what": "advantage", "iteration": 1}
+    with pytest.raises(NonFiniteError, match=r"^rank 0, iteration 1: non-finite advantage on rank 0 \(at 1 "
+                                             r"position\(s\), first \[0, 0\] on this rank\); every rank stops$"):
+        trainer.step()
+    assert NonFiniteError.exit_code == EXIT_NON_FINITE == 4
+    trainer.inject_nonfinite = None
+    # reward functions that raise, miss a value or return NaN: the error names the function, rank and iteration
+    mod = types.ModuleType("bad_rewards")
+    mod.raises = lambda prompts, responses: 1 / 0
+    mod.short = lambda prompts, responses: [1.0]
+    mod.nan = lambda prompts, responses: [math.nan for _ in responses]
+    monkeypatch.setitem(sys.modules, "bad_rewards", mod)
+    for name, words in (("raises", "reward function bad_rewards:raises raised ZeroDivisionError"),
+                        ("short", "reward function bad_rewards:short returned 1 values for 4 samples"),
+                        ("nan", "reward function bad_rewards:nan returned non-finite values for samples [0, 1, 2, 3]")):
+        trainer.reward_fn = text_reward(load_reward_fn(f"bad_rewards:{name}"), trainer.engine.tokenizer)
+        with pytest.raises(RewardFunctionError) as e:
+            trainer.step()
+        assert str(e.value).startswith("rank 0, iteration 1: ") and words in str(e.value), str(e.value)
+    trainer.reward_fn = None
+    assert trainer.engine.optimizer_steps("actor") == steps  # nothing trained in the failed iterations
+    # a loss: the boundary check raises before either engine steps
+    trainer.inject_nonfinite = {"what": "loss", "role": "critic", "iteration": 1}
+    with pytest.raises(NonFiniteError, match=r"^rank 0, iteration 1: non-finite value loss on rank 0 \(PPO epoch 0, "
+                                             r"mini-batch 0\); every rank stops before the update$"):
+        trainer.step()
+    assert trainer.engine.optimizer_steps("actor") == trainer.engine.optimizer_steps("critic") == steps
+    trainer.metrics.close()
+
+
+def test_injection_spec_and_nan_gradient_term():
+    inj = Injection({"what": "grad", "role": "critic", "rank": 1, "iteration": 2, "iterations": 2})
+    assert [inj.active("grad", 1, it, "critic") for it in range(5)] == [False, False, True, True, False]
+    assert not inj.active("grad", 0, 2, "critic") and not inj.active("grad", 1, 2, "actor")
+    assert Injection({"what": "loss", "iterations": 0}).active("loss", 3, 99, "actor")
+    with pytest.raises(ValueError, match="'what' must be one of"):
+        Injection({"what": "weights"})
+    x = torch.randn(3, requires_grad=True)
+    term = Injection.nan_gradient_term(x)
+    assert term.item() == 0.0
+    term.backward()
+    assert torch.isnan(x.grad).all()
