@@ -62,8 +62,8 @@ def init_distributed(timeout_minutes: float | None = None) -> DistInfo:
     on_gpu = torch.cuda.is_available()
     if not on_gpu:
         deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
-        # Denormal floats (tiny Adam second moments, near-zero activations) are 10-100x slower on x86 CPUs; flushing
-        # them to zero cost iterations of the CPU demo 3-6x wall time without it.
+        # Denormal floats (tiny Adam second moments, near-zero activations) are much slower on x86 CPUs; flush
+        # them to zero (a precaution: its effect on our runs was not measured separately).
         torch.set_flush_denormal(True)
 
     if not torch.distributed.is_initialized():

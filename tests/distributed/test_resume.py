@@ -34,7 +34,7 @@ RUN = dict(per_device_generation_batch_size=3, generation_batches=2, per_device_
            ppo_epochs=2, max_steps=8, save_interval=4, keep_last=1, seed=7, actor_learning_rate=1e-3,
            critic_learning_rate=1e-3, actor_lr_scheduler_type="linear", actor_num_warmup_steps=2,
            adaptive_kl="true", kl_target=0.05, kl_horizon=200, kl_coef=0.1, do_sample="true", enable_ema="true",
-           ema_decay=0.9)
+           ema_decay=0.9, normalize_reward="true", unsup_coef=0.5, unsup_text_column="prompt")
 
 # the same checks on partitioned engines, short: actor (and reference, EMA) at ZeRO 3, critic at ZeRO 2; 2 iterations
 # straight vs 1 + 1 (a checkpoint every iteration)
@@ -44,8 +44,10 @@ ZERO = {**RUN, "max_steps": 2, "save_interval": 1, "actor_zero_stage": 3, "criti
 
 
 def args_for(tiny, output_dir, **flags):
+    # ptx reads the prompt file as its unsupervised text (its data position is part of the checkpoint)
     base = dict(actor_model_name_or_path=tiny.actor, reward_model_name_or_path=tiny.reward, data_path=tiny.prompts,
-                max_prompt_seq_len=64, max_answer_seq_len=8, stop_token_ids=STOP_IDS, output_dir=output_dir)
+                max_prompt_seq_len=64, max_answer_seq_len=8, stop_token_ids=STOP_IDS, output_dir=output_dir,
+                unsupervised_dataset_name=tiny.prompts)
     base.update(flags)
     out = []
     for key, value in base.items():
@@ -185,7 +187,8 @@ def test_setup_is_what_the_equivalence_needs(runs):
     state = runs["state_rank1"]
     assert state["providers"]["data"]["epoch"] == 1 and state["providers"]["data"]["batch"] == 3, state["providers"]
     assert state["rank"] == 1 and state["iteration"] == 4
-    assert set(state["providers"]) == {"trainer", "data", "kl_controller", "rng"}
+    assert set(state["providers"]) == {"trainer", "data", "kl_controller", "rng", "ptx_data", "reward_normalizer"}
+    assert all("ptx/loss" in r for r in recs)  # ptx is on: its data position must survive the resume too
     assert runs["listing_before"] == ["iter_000004"]
 
 
