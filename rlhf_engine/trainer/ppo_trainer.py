@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass, field
 from typing import Optional
 
 import torch
@@ -32,15 +31,16 @@ from ..config import TrainConfig
 from ..data.prompts import PromptDataset, PromptSampler, collate_prompts
 from ..engine import all_reduce
 from ..outputs.metrics import MetricsWriter
-from ..ppo_math import AdaptiveKLController, FixedKLController, policy_loss, value_loss
 from ..errors import ConfigError, Problem
+from ..ppo_math import AdaptiveKLController, FixedKLController, policy_loss, value_loss
 from ..rollout import Experience, Rollout
-from .state import Checkpointer, DataCursor
 from .experience import (NonFiniteError, RewardFn, build_experience, decode_rollout, experience_forwards,
                          global_moments, whiten_advantages)
 from .guards import Injection, StepGuard, injection_from_env
+from .metric_sums import MetricSums
 from .ptx import build_ptx, ptx_loss
 from .reward_shaping import ScoreShaper, reward_model_scorer
+from .state import Checkpointer, DataCursor
 
 log = logging.getLogger(__name__)
 
@@ -64,37 +64,6 @@ def total_iterations(cfg: TrainConfig, batches_per_epoch: int) -> int:
                                    f"{cfg.batch.generation_batches}); raise num_train_epochs or add prompts")],
                           "invalid configuration")
     return n
-
-
-@dataclass
-class _Sums:
-    """Token- or sample-weighted sums for one iteration, all-reduced once at the end (no host sync in the loop)."""
-
-    device: torch.device = torch.device("cpu")
-    sums: dict = field(default_factory=dict)
-    maxes: dict = field(default_factory=dict)
-    mins: dict = field(default_factory=dict)
-
-    def add(self, key: str, value: torch.Tensor) -> None:
-        v = torch.as_tensor(value).detach().to(self.device, torch.float64).reshape(())
-        self.sums[key] = self.sums[key] + v if key in self.sums else v
-
-    def max(self, key: str, value: torch.Tensor) -> None:
-        v = torch.as_tensor(value).detach().to(self.device, torch.float64).reshape(())
-        self.maxes[key] = torch.maximum(self.maxes[key], v) if key in self.maxes else v
-
-    def min(self, key: str, value: torch.Tensor) -> None:
-        v = torch.as_tensor(value).detach().to(self.device, torch.float64).reshape(())
-        self.mins[key] = torch.minimum(self.mins[key], v) if key in self.mins else v
-
-    def reduce(self) -> dict[str, float]:
-        out = {}
-        for table, op in ((self.sums, "sum"), (self.maxes, "max"), (self.mins, "min")):
-            if table:
-                keys = sorted(table)
-                vals = all_reduce(torch.stack([table[k] for k in keys]), op).tolist()
-                out.update(zip(keys, vals))
-        return out
 
 
 class PPOTrainer:
@@ -162,7 +131,7 @@ class PPOTrainer:
             return False
         return Injection(spec).active(what, self.engine.dist.rank, self.iteration, role)
 
-    def experience_phase(self, rollouts, stats: _Sums) -> Experience:
+    def experience_phase(self, rollouts, stats: MetricSums) -> Experience:
         # The generation batches are concatenated (re-padded to one width) BEFORE the experience forwards, so the old
         # log-probs, reference log-probs and values are computed on exactly the tensors the training forwards see.
         # Position ids already make the result independent of the padding mathematically; computing both on one
@@ -209,7 +178,7 @@ class PPOTrainer:
             exp = whiten_advantages(exp)
         return exp
 
-    def train_phase(self, exp: Experience, stats: _Sums) -> None:
+    def train_phase(self, exp: Experience, stats: MetricSums) -> None:
         b, ppo, engine = self.cfg.batch, self.cfg.ppo, self.engine
         with_entropy = ppo.entropy_coef > 0
         train_actor = self.iteration >= ppo.critic_warmup_iterations  # critic warm-up: the actor does not train
@@ -295,7 +264,7 @@ class PPOTrainer:
     # ---- loop ------------------------------------------------------------------------------------------------
     def step(self) -> dict:
         """One iteration; returns the metrics record (also written to metrics.jsonl on rank 0)."""
-        stats = _Sums(self.engine.device)
+        stats = MetricSums(self.engine.device)
         evaluated = self.evaluate() if self.evaluator and self.iteration % self.cfg.eval_interval == 0 else {}
         t0 = time.perf_counter()
         rollouts = self.rollout_phase()

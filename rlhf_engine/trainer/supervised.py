@@ -30,7 +30,7 @@ from ..engine import all_reduce, barrier, init_distributed, load_tokenizer
 from ..engine.preflight import RolePlan, plan_model
 from ..engine.role_engine import backward_global, build_role_engine, export_engine, write_ds_config
 from ..outputs.run_logger import RunLogger
-from .ppo_trainer import _Sums
+from .metric_sums import MetricSums
 from .run import prepare_run_dir, setup_logging
 
 log = logging.getLogger(__name__)
@@ -89,7 +89,7 @@ class SupervisedTrainer:
         micros = [self.collate(self.data.train, idx[i:i + bs]) for i in range(0, len(idx), bs)]
         local = torch.stack([torch.as_tensor(self.count(m), dtype=torch.float64) for m in micros]).sum()
         denom = all_reduce(local.to(self.device)).float()
-        sums = _Sums(self.device)
+        sums = MetricSums(self.device)
         self.engine.train()
         for m in micros:
             loss, s = self.forward_loss(m, denom)
@@ -110,7 +110,7 @@ class SupervisedTrainer:
             return {}
         was_training = self.engine.training
         self.engine.eval()
-        sums = _Sums(self.device)
+        sums = MetricSums(self.device)
         try:
             for idx, valid in eval_shards(len(ds), self.cfg.train.per_device_eval_batch_size, self.dist.rank,
                                           self.dist.world_size):

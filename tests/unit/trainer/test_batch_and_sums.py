@@ -1,11 +1,11 @@
-"""Batch arithmetic errors, the optimizer-steps count, and the trainer's metric accumulator `_Sums` (one rank)."""
+"""Batch arithmetic errors, the optimizer-steps count, and the trainer's metric accumulator `MetricSums` (one rank)."""
 import pytest
 import torch
 
 from rlhf_engine.cli import parse_args
 from rlhf_engine.errors import ConfigError
 from rlhf_engine.trainer import updates_per_iteration
-from rlhf_engine.trainer.ppo_trainer import _Sums
+from rlhf_engine.trainer.metric_sums import MetricSums
 
 
 def _args(**flags):
@@ -44,7 +44,7 @@ def test_updates_per_iteration(gen, batches, micro, acc, epochs, expected):
 
 
 def test_sums_accumulate_in_float64_and_reduce_once():
-    s = _Sums()
+    s = MetricSums()
     s.add("a", torch.tensor(1.0, dtype=torch.float32))
     s.add("a", torch.tensor(2.5))
     s.add("b", 3)
@@ -59,4 +59,4 @@ def test_sums_accumulate_in_float64_and_reduce_once():
     assert all(v.dtype == torch.float64 for v in s.sums.values())
     out = s.reduce()
     assert out == {"a": 3.5, "b": 3.0, "hi": 4.0, "lo": -3.0, "tiny": pytest.approx(1.0 + 1e-7, abs=1e-12)}
-    assert _Sums().reduce() == {}
+    assert MetricSums().reduce() == {}
