@@ -38,6 +38,28 @@ def make_tiny_setup(root: str, arch: str = "gpt2", pad_is_eos: bool = True, n_pr
     return TinySetup(root, tok, actor, reward, prompts)
 
 
+# Stop tokens: a pseudo-random 2/7 of the tiny vocabulary ends a response, so a random tiny model gives uneven
+# response lengths (the tiny models rarely sample EOS itself).
+STOP_IDS = [t for t in range(3, 512) if (t * 2654435761) % 7 < 2]
+
+
+def as_flags(values: dict) -> list[str]:
+    """{"max_steps": 2, "stop_token_ids": [3, 4]} -> ["--max_steps", "2", "--stop_token_ids", "3", "4"]."""
+    out = []
+    for key, value in values.items():
+        out.append(f"--{key}")
+        out += [str(v) for v in value] if isinstance(value, (list, tuple)) else [str(value)]
+    return out
+
+
+def ppo_args(tiny: TinySetup, output_dir: str, **flags) -> list[str]:
+    """train_ppo.py flags for the tiny assets with uneven response lengths; `flags` override."""
+    base = dict(actor_model_name_or_path=tiny.actor, reward_model_name_or_path=tiny.reward, data_path=tiny.prompts,
+                max_prompt_seq_len=64, max_answer_seq_len=8, stop_token_ids=STOP_IDS, output_dir=output_dir)
+    base.update(flags)
+    return as_flags(base)
+
+
 def clean_env(**extra: str) -> dict:
     """The environment for a child launch: no inherited rank variables, one thread per rank, offline."""
     env = {k: v for k, v in os.environ.items() if k not in _RANK_VARS}

@@ -25,9 +25,8 @@ import time
 import pytest
 import torch
 
-from _support import ROOT, SCRIPTS, clean_env
+from _support import ROOT, SCRIPTS, clean_env, ppo_args
 
-STOP_IDS = [t for t in range(3, 512) if (t * 2654435761) % 7 < 2]  # uneven response lengths (as test_resume)
 VOLATILE = ("time/", "throughput/")
 ATOL = 1e-6
 TIMEOUT_S = 15  # the collective timeout of launch 2
@@ -36,15 +35,7 @@ RUN = dict(per_device_generation_batch_size=2, generation_batches=2, per_device_
            adaptive_kl="true", kl_target=0.05, kl_horizon=200, do_sample="true")
 
 
-def args_for(tiny, output_dir, **flags):
-    base = dict(actor_model_name_or_path=tiny.actor, reward_model_name_or_path=tiny.reward, data_path=tiny.prompts,
-                max_prompt_seq_len=64, max_answer_seq_len=8, stop_token_ids=STOP_IDS, output_dir=output_dir)
-    base.update(flags)
-    out = []
-    for key, value in base.items():
-        out.append(f"--{key}")
-        out += [str(v) for v in value] if isinstance(value, (list, tuple)) else [str(value)]
-    return out
+args_for = ppo_args
 
 
 def _procs_with(marker: str) -> dict[int, str]:

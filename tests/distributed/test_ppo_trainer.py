@@ -20,27 +20,18 @@ import os
 import pytest
 import torch
 
-from _support import ROOT, SCRIPTS, check, launch
+from _support import ROOT, SCRIPTS, check, launch, ppo_args
 
 # A pseudo-random ~2/7 of the vocabulary ends a response (besides EOS). The tiny random model almost never samples
 # EOS itself, and its greedy output repeats the last prompt token, so this is what makes response lengths uneven
 # (1 to 8 tokens) in both sampled and greedy runs; each test that relies on it also checks it happened.
-STOP_IDS = [t for t in range(3, 512) if (t * 2654435761) % 7 < 2]
 VOLATILE = ("time/", "throughput/")  # wall-clock keys: the only metrics allowed to differ between identical runs
 DISCRETE = ("policy/clipfrac", "value/clipfrac")  # counts of tokens at a boundary: 1e-7 noise can flip one token
 MAX_LOG_RATIO_LR0 = 1e-6  # fp32
 INVARIANCE_ATOL = 1e-5
 
 
-def args_for(tiny, output_dir, **flags):
-    base = dict(actor_model_name_or_path=tiny.actor, reward_model_name_or_path=tiny.reward, data_path=tiny.prompts,
-                max_prompt_seq_len=64, max_answer_seq_len=8, stop_token_ids=STOP_IDS, output_dir=output_dir)
-    base.update(flags)
-    out = []
-    for key, value in base.items():
-        out.append(f"--{key}")
-        out += [str(v) for v in value] if isinstance(value, (list, tuple)) else [str(value)]
-    return out
+args_for = ppo_args
 
 
 def run_harness(tmp, name, runs, nproc, launcher):

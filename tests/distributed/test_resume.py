@@ -25,9 +25,8 @@ import sys
 import pytest
 import torch
 
-from _support import ROOT, SCRIPTS, check, clean_env, launch
+from _support import ROOT, SCRIPTS, check, clean_env, launch, ppo_args
 
-STOP_IDS = [t for t in range(3, 512) if (t * 2654435761) % 7 < 2]  # uneven response lengths (see test_ppo_trainer)
 VOLATILE = ("time/", "throughput/")
 ATOL = 1e-6
 RUN = dict(per_device_generation_batch_size=3, generation_batches=2, per_device_training_batch_size=3,
@@ -45,15 +44,7 @@ ZERO = {**RUN, "max_steps": 2, "save_interval": 1, "actor_zero_stage": 3, "criti
 
 def args_for(tiny, output_dir, **flags):
     # ptx reads the prompt file as its unsupervised text (its data position is part of the checkpoint)
-    base = dict(actor_model_name_or_path=tiny.actor, reward_model_name_or_path=tiny.reward, data_path=tiny.prompts,
-                max_prompt_seq_len=64, max_answer_seq_len=8, stop_token_ids=STOP_IDS, output_dir=output_dir,
-                unsupervised_dataset_name=tiny.prompts)
-    base.update(flags)
-    out = []
-    for key, value in base.items():
-        out.append(f"--{key}")
-        out += [str(v) for v in value] if isinstance(value, (list, tuple)) else [str(value)]
-    return out
+    return ppo_args(tiny, output_dir, **{"unsupervised_dataset_name": tiny.prompts, **flags})
 
 
 def _write_spec(tmp, name, runs):

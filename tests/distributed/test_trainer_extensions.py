@@ -14,24 +14,15 @@ import os
 
 import pytest
 
-from _support import SCRIPTS, launch
+from _support import SCRIPTS, launch, ppo_args
 
-STOP_IDS = [t for t in range(3, 512) if (t * 2654435761) % 7 < 2]
 RUN = dict(per_device_generation_batch_size=4, per_device_training_batch_size=2, gradient_accumulation_steps=2,
            ppo_epochs=1, seed=6, actor_learning_rate=1e-3, critic_learning_rate=1e-3, actor_lr_scheduler_type="linear",
            actor_num_warmup_steps=2, critic_lr_scheduler_type="linear", critic_num_warmup_steps=2,
            export_final="false", max_consecutive_skips=3)
 
 
-def args_for(tiny, output_dir, **flags):
-    base = dict(actor_model_name_or_path=tiny.actor, reward_model_name_or_path=tiny.reward, data_path=tiny.prompts,
-                max_prompt_seq_len=64, max_answer_seq_len=8, stop_token_ids=STOP_IDS, output_dir=output_dir)
-    base.update(flags)
-    out = []
-    for key, value in base.items():
-        out.append(f"--{key}")
-        out += [str(v) for v in value] if isinstance(value, (list, tuple)) else [str(value)]
-    return out
+args_for = ppo_args
 
 
 @pytest.fixture(scope="module")
