@@ -25,16 +25,15 @@ engine.actor_forward), so it sees another left padding than the experience forwa
 """
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import gc
-import json
 import os
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))))
 
 import torch  # noqa: E402
+from spec_runner import run_specs  # noqa: E402
 
 
 def fraction_reward(lo: int, hi: int):
@@ -153,25 +152,7 @@ def run_one(spec: dict) -> dict | None:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--spec", required=True)
-    parser.add_argument("--out", required=True)
-    parser.add_argument("--local_rank", type=int, default=None)  # passed by the deepspeed launcher
-    args = parser.parse_args()
-    with open(args.spec) as f:
-        spec = json.load(f)
-    results = []
-    for run in spec["runs"]:
-        res = run_one(run)
-        if res is not None:
-            results.append(res)
-            print(f"[ppo_checks] run {run['name']} done", flush=True)
-    if torch.distributed.get_rank() == 0:
-        with open(args.out, "w") as f:
-            json.dump({"runs": results}, f)
-    torch.distributed.barrier()
-    torch.distributed.destroy_process_group()  # see launch/train_ppo.py shutdown(): no gloo abort at exit
-    return 0
+    return run_specs(run_one, "ppo_checks")
 
 
 if __name__ == "__main__":

@@ -1,0 +1,33 @@
+"""The shared `main()` of the harness scripts: read a spec of runs, run each, write rank 0's results, shut down.
+
+    python <harness>.py --spec spec.json --out result.json     (spec.json: {"runs": [{"name": ..., ...}, ...]})
+"""
+from __future__ import annotations
+
+import argparse
+import json
+from typing import Callable, Optional
+
+import torch
+
+
+def run_specs(run_one: Callable[[dict], Optional[dict]], tag: str) -> int:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--spec", required=True)
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--local_rank", type=int, default=None)  # passed by the deepspeed launcher
+    args = parser.parse_args()
+    with open(args.spec) as f:
+        spec = json.load(f)
+    results = []
+    for run in spec["runs"]:
+        res = run_one(run)
+        if res is not None:
+            results.append(res)
+            print(f"[{tag}] run {run['name']} done", flush=True)
+    if torch.distributed.get_rank() == 0:
+        with open(args.out, "w") as f:
+            json.dump({"runs": results}, f)
+    torch.distributed.barrier()
+    torch.distributed.destroy_process_group()  # see launch/train_ppo.py shutdown(): no gloo abort at exit
+    return 0
