@@ -38,6 +38,8 @@ ALIASES: dict[str, tuple[tuple[str, ...], str]] = {
                              "reward_zero_stage 3)"),
     "num_warmup_steps": (("actor_num_warmup_steps", "critic_num_warmup_steps"), "warm-up optimizer steps of the "
                          "actor's and the critic's schedule"),
+    "data_output_path": (("data_cache_dir",), "where the processed data is kept; like DeepSpeed-Chat's, it should be "
+                         "node-local storage"),
     "lr_scheduler_type": (("actor_lr_scheduler_type", "critic_lr_scheduler_type"), "learning-rate schedule of the "
                           "actor and the critic"),
 }

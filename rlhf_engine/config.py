@@ -307,6 +307,11 @@ class DataConfig:
     bad_row_policy: str = opt("error", "Rows with an empty/missing/non-text prompt, or (.jsonl) invalid UTF-8 or "
                               "invalid JSON: 'error' (stop, naming them) or 'skip' (drop and count).")
     data_seed: Optional[int] = opt(None, "Seed of blending and the eval split (None = the run's seed).")
+    data_cache_dir: str = opt("", "Folder of the tokenized-data cache, on node-local disk: local rank 0 of each node "
+                              "tokenizes once, the node's other ranks and later runs with the same files, tokenizer "
+                              "and data settings read the result. '' = $RLHF_ENGINE_DATA_CACHE, else "
+                              "<RLHF_ENGINE_CACHE or ~/.cache/rlhf_engine>/tokenized; 'none' = off (every rank "
+                              "tokenizes). Hub datasets and slow tokenizers are never cached.")
 
     def validate(self, p: Problems, prefix: str = "") -> None:
         if not isinstance(self.data_path, (str, list, tuple)):
@@ -336,6 +341,8 @@ class DataConfig:
         _choice(p, prefix, self, "bad_row_policy", BAD_ROW_POLICIES)
         if self.data_seed is not None and (not isinstance(self.data_seed, int) or isinstance(self.data_seed, bool)):
             p.add(prefix + "data_seed", self.data_seed, "must be an integer or None")
+        if not isinstance(self.data_cache_dir, str):
+            p.add(prefix + "data_cache_dir", self.data_cache_dir, "must be a folder path, '' (the default) or 'none'")
 
 
 @dataclass

@@ -5,6 +5,16 @@ for key, value in dict(OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", WANDB_MODE="offl
                        TOKENIZERS_PARALLELISM="false", DEEPSPEED_TIMEOUT="3").items():
     os.environ.setdefault(key, value)
 
+# The tokenized-data cache of this test session (inherited by every launched rank): never the user's ~/.cache, and
+# empty at the start, so a test never reads an entry written by an older checkout.
+if "RLHF_ENGINE_DATA_CACHE" not in os.environ:
+    import atexit
+    import shutil
+    import tempfile
+
+    os.environ["RLHF_ENGINE_DATA_CACHE"] = tempfile.mkdtemp(prefix="rlhf_test_data_cache-")
+    atexit.register(shutil.rmtree, os.environ["RLHF_ENGINE_DATA_CACHE"], True)
+
 import pytest  # noqa: E402
 
 from _support import make_tiny_setup  # noqa: E402

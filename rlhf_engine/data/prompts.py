@@ -13,7 +13,8 @@ Pipeline of `load_prompt_data` (each step documented where it is done):
      special tokens are added;
   4. prompts longer than `max_prompt_seq_len` tokens -> `long_prompt_policy`;
   5. blend the sources by ratio (`blend_counts`), then hold out `eval_split` (`split_indices`).
-Tokenization is done in memory on every rank; it is not cached on disk.
+The result is cached on disk per node (`data/cache.py`, `DataConfig.data_cache_dir`): local rank 0 builds it, the
+node's other ranks and later runs with the same files, tokenizer and settings read it.
 
 `load_prompt_data(..., row_hook=...)` lets another data kind (data/supervised.py: SFT responses, preference pairs)
 reuse the whole pipeline: after step 4 the hook sees each source's kept rows, adds per-row payloads (`extra`) and may
@@ -33,6 +34,7 @@ import torch
 from ..config import DataConfig, parse_data_sources
 from ..errors import ConfigError, Problem, Problems
 from ..rollout import pad_prompts
+from .cache import CacheUse, cache_key, node_cached, resolve_cache_dir
 from .sources import RawSource, read_source
 
 _MAX_ROWS_NAMED = 5
@@ -122,6 +124,7 @@ class PromptData:
     train: PromptDataset
     eval: Optional[PromptDataset]
     stats: DataStats
+    cache: Optional[CacheUse] = None  # how this load used the tokenized-data cache
 
 
 def _rows(rows: Sequence[int]) -> str:
@@ -280,11 +283,12 @@ def load_prompt_data(data: DataConfig, tokenizer: Any, max_prompt_seq_len: int, 
     """Load, check, tokenize, blend and split the prompt data described by `data` (see the module docstring).
 
     `row_hook` (see `RowHook`) runs on each source's kept rows after the prompt policies; its per-row payloads end up
-    in `PromptDataset.extra`.
+    in `PromptDataset.extra`. A hook with a `cache_key` attribute (JSON-able, naming everything it depends on besides
+    the tokenizer) lets the result be cached; one without it turns the cache off for this load.
 
     `seed` is the run's seed, used when `data.data_seed` is None. Raises one `ConfigError` listing every problem of
     every source (the error policies). Skipped and truncated rows are counted in `stats` and, with `verbose` (rank 0),
-    logged as one warning.
+    logged as one warning. Every rank must call this together when distributed (the cache's one barrier).
     """
     p = Problems()
     data.validate(p)
@@ -294,6 +298,34 @@ def load_prompt_data(data: DataConfig, tokenizer: Any, max_prompt_seq_len: int, 
     header = f"invalid prompt data {data.data_path!r}"
     p.raise_if_any(header)
     sources = parse_data_sources(data.data_path) if data.data_path else [("", None)]
+    seed = seed if data.data_seed is None else data.data_seed
+    key = None
+    if row_hook is None or hasattr(row_hook, "cache_key"):
+        settings = {k: v for k, v in vars(data).items() if k != "data_cache_dir"}
+        settings.update(max_prompt_seq_len=max_prompt_seq_len, seed=seed,
+                        row_hook=getattr(row_hook, "cache_key", None))
+        key = cache_key("prompts", [path for path, _ in sources], tokenizer, settings)
+    result, use = node_cached(key, resolve_cache_dir(data.data_cache_dir),
+                              lambda: _build_prompt_data(data, sources, tokenizer, max_prompt_seq_len, seed, row_hook,
+                                                         header))
+    result.cache = use
+    if verbose:
+        stats = result.stats
+        lost = any(s.bad_rows or s.too_long_skipped or s.truncated or s.response_too_long_skipped
+                   or s.response_truncated for s in stats.sources)
+        if lost:
+            log.warning(stats.summary())
+        elif len(sources) > 1 or result.eval is not None:
+            log.info(stats.summary())
+        if use.status in ("read", "built"):
+            log.info("tokenized data %s cache %s", "read from" if use.status == "read" else "written to", use.path)
+    return result
+
+
+def _build_prompt_data(data: DataConfig, sources: list, tokenizer: Any, max_prompt_seq_len: int, seed: int,
+                       row_hook: Optional[RowHook], header: str) -> PromptData:
+    """Steps 1-5 of the module docstring (no cache, no logging)."""
+    p = Problems()
     stats = DataStats([SourceStats(path, None if r is None else float(r)) for path, r in sources])
     prepared = []
     for (path, _), st in zip(sources, stats.sources):
@@ -315,7 +347,6 @@ def load_prompt_data(data: DataConfig, tokenizer: Any, max_prompt_seq_len: int, 
                                           f"{st.too_long_skipped + st.response_too_long_skipped} too long were "
                                           f"skipped")
     p.raise_if_any(header)
-    seed = seed if data.data_seed is None else data.data_seed
     if sources[0][1] is None:
         chosen = [list(range(len(pr.input_ids))) for pr in prepared]
     else:
@@ -335,20 +366,13 @@ def load_prompt_data(data: DataConfig, tokenizer: Any, max_prompt_seq_len: int, 
     stats.train, stats.eval = len(train_idx), len(eval_idx)
     train = merged.subset(train_idx) if eval_idx else merged
     evals = merged.subset(eval_idx) if eval_idx else None
-    if verbose:
-        lost = any(s.bad_rows or s.too_long_skipped or s.truncated or s.response_too_long_skipped
-                   or s.response_truncated for s in stats.sources)
-        if lost:
-            log.warning(stats.summary())
-        elif len(sources) > 1 or evals is not None:
-            log.info(stats.summary())
     return PromptData(train, evals, stats)
 
 
 def load_prompt_dataset(data_path: Any, tokenizer: Any, max_prompt_seq_len: int, prompt_column: str = "prompt", *,
                         prompt_template: str = "", use_chat_template: bool = False,
                         long_prompt_policy: str = "error", bad_row_policy: str = "error", seed: int = 0,
-                        verbose: bool = True) -> PromptDataset:
+                        verbose: bool = True, data_cache_dir: str = "none") -> PromptDataset:
     """All usable prompts of `data_path` (a source or a blend spec, see `DataConfig.data_path`), no eval split.
 
     Defaults keep the original behaviour: every prompt tokenized once (no padding, no truncation, the tokenizer's
@@ -358,7 +382,7 @@ def load_prompt_dataset(data_path: Any, tokenizer: Any, max_prompt_seq_len: int,
     """
     data = DataConfig(data_path=data_path, prompt_column=prompt_column, prompt_template=prompt_template,
                       use_chat_template=use_chat_template, long_prompt_policy=long_prompt_policy,
-                      bad_row_policy=bad_row_policy)
+                      bad_row_policy=bad_row_policy, data_cache_dir=data_cache_dir)
     return load_prompt_data(data, tokenizer, max_prompt_seq_len, seed=seed, verbose=verbose).train
 
 

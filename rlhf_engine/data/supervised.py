@@ -98,6 +98,9 @@ def _response_hook(columns: dict[str, str], tokenizer: Any, max_answer_seq_len: 
         out.extra.update(ids)
         return out
 
+    # what the hook's result depends on besides the rows and the tokenizer (the tokenized-data cache's key)
+    hook.cache_key = {"columns": columns, "max_answer_seq_len": max_answer_seq_len,
+                      "long_response_policy": long_response_policy, "bad_row_policy": bad_row_policy}
     return hook
 
 

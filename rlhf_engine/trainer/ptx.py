@@ -47,6 +47,7 @@ class PtxDataset:
     rows: int = 0
     skipped: int = 0  # not text, blank, or fewer than 2 tokens
     truncated: int = 0
+    cache: Any = None  # data.cache.CacheUse: how the load used the tokenized-data cache
 
     def __len__(self) -> int:
         return len(self.input_ids)
@@ -78,8 +79,27 @@ def _read_texts(path: str, text_column: str) -> list:
 
 
 def load_ptx_data(path: str, tokenizer: Any, max_len: int, text_column: str = "text",
-                  verbose: bool = True) -> PtxDataset:
-    """Read, tokenize and cut the unsupervised documents (module docstring). Raises ConfigError when none is usable."""
+                  verbose: bool = True, data_cache_dir: str = "none") -> PtxDataset:
+    """Read, tokenize and cut the unsupervised documents (module docstring), through the tokenized-data cache
+    (`data/cache.py`; every rank calls this together). Raises ConfigError when none is usable."""
+    from ..data.cache import cache_key, node_cached, resolve_cache_dir
+
+    key = cache_key("ptx", [path], tokenizer, {"max_len": max_len, "text_column": text_column},
+                    extra_code=[os.path.abspath(__file__)])
+    out, use = node_cached(key, resolve_cache_dir(data_cache_dir),
+                           lambda: _build_ptx_data(path, tokenizer, max_len, text_column))
+    out.cache = use
+    if verbose and (out.skipped or out.truncated):
+        log.warning("ptx data %s: %d documents, %d skipped (not text, blank or < 2 tokens), %d cut to %d tokens",
+                    path, len(out), out.skipped, out.truncated, max_len)
+    elif verbose:
+        log.info("ptx data %s: %d documents", path, len(out))
+    if verbose and use.status in ("read", "built"):
+        log.info("tokenized ptx data %s cache %s", "read from" if use.status == "read" else "written to", use.path)
+    return out
+
+
+def _build_ptx_data(path: str, tokenizer: Any, max_len: int, text_column: str) -> PtxDataset:
     texts = _read_texts(path, text_column)
     good = [t for t in texts if isinstance(t, str) and t.strip()]
     ids = tokenizer(good, add_special_tokens=True, truncation=False)["input_ids"] if good else []
@@ -95,11 +115,6 @@ def load_ptx_data(path: str, tokenizer: Any, max_len: int, text_column: str = "t
     if not out.input_ids:
         raise ConfigError([Problem("unsupervised_dataset_name", path, f"no usable document: {out.rows} rows, none "
                                    "with text of at least 2 tokens")], "invalid unsupervised (ptx) data")
-    if verbose and (out.skipped or out.truncated):
-        log.warning("ptx data %s: %d documents, %d skipped (not text, blank or < 2 tokens), %d cut to %d tokens",
-                    path, len(out), out.skipped, out.truncated, max_len)
-    elif verbose:
-        log.info("ptx data %s: %d documents", path, len(out))
     return out
 
 

@@ -76,7 +76,7 @@ def build_trainer(cfg: TrainConfig, argv: Optional[list] = None) -> PPOTrainer:
     if cfg.unsupervised_dataset_name:  # ptx documents: read and checked before any weight too
         g = cfg.generation
         ptx_data = load_ptx_data(cfg.unsupervised_dataset_name, tokenizer, g.max_prompt_seq_len + g.max_answer_seq_len,
-                                 cfg.unsup_text_column, verbose=dist.is_main)
+                                 cfg.unsup_text_column, verbose=dist.is_main, data_cache_dir=cfg.data.data_cache_dir)
         PtxData(ptx_data, cfg.batch.per_device_training_batch_size, dist.rank, dist.world_size, cfg.seed, 0)  # fits?
     # --resume: find the checkpoint, and refuse one of another run (naming every differing key), before any weight
     resume_path, fingerprint = resolve_and_check(cfg, dist, len(dataset))

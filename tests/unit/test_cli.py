@@ -214,4 +214,11 @@ def test_aliases_only_where_they_do_not_shadow_a_field():
     cfg = parse_args(["--model_name_or_path", "m", "--data_path", "d.jsonl", "--offload", "--num_warmup_steps", "3"],
                      config_cls=SFTConfig)
     assert cfg.model.offload is True and cfg.model.num_warmup_steps == 3  # SFT's own flat fields
-    assert "DeepSpeed-Chat aliases" not in build_parser(config_cls=SFTConfig).format_help()
+    from rlhf_engine.cli import aliases_of
+
+    assert aliases_of(SFTConfig()) == {"data_output_path": ("data_cache_dir",)}  # the only one SFT has no field for
+
+
+def test_data_output_path_alias_sets_the_data_cache_dir(tmp_path):
+    cfg = parse_args(["--actor_model_name_or_path", "a", "--data_output_path", str(tmp_path)])
+    assert cfg.data.data_cache_dir == str(tmp_path)

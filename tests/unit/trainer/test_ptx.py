@@ -41,6 +41,19 @@ def test_text_file_one_document_per_line_blank_skipped_long_cut(tok, tmp_path):
     assert data.skipped == data.rows - len(data)  # blank lines and a one-token document
 
 
+def test_tokenized_documents_are_cached_and_keyed_on_the_file_and_length(tok, tmp_path):
+    path = _txt(tmp_path / "u.txt", DOCS)
+    cache = str(tmp_path / "cache")
+    first = load_ptx_data(path, tok, 64, data_cache_dir=cache)
+    second = load_ptx_data(path, tok, 64, data_cache_dir=cache)
+    assert (first.cache.status, second.cache.status) == ("built", "read")
+    assert second.input_ids == first.input_ids == load_ptx_data(path, tok, 64).input_ids  # default: no cache
+    assert load_ptx_data(path, tok, 4, data_cache_dir=cache).cache.status == "built"  # max_len is in the key
+    _txt(tmp_path / "u.txt", DOCS[:2])
+    changed = load_ptx_data(path, tok, 64, data_cache_dir=cache)
+    assert changed.cache.status == "built" and len(changed) == 2
+
+
 def test_table_text_column_and_problems(tok, tmp_path):
     path = tmp_path / "u.jsonl"
     path.write_text("".join(json.dumps({"body": d}) + "\n" for d in DOCS))
