@@ -25,5 +25,6 @@ setup(
         "matplotlib>=3.7",  # the end-of-run PNG plot
         "pyyaml",  # --config FILE.yaml
     ],
-    extras_require={"dev": ["pytest>=8", "pytest-timeout>=2"]},
+    extras_require={"dev": ["pytest>=8", "pytest-timeout>=2", "tensorboard>=2.14"],
+                    "tensorboard": ["tensorboard>=2.14"]},  # --tensorboard (torch.utils.tensorboard needs it)
 )

@@ -3,7 +3,6 @@ samples, metrics.png, TensorBoard (optional), output-dir refusal/overwrite, reda
 import json
 import os
 import sys
-import types
 
 import pytest
 
@@ -49,7 +48,8 @@ def test_metrics_wandb_offline_samples_plot_and_no_secret_on_disk(tmp_path, secr
             OTHER_SECRET, f"--note={FAKE_KEY}"]
     monkeypatch.setattr(sys, "argv", argv)  # wandb records sys.argv in its metadata
     write_run_files(str(out), config, argv)
-    logger = RunLogger(str(out), True, config, wandb_project="proj", wandb_run_name="t", wandb_sample_interval=2)
+    logger = RunLogger(str(out), True, config, wandb_project="proj", wandb_run_name="t", wandb_sample_interval=2,
+                       tensorboard=True)  # its event files are searched for the secrets too
     recs = _records(4)
     for r in recs:
         logger.log(r)
@@ -95,26 +95,26 @@ def test_tensorboard_optional(tmp_path, monkeypatch, caplog):
         logger.close()
     assert caplog.text.count("neither tensorboard nor tensorboardX") == 1  # one warning, not one per record
     assert len(read_metrics(str(tmp_path / "a"))) == 3
-    calls = []
 
-    class FakeWriter:
-        def __init__(self, log_dir):
-            calls.append(("dir", log_dir))
 
-        def add_scalar(self, tag, value, step):
-            calls.append((tag, value, step))
+def test_tensorboard_scalars_read_back(tmp_path):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-        def flush(self):
-            pass
-
-        def close(self):
-            calls.append("close")
-
-    monkeypatch.setitem(sys.modules, "tensorboardX", types.SimpleNamespace(SummaryWriter=FakeWriter))
-    logger = RunLogger(str(tmp_path / "b"), True, {}, tensorboard=True, total_iterations=2)
-    logger.log({"iteration": 1, "objective/score": 0.5, "flag": True, "tag": "x", "nan": float("nan")})
+    out = tmp_path / "b"
+    logger = RunLogger(str(out), True, {}, tensorboard=True, total_iterations=4)
+    for r in _records(3):
+        logger.log(r)
+    logger.log({"iteration": 3, "objective/score": 0.5, "flag": True, "tag": "x", "nan": float("nan")})
     logger.close()
-    assert calls == [("dir", str(tmp_path / "b" / "tensorboard")), ("objective/score", 0.5, 1), "close"]
+    acc = EventAccumulator(str(out / "tensorboard"))
+    acc.Reload()
+    tags = set(acc.Tags()["scalars"])
+    # every numeric metric, with the iteration as the step; no bool, text, NaN or None, and no "iteration" scalar
+    assert tags == {"objective/score", "objective/kl", "rollout/response_length", "policy/loss", "value/loss"}
+    score = [(e.step, e.value) for e in acc.Scalars("objective/score")]
+    assert [s for s, _ in score] == [0, 1, 2, 3]
+    assert [v for _, v in score] == pytest.approx([0.0, 0.1, 0.2, 0.5], abs=1e-6)
+    assert [e.value for e in acc.Scalars("value/loss")] == pytest.approx([2.0, 1.0, 2.0 / 3], abs=1e-6)
 
 
 def test_output_dir_refused_resumed_or_moved_aside(tmp_path):
