@@ -291,8 +291,9 @@ class DataConfig:
 
     data_path: Any = opt("", "Prompt data: one source, several joined with ',' (each used in full), or a blend "
                          "'a.jsonl:0.7,b.parquet:0.3' (str, or a list in a config file). A source is a local "
-                         ".jsonl/.json/.parquet/.csv file (format by extension) or, unless HF_HUB_OFFLINE is set, a "
-                         "hub dataset name (its 'train' split).")
+                         ".jsonl/.json/.parquet/.csv file (format by extension), a folder written by datasets' "
+                         "save_to_disk, or a hub dataset name (its 'train' split; with HF_HUB_OFFLINE set, read "
+                         "from the local HF datasets cache only).")
     prompt_column: str = opt("prompt", "Column holding the prompt text (every source).")
     prompt_template: str = opt("", "Python format string applied to each prompt before tokenization, e.g. "
                                "'Question: {prompt}\\nAnswer:'; must contain {prompt}; other {column} fields are "

@@ -6,7 +6,8 @@ result and writes it; the node's other ranks wait at one barrier and read it; a 
 it on every rank.
 
 The key is a SHA-256 over everything the result depends on, so a stale entry is never read:
-  - the bytes of every local source file (a hub dataset name is not hashed: such data is not cached);
+  - the bytes of every local source file or save_to_disk folder (a hub dataset name is not hashed: such data is
+    not cached);
   - the tokenizer: its serialized fast tokenizer (vocabulary, merges, normalizer, pre/post-processor: BOS/EOS
     insertion), chat template, special tokens and class (a slow, Python-only tokenizer: not cached);
   - the caller's settings (data config, lengths, seed, row-hook key);
@@ -63,6 +64,17 @@ def file_digest(path: str) -> str:
     return h.hexdigest()
 
 
+def folder_digest(path: str) -> str:
+    """A digest of every file in a folder (relative names and bytes): a `save_to_disk` dataset."""
+    h = hashlib.sha256()
+    for d, dirs, files in os.walk(path):
+        dirs.sort()
+        for name in sorted(files):
+            full = os.path.join(d, name)
+            h.update(os.path.relpath(full, path).encode() + b"\0" + file_digest(full).encode())
+    return h.hexdigest()
+
+
 def tokenizer_fingerprint(tokenizer: Any) -> Optional[str]:
     """A digest of everything that decides the tokenizer's output, or None when that cannot be serialized."""
     backend = getattr(tokenizer, "backend_tokenizer", None)
@@ -95,9 +107,12 @@ def cache_key(kind: str, sources: Sequence[str], tokenizer: Any, settings: Any,
         return None
     files = []
     for path in sources:
-        if not os.path.isfile(path):  # a hub dataset name (or a missing file: the load reports it)
+        if os.path.isdir(path):  # a save_to_disk folder
+            files.append([os.path.abspath(path), folder_digest(path)])
+        elif os.path.isfile(path):
+            files.append([os.path.abspath(path), file_digest(path)])
+        else:  # a hub dataset name (or a missing file: the load reports it)
             return None
-        files.append([os.path.abspath(path), file_digest(path)])
     blob = json.dumps({"kind": kind, "files": files, "tokenizer": tok, "settings": settings,
                        "code": _code_digest(extra_code)},
                       sort_keys=True, default=str)

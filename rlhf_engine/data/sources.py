@@ -1,9 +1,13 @@
-"""Reading one prompt source into a `datasets` table: local .jsonl/.json/.parquet/.csv by extension, or a hub name.
+"""Reading one prompt source into a `datasets` table: local .jsonl/.json/.parquet/.csv by extension, a folder written
+by `datasets`' `save_to_disk`, or a hub dataset name.
 
 Local files use the `datasets` "json", "parquet" and "csv" builders with a private temporary cache (no stale entry
-for a rewritten file, no locks shared between runs, nothing left behind). A path that does not exist and has none of
-those extensions is read as a hub dataset name (its "train" split, default HF cache) unless `HF_HUB_OFFLINE` is set
-to a true value (1/true/yes/on): then nothing is tried on the network and the path is reported as missing.
+for a rewritten file, no locks shared between runs, nothing left behind). A `save_to_disk` folder (a Dataset, or a
+DatasetDict whose "train" split is used) is read with `load_from_disk`. A path that does not exist, has none of the
+file extensions and does not start with '.', '/' or '~' is read as a hub dataset name: `load_dataset(name,
+split="train")` with the default HF cache. With `HF_HUB_OFFLINE` set to a true value (1/true/yes/on) `datasets` does
+not touch the network and reads the newest copy in its cache (HF_DATASETS_CACHE): prepare it on a machine with
+network, e.g. a cluster's login node; a name missing from that cache is reported as such.
 
 `.jsonl` files are pre-scanned byte by byte, line by line, before `datasets` sees them: pyarrow stops at the first
 invalid UTF-8 byte or invalid JSON line without saying which row, so the scan finds and numbers every such row. When
@@ -27,7 +31,7 @@ _TRUE = ("1", "true", "yes", "on")
 
 
 def hub_offline() -> bool:
-    """True when HF_HUB_OFFLINE is set to a true value: hub dataset names are then never tried."""
+    """True when HF_HUB_OFFLINE is set to a true value: hub dataset names are then read from the local cache only."""
     return os.environ.get("HF_HUB_OFFLINE", "").strip().lower() in _TRUE
 
 
@@ -80,6 +84,18 @@ def _copy_lines(src: str, dst: str, drop: set[int]) -> None:
                 fout.write(raw if raw.endswith(b"\n") else raw + b"\n")
 
 
+SAVED = "save_to_disk"  # the pseudo-builder of a save_to_disk folder
+
+
+def saved_dataset_kind(path: str) -> Optional[str]:
+    """'dataset' or 'dict' for a folder written by `Dataset.save_to_disk` / `DatasetDict.save_to_disk`, else None."""
+    if os.path.isfile(os.path.join(path, "dataset_dict.json")):
+        return "dict"
+    if all(os.path.isfile(os.path.join(path, f)) for f in ("dataset_info.json", "state.json")):
+        return "dataset"
+    return None
+
+
 def _load(builder: Optional[str], path: str, cache: Optional[str]) -> Any:
     import datasets
 
@@ -88,6 +104,13 @@ def _load(builder: Optional[str], path: str, cache: Optional[str]) -> Any:
     try:
         if builder is None:  # a hub dataset name
             return datasets.load_dataset(path, split="train")
+        if builder == SAVED:
+            table = datasets.load_from_disk(path, keep_in_memory=True)
+            if isinstance(table, datasets.DatasetDict):
+                if "train" not in table:
+                    raise KeyError(f"the DatasetDict has no 'train' split (its splits: {sorted(table)})")
+                table = table["train"]
+            return table
         return datasets.load_dataset(builder, data_files=path, split="train", keep_in_memory=True, cache_dir=cache)
     finally:
         if bars:
@@ -105,12 +128,15 @@ def read_source(path: str, header: Optional[str] = None) -> RawSource:
     builder = BUILDERS.get(ext)
     formats = "/".join(BUILDERS)
     if os.path.isdir(path):
-        raise ConfigError([Problem("data_path", path, f"is a directory; give a local {formats} file of prompts "
-                                                      f"(cwd is {os.getcwd()})")], header)
-    if not os.path.isfile(path):
-        if builder is not None or not path or hub_offline() or path.startswith((".", "/", "~")):
-            why = " (hub dataset names are not tried: HF_HUB_OFFLINE is set)" if builder is None and path else ""
-            raise ConfigError([Problem("data_path", path, f"does not exist{why}; give a local {formats} file of "
+        if saved_dataset_kind(path) is None:
+            raise ConfigError([Problem("data_path", path, f"is a directory but not one written by datasets' "
+                                                          f"save_to_disk (no dataset_dict.json, or dataset_info.json "
+                                                          f"+ state.json); give a local {formats} file or such a "
+                                                          f"folder (cwd is {os.getcwd()})")], header)
+        builder = SAVED
+    elif not os.path.isfile(path):
+        if builder is not None or not path or path.startswith((".", "/", "~")):
+            raise ConfigError([Problem("data_path", path, f"does not exist; give a local {formats} file of "
                                                           f"prompts (cwd is {os.getcwd()})")], header)
         builder = None  # a hub dataset name
     elif builder is None:
@@ -119,7 +145,7 @@ def read_source(path: str, header: Optional[str] = None) -> RawSource:
                           header)
     empty = Problem("data_path", path, 'the file holds no rows; give one {"prompt": ...} object per line'
                     if builder == "json" else "the source holds no rows")
-    if builder is not None and os.path.getsize(path) == 0:
+    if builder not in (None, SAVED) and os.path.getsize(path) == 0:
         raise ConfigError([empty], header)
     rows, non_utf8, malformed, bad_lines = 0, [], [], set()
     if ext == ".jsonl":
@@ -140,9 +166,16 @@ def read_source(path: str, header: Optional[str] = None) -> RawSource:
         except Exception as e:  # datasets wraps parse errors; the cause says which line
             if isinstance(e, StopIteration) or "corresponds to no data" in str(e):  # blank lines only, or []
                 raise ConfigError([empty], header) from e
+            if builder is None and hub_offline():
+                raise ConfigError([Problem("data_path", path, f"is no local file and not in the Hugging Face datasets "
+                                                              f"cache, and HF_HUB_OFFLINE is set so the hub is not "
+                                                              f"tried ({type(e).__name__}: {e}); run "
+                                                              f"datasets.load_dataset({path!r}) where there is network "
+                                                              f"with the same HF_DATASETS_CACHE, or give a local "
+                                                              f"{formats} file (cwd is {os.getcwd()})")], header) from e
             cause = f" ({type(e.__cause__).__name__}: {e.__cause__})" if e.__cause__ else ""
             what = {"json": "JSON lines / JSON", "csv": "CSV (UTF-8)", "parquet": "Parquet",
-                    None: "a hub dataset"}[builder]
+                    SAVED: "a save_to_disk folder", None: "a hub dataset"}[builder]
             raise ConfigError([Problem("data_path", path, f"could not be read as {what}: "
                                                           f"{type(e).__name__}: {e}{cause}")], header) from e
     bad = set(non_utf8) | {r for r, _ in malformed}

@@ -1,10 +1,10 @@
 """PPO-ptx (InstructGPT): a language-modelling loss on unsupervised text added to the actor's PPO loss.
 
 Data (`--unsupervised_dataset_name`): a local `.txt` file (one document per line, blank lines skipped), a
-`.jsonl`/`.json`/`.parquet`/`.csv` file with a text column (`--unsup_text_column`, default `text`), or a hub dataset
-name (its `train` split; never tried with HF_HUB_OFFLINE). Each document is tokenized with the actor's tokenizer
-(its default special tokens) and cut to its first `max_prompt_seq_len + max_answer_seq_len` tokens (truncations are
-counted in the start-up log); rows that are not text, blank, or shorter than 2 tokens are skipped (counted).
+`.jsonl`/`.json`/`.parquet`/`.csv` file or a `save_to_disk` folder with a text column (`--unsup_text_column`, default
+`text`), or a hub dataset name (its `train` split; with HF_HUB_OFFLINE, from the local datasets cache only). Each
+document is tokenized with the actor's tokenizer (its default special tokens) and cut to its first
+`max_prompt_seq_len + max_answer_seq_len` tokens (truncations are counted in the start-up log); rows that are not text, blank, or shorter than 2 tokens are skipped (counted).
 
 Sampling: a `PromptSampler` over the documents (order from `seed` and the epoch, rank r takes slice r of each global
 batch of `per_device_training_batch_size x world_size` documents, the short last batch dropped) behind a

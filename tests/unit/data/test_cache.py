@@ -4,6 +4,7 @@ import dataclasses
 import json
 import logging
 import os
+import shutil
 
 import pytest
 from transformers import AutoTokenizer
@@ -177,3 +178,18 @@ def test_a_row_hook_without_a_cache_key_turns_the_cache_off(tmp_path, tok):
         return prep
 
     assert load_prompt_data(_data(tmp_path), tok, 200, row_hook=hook).cache.status == "uncacheable"
+
+
+def test_a_save_to_disk_folder_is_keyed_on_its_files(tmp_path, tok):
+    import datasets
+
+    folder = str(tmp_path / "saved")
+    datasets.Dataset.from_dict({"prompt": assets.tiny_prompts(6)}).save_to_disk(folder)
+    data = DataConfig(data_path=folder, data_cache_dir=str(tmp_path / "cache"))
+    assert load_prompt_data(data, tok, 200).cache.status == "built"
+    assert load_prompt_data(data, tok, 200).cache.status == "read"
+    datasets.Dataset.from_dict({"prompt": assets.tiny_prompts(5)}).save_to_disk(str(tmp_path / "other"))
+    shutil.rmtree(folder)
+    shutil.move(str(tmp_path / "other"), folder)  # same path, other rows
+    again = load_prompt_data(data, tok, 200)
+    assert again.cache.status == "built" and len(again.train) == 5

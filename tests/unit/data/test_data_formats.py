@@ -1,7 +1,10 @@
 """Prompt data sources and policies: formats, columns, templates, chat templates (no double BOS), blends, splits,
 long-prompt and bad-row policies, and their config fields."""
 import csv
+import glob
 import json
+import os
+import shutil
 
 import pytest
 import torch
@@ -80,23 +83,59 @@ def test_unknown_extension_and_hub_names(tmp_path, tok, monkeypatch):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     with pytest.raises(ConfigError) as e:
         load_prompt_dataset("someorg/some_prompts", tok, 10)
-    assert "HF_HUB_OFFLINE" in str(e.value) and "does not exist" in str(e.value)
-    # not offline: a name that is no local path goes to datasets.load_dataset(name, split="train")
-    import datasets
-
-    calls = []
-
-    def fake_load(name, *args, **kw):
-        calls.append((name, args, kw))
-        return datasets.Dataset.from_dict({"prompt": ["a b", "c d"]})
-
-    monkeypatch.delenv("HF_HUB_OFFLINE")
-    monkeypatch.setattr(datasets, "load_dataset", fake_load)
-    ds = load_prompt_dataset("someorg/some_prompts", tok, 10)
-    assert ds.texts == ["a b", "c d"] and calls == [("someorg/some_prompts", (), {"split": "train"})]
+    assert "not in the Hugging Face datasets cache" in str(e.value) and "HF_HUB_OFFLINE" in str(e.value)
     with pytest.raises(ConfigError, match="does not exist"):  # a missing local file is never tried on the hub
         load_prompt_dataset(str(tmp_path / "missing.jsonl"), tok, 10)
-    assert len(calls) == 1
+
+
+def _cache_hub_dataset(cache: str, repo: str, rows: list) -> None:
+    """Leave `repo` in a datasets cache the way `load_dataset(repo)` with network would (datasets 5 layout:
+    <cache>/<user>___<name>/default/0.0.0/<hash>/{dataset_info.json,<name>-train.arrow}), built by datasets' own
+    json builder from a local file."""
+    from datasets.packaged_modules.json.json import Json
+
+    user, name = repo.split("/")
+    src = os.path.join(os.path.dirname(cache), "src.jsonl")
+    with open(src, "w") as f:
+        f.writelines(json.dumps(r) + "\n" for r in rows)
+    Json(cache_dir=cache, dataset_name=name, config_name="default", hash="0123abcd",
+         data_files={"train": src}).download_and_prepare()
+    built = glob.glob(os.path.join(cache, name, "default*", "0.0.0", "0123abcd"))[0]
+    target = os.path.join(cache, f"{user}___{name}", "default", "0.0.0")
+    os.makedirs(target)
+    shutil.move(built, target)
+
+
+def test_hub_dataset_read_from_the_local_cache_when_offline(tmp_path, tok, monkeypatch):
+    import datasets
+
+    cache = str(tmp_path / "hf_datasets")
+    _cache_hub_dataset(cache, "someorg/cached_prompts", [{"prompt": "first cached prompt"}, {"prompt": "second one"}])
+    monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", cache)
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    ds = load_prompt_dataset("someorg/cached_prompts", tok, 200)
+    assert ds.texts == ["first cached prompt", "second one"]
+    assert ds.input_ids[0] == tok("first cached prompt")["input_ids"]
+    with pytest.raises(ConfigError, match="not in the Hugging Face datasets cache"):  # negative control: not cached
+        load_prompt_dataset("someorg/other_prompts", tok, 200)
+
+
+def test_save_to_disk_folders(tmp_path, tok):
+    import datasets
+
+    rows = {"prompt": ["saved one", "saved two", "saved three"]}
+    datasets.Dataset.from_dict(rows).save_to_disk(str(tmp_path / "ds"))
+    datasets.DatasetDict({"train": datasets.Dataset.from_dict(rows),
+                          "test": datasets.Dataset.from_dict({"prompt": ["held out"]})}).save_to_disk(
+        str(tmp_path / "dd"))
+    datasets.DatasetDict({"validation": datasets.Dataset.from_dict(rows)}).save_to_disk(str(tmp_path / "no_train"))
+    (tmp_path / "plain").mkdir()
+    assert load_prompt_dataset(str(tmp_path / "ds"), tok, 200).texts == rows["prompt"]
+    assert load_prompt_dataset(str(tmp_path / "dd"), tok, 200).texts == rows["prompt"]  # its train split
+    with pytest.raises(ConfigError, match=r"no 'train' split \(its splits: \['validation'\]\)"):
+        load_prompt_dataset(str(tmp_path / "no_train"), tok, 200)
+    with pytest.raises(ConfigError, match="is a directory but not one written by datasets' save_to_disk"):
+        load_prompt_dataset(str(tmp_path / "plain"), tok, 200)
 
 
 def test_prompt_template(tmp_path, tok):
