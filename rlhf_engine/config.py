@@ -416,6 +416,38 @@ def _validate_dist_timeout(p: Problems, value: Any) -> None:
         p.add("dist_timeout_minutes", value, "must be > 0 (minutes), or None for DEEPSPEED_TIMEOUT / 10")
 
 
+def _resume_field(unit: str, extra_state: str = "") -> Any:
+    state = "weights, optimizers, schedules, data position, random generators" + (f", {extra_state}" if extra_state
+                                                                                  else "")
+    return opt("", "Resume: '' = no; 'auto' = the newest complete checkpoint under <output_dir>/checkpoints (none: "
+               f"start at {unit} 0, so a requeued job can always pass it); or a path: a checkpoint folder "
+               "(iter_NNNNNN, with its COMPLETE marker) or a run folder (its newest complete one). Continues exactly "
+               f"where the checkpoint stopped ({state}).")
+
+
+def _resume_force_field() -> Any:
+    return opt(False, "Resume although world size, models, seed, data or batch arithmetic differ from the "
+               "checkpoint's run (otherwise refused, naming every differing key); not an exact continuation.")
+
+
+def _keep_last_field() -> Any:
+    return opt(2, "Keep the newest K complete checkpoints; older complete ones are deleted after a new one is "
+               "complete (0 = keep all). Incomplete folders are never deleted.")
+
+
+def _validate_checkpointing(p: Problems, cfg: Any) -> None:
+    """resume / overwrite_output_dir / save_interval / keep_last, shared by PPO and the supervised steps."""
+    if not isinstance(cfg.resume, str):
+        p.add("resume", cfg.resume, "must be '' (no), 'auto' or a checkpoint path")
+    elif cfg.resume and cfg.overwrite_output_dir is True:
+        p.add("overwrite_output_dir", True, f"cannot be combined with resume ({cfg.resume!r}): resume continues "
+              "the run in output_dir, overwrite_output_dir starts a new one; drop one of them")
+    for n in ("save_interval", "keep_last"):
+        v = getattr(cfg, n)
+        if not isinstance(v, int) or isinstance(v, bool) or v < 0:
+            p.add(n, v, "must be a whole number >= 0")
+
+
 def _dist_timeout_field() -> Any:
     return opt(None, "Timeout of every collective operation (and of the start-up rendezvous), in minutes: a "
                "rank that stalls or dies ends the job after this long instead of hanging. None = the "
@@ -462,18 +494,11 @@ class TrainConfig:
     overwrite_output_dir: bool = opt(False, "Start a new run in an output_dir that holds another run: its files "
                                      "are kept, moved aside as <name>.<timestamp>.bak (nothing is deleted or "
                                      "overwritten).")
-    resume: str = opt("", "Resume: '' = no; 'auto' = the newest complete checkpoint under <output_dir>/checkpoints "
-                      "(none: start at iteration 0, so a requeued job can always pass it); or a path: a checkpoint "
-                      "folder (iter_NNNNNN, with its COMPLETE marker) or a run folder (its newest complete one). "
-                      "Continues exactly where the checkpoint stopped (weights, optimizers, schedules, data "
-                      "position, random generators, KL controller).")
-    resume_force: bool = opt(False, "Resume although world size, models, seed, data or batch arithmetic differ from "
-                             "the checkpoint's run (otherwise refused, naming every differing key); not an exact "
-                             "continuation.")
+    resume: str = _resume_field("iteration", "KL controller")
+    resume_force: bool = _resume_force_field()
     save_interval: int = opt(0, "Save a checkpoint every N iterations to <output_dir>/checkpoints/iter_NNNNNN "
                              "(0 = only at the end; the end is always saved).")
-    keep_last: int = opt(2, "Keep the newest K complete checkpoints; older complete ones are deleted after a new "
-                         "one is complete (0 = keep all). Incomplete folders are never deleted.")
+    keep_last: int = _keep_last_field()
     export_final: bool = opt(True, "At the end, export the actor and critic (and the EMA) as Hugging Face folders "
                              "(ZeRO-3 consolidated, LoRA merged, tokenizer saved) to export_dir.")
     export_dir: str = opt("", "Where export_final writes <role>/ folders ('' = <output_dir>/final).")
@@ -515,15 +540,7 @@ class TrainConfig:
         self.batch.validate(p)
         self.data.validate(p)
         self.logging.validate(p)
-        if not isinstance(self.resume, str):
-            p.add("resume", self.resume, "must be '' (no), 'auto' or a checkpoint path")
-        elif self.resume and self.overwrite_output_dir is True:
-            p.add("overwrite_output_dir", True, f"cannot be combined with resume ({self.resume!r}): resume continues "
-                  "the run in output_dir, overwrite_output_dir starts a new one; drop one of them")
-        for n in ("save_interval", "keep_last"):
-            v = getattr(self, n)
-            if not isinstance(v, int) or isinstance(v, bool) or v < 0:
-                p.add(n, v, "must be a whole number >= 0")
+        _validate_checkpointing(p, self)
         _choice(p, "", self, "dtype", DTYPES)
         _validate_dist_timeout(p, self.dist_timeout_minutes)
         _positive(p, "", self, "max_steps")
@@ -644,6 +661,11 @@ class _SupervisedRun:
     seed: int = opt(1234, "Seed: data order (seed + epoch) and any new weights (a new score head).")
     overwrite_output_dir: bool = opt(False, "Start a new run in an output_dir that holds another run: its files "
                                      "are kept, moved aside as <name>.<timestamp>.bak.")
+    save_interval: int = opt(0, "Save a checkpoint every N optimizer steps to <output_dir>/checkpoints/iter_NNNNNN, "
+                             "and one at the end (0 = no checkpoints: the result is the exported model).")
+    keep_last: int = _keep_last_field()
+    resume: str = _resume_field("step")
+    resume_force: bool = _resume_force_field()
     dist_timeout_minutes: Optional[float] = _dist_timeout_field()
 
     def __post_init__(self) -> None:
@@ -669,6 +691,7 @@ class _SupervisedRun:
             p.add("data_path", self.data.data_path, "give a .jsonl/.json/.parquet/.csv file (or a blend)")
         if not isinstance(self.seed, int) or isinstance(self.seed, bool):
             p.add("seed", self.seed, "must be an integer")
+        _validate_checkpointing(p, self)
         _validate_dist_timeout(p, self.dist_timeout_minutes)
 
     def validate(self):

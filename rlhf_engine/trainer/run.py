@@ -20,7 +20,7 @@ from .evaluation import Evaluator
 from .experience import text_reward
 from .ppo_trainer import PPOTrainer, total_iterations, updates_per_iteration
 from .ptx import PtxData, load_ptx_data
-from .state import after_resume_cleanup, resolve_and_check
+from .state import after_resume_cleanup, resolve_and_check, run_fingerprint
 
 log = logging.getLogger("rlhf_engine")
 
@@ -79,7 +79,7 @@ def build_trainer(cfg: TrainConfig, argv: Optional[list] = None) -> PPOTrainer:
                                  cfg.unsup_text_column, verbose=dist.is_main, data_cache_dir=cfg.data.data_cache_dir)
         PtxData(ptx_data, cfg.batch.per_device_training_batch_size, dist.rank, dist.world_size, cfg.seed, 0)  # fits?
     # --resume: find the checkpoint, and refuse one of another run (naming every differing key), before any weight
-    resume_path, fingerprint = resolve_and_check(cfg, dist, len(dataset))
+    resume_path, fingerprint = resolve_and_check(cfg, dist, run_fingerprint(cfg, dist.world_size, len(dataset)))
     prepare_run_dir(cfg, dist, argv)
     after_resume_cleanup(cfg, dist, resume_path)  # rank 0: records logged after the checkpoint are logged again
     barrier()

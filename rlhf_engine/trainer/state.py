@@ -171,6 +171,19 @@ def run_fingerprint(cfg: Any, world_size: int, num_prompts: int) -> dict:
     return fp
 
 
+def supervised_fingerprint(cfg: Any, world_size: int, num_rows: int) -> dict:
+    """`run_fingerprint` of an SFT or reward-model run (one trained model, its flags flat)."""
+    m, t = cfg.model, cfg.train
+    fp = {"world_size": int(world_size), "seed": cfg.seed, "data_path": cfg.data.data_path,
+          "num_rows": int(num_rows), "model_name_or_path": _norm_path(m.model_name_or_path),
+          "zero_stage": m.zero_stage or 0, "dtype": m.dtype, "lora_dim": m.lora_dim,
+          "trainable_layers": m.trainable_layers, "per_device_training_batch_size": t.per_device_training_batch_size,
+          "gradient_accumulation_steps": t.gradient_accumulation_steps}
+    if m.lr_scheduler_type in ("linear", "cosine"):  # the decaying schedule spans every step of the run
+        fp.update(num_train_epochs=t.num_train_epochs, max_steps=t.max_steps)
+    return fp
+
+
 def _norm_path(path: str) -> str:
     """Local folders compare by absolute path (a relative path from another working directory is the same model);
     hub ids as given."""
@@ -181,16 +194,21 @@ def _norm_path(path: str) -> str:
 
 # ---- checkpoints -------------------------------------------------------------------------------------------------
 class Checkpointer:
-    """Checkpoints, resume and the final export of one PPO trainer.
+    """Checkpoints, resume and the final export of one trainer (PPO; the SFT / reward-model loop uses save and load).
 
     * `after_iteration()`: a checkpoint every `save_interval` iterations (0 = none between);
     * `finish()`: the checkpoint at the end (unless this iteration was just saved) and the export;
-    * `save()`: DeepSpeed engines + per-rank state, barrier, marker (rank 0), rotation (keep_last);
+    * `save()`: engines + per-rank state, barrier, marker (rank 0), rotation (keep_last);
     * `load(path)`: the reverse, into a freshly built trainer of the same run.
+
+    The trainer provides `cfg` (output_dir, save_interval, keep_last, seed), `iteration` and `state_providers`; the
+    engine (default `trainer.engine`: an RLHFEngine) has `dist`, `save(path) -> roles` and `load(path)` (collective).
     """
 
-    def __init__(self, trainer: Any, fingerprint: Optional[dict] = None):
+    def __init__(self, trainer: Any, fingerprint: Optional[dict] = None, fault_hooks: bool = True,
+                 engine: Any = None):
         self.trainer = trainer
+        self.engine = engine if engine is not None else trainer.engine
         cfg = trainer.cfg
         self.root = ckpt.checkpoints_root(cfg.output_dir)
         self.save_interval = int(getattr(cfg, "save_interval", 0) or 0)
@@ -198,11 +216,12 @@ class Checkpointer:
         self.fingerprint = fingerprint
         self.last_saved: Optional[int] = None  # iteration of the newest checkpoint this trainer saved or loaded
         self.resumed_from: Optional[str] = None
-        faults.install(trainer)  # TEST HOOK: RLHF_ENGINE_TEST_KILL / _STALL (rlhf_engine/faults.py); no-op unset
+        if fault_hooks:  # TEST HOOK: RLHF_ENGINE_TEST_KILL / _STALL (rlhf_engine/faults.py); no-op unset; PPO phases
+            faults.install(trainer)
 
     @property
     def dist(self):
-        return self.trainer.engine.dist
+        return self.engine.dist
 
     # ---- when ----------------------------------------------------------------------------------------------------
     def after_iteration(self) -> Optional[str]:
@@ -231,7 +250,7 @@ class Checkpointer:
         if dist.is_main:
             ckpt.prepare_tag_dir(self.root, tag)
         barrier()
-        roles = trainer.engine.save(path)  # collective; DeepSpeed writes <path>/<role>/
+        roles = self.engine.save(path)  # collective; DeepSpeed writes <path>/<role>/
         faults.fault_point("checkpoint", it, dist.rank)  # TEST HOOK: a save cut short between files
         # the RNG is captured after the engines were saved: exactly what the next iteration starts from
         state = {"format": STATE_FORMAT, "rank": dist.rank, "world_size": dist.world_size, "iteration": it,
@@ -281,7 +300,7 @@ class Checkpointer:
                                        "checkpoint is corrupt: resume from an earlier one (--resume "
                                        "<output_dir>/checkpoints/iter_NNNNNN) or restore the file")],
                               "cannot resume") from e
-        trainer.engine.load(path)
+        self.engine.load(path)
         providers = providers_of(trainer)
         missing = [n for n in providers if n not in saved]
         if missing and not force:
@@ -312,7 +331,7 @@ class Checkpointer:
     def export(self, out_dir: str) -> list[str]:
         """The final actor and critic (and EMA) as Hugging Face folders `<out_dir>/<role>` (ZeRO-3 consolidated, LoRA
         merged by the engine's export, tokenizer saved). Collective."""
-        engine = self.trainer.engine
+        engine = self.engine
         roles = [r for r in ("actor", "critic", "ema") if r in engine.engines]
         for role in roles:
             engine.export(role, os.path.join(out_dir, role))
@@ -322,11 +341,11 @@ class Checkpointer:
 
 
 # ---- resume at build time ----------------------------------------------------------------------------------------
-def resolve_and_check(cfg: Any, dist: Any, num_prompts: int) -> tuple[Optional[str], dict]:
+def resolve_and_check(cfg: Any, dist: Any, fingerprint: dict) -> tuple[Optional[str], dict]:
     """Before any weight is loaded: find the checkpoint `cfg.resume` names (rank 0 decides, every rank follows) and
-    compare its run fingerprint with this run's (a `ConfigError` naming every differing key unless
-    `cfg.resume_force`). Returns (checkpoint path or None, this run's fingerprint)."""
-    fingerprint = run_fingerprint(cfg, dist.world_size, num_prompts)
+    compare its run fingerprint with this run's, `fingerprint` (`run_fingerprint` / `supervised_fingerprint`; a
+    `ConfigError` naming every differing key unless `cfg.resume_force`). Returns (checkpoint path or None,
+    `fingerprint`)."""
     path, why = ckpt.resolve_resume(cfg.resume, cfg.output_dir) if cfg.resume else (None, "")
     if torch.distributed.is_initialized() and dist.world_size > 1:
         box = [path]

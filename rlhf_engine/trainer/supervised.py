@@ -6,12 +6,17 @@ tokenized as PPO tokenizes prompts) -> sampler (batch arithmetic) -> output-dir 
 `build_role_engine` -> `RunLogger`. Every cheap check runs before any weight is read.
 
 Loop (`SupervisedTrainer.train`): epoch e draws `PromptSampler`'s permutation (seed + e; the same on every rank, rank r
-takes its slice of each global mini-batch; the short last global batch is dropped). Per optimizer step, the rank's
+takes its slice of each global mini-batch; the short last global batch is dropped), read through a `DataCursor`. Per optimizer step, the rank's
 mini-batch is cut into `per_device_training_batch_size` micro-batches; the loss of each is its sum over this rank's
 tokens (SFT) or pairs (reward model) divided by the GLOBAL count of the mini-batch (one all-reduce), and
 `backward_global` undoes DeepSpeed's rank and accumulation averaging, exactly as in PPO. One metrics record per
 optimizer step (`iteration` = its 0-based index); the last step of each epoch also carries the held-out evaluation
 (when `eval_split` > 0). At the end the model is exported to `<output_dir>/model` in Hugging Face format.
+
+Checkpoints (`save_interval` N > 0): every N optimizer steps and at the end, with PPO's `Checkpointer` (folder layout,
+COMPLETE marker, keep_last, per-rank state: step counter, data position, random generators); the DeepSpeed engine
+(module, optimizer, LR schedule) goes to `<checkpoint>/model/`. `--resume` continues exactly where one stopped, and
+refuses a checkpoint of another run (`state.supervised_fingerprint`), as PPO does.
 """
 from __future__ import annotations
 
@@ -32,9 +37,30 @@ from ..engine.role_engine import backward_global, build_role_engine, export_engi
 from ..outputs.run_logger import RunLogger
 from .metric_sums import MetricSums
 from .run import prepare_run_dir, setup_logging
+from .state import (Checkpointer, DataCursor, after_resume_cleanup, resolve_and_check,
+                    supervised_fingerprint)
 
 log = logging.getLogger(__name__)
 MODEL_DIR = "model"  # <output_dir>/model: the exported Hugging Face folder
+CHECKPOINT_TAG = "model"  # <checkpoint>/model/: the DeepSpeed engine's part of a checkpoint
+
+
+class OneEngine:
+    """The one DeepSpeed engine of a supervised run, as `state.Checkpointer` sees an engine."""
+
+    def __init__(self, ds: Any, dist: Any):
+        self.ds, self.dist = ds, dist
+
+    def save(self, path: str) -> list:
+        self.ds.save_checkpoint(path, tag=CHECKPOINT_TAG, save_latest=False)
+        return [CHECKPOINT_TAG]
+
+    def load(self, path: str) -> list:
+        loaded, _ = self.ds.load_checkpoint(path, tag=CHECKPOINT_TAG, load_optimizer_states=True,
+                                            load_lr_scheduler_states=True)
+        if loaded is None:
+            raise FileNotFoundError(f"no model checkpoint in {path} (expected {path}/{CHECKPOINT_TAG}/)")
+        return [CHECKPOINT_TAG]
 
 
 class SupervisedTrainer:
@@ -53,7 +79,10 @@ class SupervisedTrainer:
         self.data, self.sampler, self.logger, self.total_steps = data, sampler, logger, total_steps
         self.pad_token_id, self.eos_token_id = int(tokenizer.pad_token_id), int(tokenizer.eos_token_id)
         self.records: list[dict] = []
-        self.step_index = 0
+        self.iteration = 0  # optimizer steps taken (the metrics' "iteration")
+        self.cursor = DataCursor(sampler) if sampler is not None else None  # None: a scorer only, no training
+        self.state_providers = {"data": self.cursor} if self.cursor is not None else {}
+        self.checkpointer = Checkpointer(self, fault_hooks=False, engine=OneEngine(engine, dist))
 
     # ---- what a subclass defines ---------------------------------------------------------------------------
     @classmethod
@@ -82,10 +111,9 @@ class SupervisedTrainer:
     def device(self) -> torch.device:
         return self.dist.device
 
-    def train_step(self, epoch: int, k: int) -> dict:
+    def train_step(self, epoch: int, idx: list[int]) -> dict:
         t0 = time.perf_counter()
         bs = self.cfg.train.per_device_training_batch_size
-        idx = self.sampler.indices(epoch, k)
         micros = [self.collate(self.data.train, idx[i:i + bs]) for i in range(0, len(idx), bs)]
         local = torch.stack([torch.as_tensor(self.count(m), dtype=torch.float64) for m in micros]).sum()
         denom = all_reduce(local.to(self.device)).float()
@@ -97,7 +125,7 @@ class SupervisedTrainer:
             self.engine.step()
             for key, v in s.items():
                 sums.add(key, v)
-        rec = {"iteration": self.step_index, "epoch": epoch, **self.train_record(sums.reduce()),
+        rec = {"iteration": self.iteration, "epoch": epoch, **self.train_record(sums.reduce()),
                f"{self.name}/lr": float(self.engine.get_lr()[0]),
                "system/optimizer_steps": int(self.engine.global_steps), "time/step": time.perf_counter() - t0}
         return rec
@@ -122,23 +150,25 @@ class SupervisedTrainer:
         return self.eval_record(sums.reduce())
 
     def train(self) -> list[dict]:
-        t, is_main = self.cfg.train, self.dist.is_main
-        per_epoch = self.sampler.batches_per_epoch
-        for epoch in range(t.num_train_epochs):
-            for k in range(per_epoch):
-                if self.step_index >= self.total_steps:
-                    break
-                rec = self.train_step(epoch, k)
-                self.step_index += 1
-                if k == per_epoch - 1 or self.step_index >= self.total_steps:  # end of an epoch (or of the run)
-                    rec.update(self.evaluate())
-                self.logger.log(rec)
-                self.records.append(rec)
-                if is_main:
-                    log.info("step %d/%d (epoch %d) %s", self.step_index, self.total_steps, epoch,
-                             "  ".join(f"{key} {v:.4g}" for key, v in rec.items()
-                                       if key.startswith(self.name + "/") and not key.endswith("/lr")
-                                       and isinstance(v, float)))
+        """Steps from `iteration` (0, or where a resumed checkpoint stopped) to `total_steps`, then the export."""
+        per_epoch, is_main = self.sampler.batches_per_epoch, self.dist.is_main
+        ckpt = self.checkpointer
+        while self.iteration < self.total_steps:
+            epoch, k, idx = next(self.cursor)
+            rec = self.train_step(epoch, idx)
+            self.iteration += 1
+            if k == per_epoch - 1 or self.iteration >= self.total_steps:  # end of an epoch (or of the run)
+                rec.update(self.evaluate())
+            self.logger.log(rec)
+            self.records.append(rec)
+            if is_main:
+                log.info("step %d/%d (epoch %d) %s", self.iteration, self.total_steps, epoch,
+                         "  ".join(f"{key} {v:.4g}" for key, v in rec.items()
+                                   if key.startswith(self.name + "/") and not key.endswith("/lr")
+                                   and isinstance(v, float)))
+            ckpt.after_iteration()
+        if ckpt.save_interval and ckpt.last_saved != self.iteration:
+            ckpt.save()
         self.export()
         return self.records
 
@@ -166,7 +196,12 @@ def build_supervised(cfg: Any, trainer_cls: type, argv: Optional[list] = None) -
     total = per_epoch * t.num_train_epochs
     if t.max_steps:
         total = min(total, t.max_steps)
+    # --resume: the checkpoint found and checked against this run before the run folder changes or a weight loads
+    resume_path, fingerprint = resolve_and_check(cfg, dist, supervised_fingerprint(cfg, dist.world_size,
+                                                                                   len(data.train)))
     prepare_run_dir(cfg, dist, argv)
+    after_resume_cleanup(cfg, dist, resume_path)  # records logged after the checkpoint are logged again
+    barrier()
     if dist.is_main:
         n_eval = 0 if data.eval is None else len(data.eval)
         log.info("%s: %d train / %d eval rows; mini-batch %d/rank (%d x %d accumulation) x %d ranks -> %d optimizer "
@@ -186,7 +221,13 @@ def build_supervised(cfg: Any, trainer_cls: type, argv: Optional[list] = None) -
                        wandb_sample_interval=lg.wandb_sample_interval, tensorboard=lg.tensorboard,
                        total_iterations=total, plot_keys=trainer_cls.plot_keys, bar_desc=trainer_cls.name.upper(),
                        bar_keys=trainer_cls.bar_keys)
-    return trainer_cls(cfg, dist, engine, plan, tokenizer, data, sampler, logger, total)
+    trainer = trainer_cls(cfg, dist, engine, plan, tokenizer, data, sampler, logger, total)
+    trainer.checkpointer.fingerprint = fingerprint
+    if resume_path:  # last: the random generators are restored right before training continues
+        trainer.checkpointer.load(resume_path, force=cfg.resume_force)
+        if dist.is_main:
+            log.info("resumed from %s at step %d of %d", resume_path, trainer.iteration, total)
+    return trainer
 
 
 def run_supervised(cfg: Any, trainer_cls: type, argv: Optional[list] = None) -> SupervisedTrainer:

@@ -3,6 +3,9 @@
     deepspeed --num_gpus 2 entry_points.py --spec spec.json      spec: {"runs": [["train_sft.py", [argv...]], ...]}
 
 Each entry point's `main(argv)` is called exactly as its `__main__` block calls it; a non-zero exit code stops here.
+A run may carry a third element, options: {"skip_on_resume": [provider names]} (the TEST HOOK
+`trainer.state.SKIP_ON_RESUME`, for that run only: a negative control of resume), {"expect_exit": N} (the run must
+exit with N, e.g. 2 for a refused resume; the next run follows).
 """
 import argparse
 import importlib.util
@@ -27,11 +30,18 @@ def main():
     args = parser.parse_args()
     with open(args.spec) as f:
         runs = json.load(f)["runs"]
-    for name, argv in runs:
+    from rlhf_engine.trainer import state
+
+    for run in runs:
+        name, argv, opts = run[0], run[1], (run[2] if len(run) > 2 else {})
+        state.SKIP_ON_RESUME.clear()
+        state.SKIP_ON_RESUME.update(opts.get("skip_on_resume", []))
         code = entry(name)(argv)
-        if code:
-            print(f"{name} exited with {code}", file=sys.stderr)
-            return code
+        state.SKIP_ON_RESUME.clear()
+        expected = opts.get("expect_exit", 0)
+        if code != expected:
+            print(f"{name} exited with {code}, expected {expected}", file=sys.stderr)
+            return code or 1
     return 0
 
 
