@@ -14,7 +14,10 @@ Conventions
   exactly 0 at padding.
 * Bad input (shape/dtype mismatch, non-0/1 masks, masks that are not right-padded where that matters, out-of-range
   hyperparameters, unknown estimator names) raises ``ValueError`` naming the argument. Data-dependent checks (mask
-  values, label range, finite scores) are batched into one host sync per call.
+  values, label range, finite scores) are batched into one host sync per call. The functions a trainer calls per
+  micro-batch (:func:`logprobs_from_logits`, :func:`policy_loss`, :func:`value_loss`) take ``check=False`` to skip
+  them for tensors already validated (each sync makes the host wait for the device instead of queueing the next
+  kernels); shape, dtype and hyperparameter checks need no sync and always run.
 
 Token-level loss aggregation across micro-batches and ranks
 -----------------------------------------------------------
@@ -96,9 +99,10 @@ def _tensor(name: str, x: object, *, shape: Optional[Sequence[int]] = None,
     return x.float()
 
 
-def _mask(name: str, mask: object, shape: Sequence[int], shape_of: str, checks: List[_Check], *,
+def _mask(name: str, mask: object, shape: Sequence[int], shape_of: str, checks: Optional[List[_Check]], *,
           right_padded: bool = False) -> torch.Tensor:
-    """Check a 0/1 mask of the given shape (value checks are appended to `checks`); return it as a bool tensor."""
+    """Check a 0/1 mask of the given shape (value checks are appended to `checks`; None skips them, and their
+    kernels); return it as a bool tensor."""
     if not isinstance(mask, torch.Tensor):
         raise ValueError(f"{name}: expected a torch.Tensor, got {type(mask).__name__}")
     if mask.is_complex():
@@ -107,10 +111,12 @@ def _mask(name: str, mask: object, shape: Sequence[int], shape_of: str, checks: 
         raise ValueError(f"{name}: expected shape {tuple(shape)} (the shape of {shape_of}), got {_shape(mask)}")
     if mask.dtype != torch.bool:
         raw = mask
-        not01 = (raw != 0) & (raw != 1)
-        checks.append((not01.any(), lambda: f"{name}: expected only 0/1 values, got e.g. {raw[not01][0].item()!r}"))
+        if checks is not None:
+            not01 = (raw != 0) & (raw != 1)
+            checks.append((not01.any(), lambda: f"{name}: expected only 0/1 values, got e.g. "
+                                                f"{raw[not01][0].item()!r}"))
         mask = raw != 0
-    if right_padded and mask.shape[-1] > 1:
+    if checks is not None and right_padded and mask.shape[-1] > 1:
         gaps = mask[..., 1:] & ~mask[..., :-1]  # a 1 right after a 0
 
         def bad_rows() -> str:
@@ -121,7 +127,7 @@ def _mask(name: str, mask: object, shape: Sequence[int], shape_of: str, checks: 
     return mask
 
 
-def _raise_first(checks: List[_Check]) -> None:
+def _raise_first(checks: Optional[List[_Check]]) -> None:
     """Evaluate the data-dependent checks with a single host sync; raise ValueError for the first failing one."""
     if not checks:
         return
@@ -162,8 +168,9 @@ def _estimator(name: str, estimator: object) -> str:
     return estimator  # type: ignore[return-value]
 
 
-def _num_tokens(num_tokens: object, local: torch.Tensor, checks: List[_Check]) -> torch.Tensor:
-    """The loss denominator as a 0-dim fp32 tensor (>= 1 so an all-empty batch gives loss 0, never NaN)."""
+def _num_tokens(num_tokens: object, local: torch.Tensor, checks: Optional[List[_Check]]) -> torch.Tensor:
+    """The loss denominator as a 0-dim fp32 tensor (>= 1 so an all-empty batch gives loss 0, never NaN); the check
+    `num_tokens >= local` is appended to `checks` (None: not checked)."""
     if num_tokens is None:
         return local.clamp_min(1.0)
     if isinstance(num_tokens, torch.Tensor):
@@ -173,6 +180,8 @@ def _num_tokens(num_tokens: object, local: torch.Tensor, checks: List[_Check]) -
         n = num_tokens.reshape(()).to(device=local.device, dtype=torch.float32)
     else:
         n = torch.tensor(_number("num_tokens", num_tokens, ge=0), dtype=torch.float32, device=local.device)
+    if checks is None:
+        return n.clamp_min(1.0)
     checks.append((local > n, lambda: f"num_tokens: expected the global real-token count, which is >= the local count "
                                       f"{int(local.item())}, got {n.item():g}"))
     return n.clamp_min(1.0)
@@ -311,7 +320,7 @@ def _logits_args(logits: object, temperature: object, chunk_rows: Optional[int])
 
 
 def logprobs_from_logits(logits: torch.Tensor, labels: torch.Tensor, temperature: float = 1.0,
-                         chunk_rows: Optional[int] = None) -> torch.Tensor:
+                         chunk_rows: Optional[int] = None, *, check: bool = True) -> torch.Tensor:
     """Log-probability of each label under softmax(logits / temperature), computed in fp32.
 
     Args:
@@ -320,6 +329,9 @@ def logprobs_from_logits(logits: torch.Tensor, labels: torch.Tensor, temperature
         temperature: > 0; the logits are divided by it (use the sampling temperature).
         chunk_rows: rows of the flattened ``[N, V]`` logits processed at once; default
             ``max(1, LOGITS_CHUNK_NUMEL // V)`` so one fp32 chunk stays bounded.
+        check: check that every label is in ``[0, V)`` (one host sync). False skips it, for labels already checked
+            (the PPO training forward: the same response ids the experience forward checked in this iteration).
+            An id out of range then fails inside ``gather`` (an index error on CPU, a device-side assert on CUDA).
 
     Returns:
         ``[...]`` fp32, ``logits[label]/T - logsumexp(logits/T)``. Differentiable w.r.t. ``logits`` with a chunked
@@ -337,9 +349,10 @@ def logprobs_from_logits(logits: torch.Tensor, labels: torch.Tensor, temperature
     flat = labels.reshape(-1).long()
     if flat.numel() == 0:
         return torch.zeros(labels.shape, dtype=torch.float32, device=logits.device) + 0.0 * logits.sum()
-    out_of_range = (flat < 0) | (flat >= vocab)
-    _raise_first([(out_of_range.any(), lambda: f"labels: expected ids in [0, {vocab}), got e.g. "
-                                               f"{flat[out_of_range][0].item()}")])
+    if check:
+        out_of_range = (flat < 0) | (flat >= vocab)
+        _raise_first([(out_of_range.any(), lambda: f"labels: expected ids in [0, {vocab}), got e.g. "
+                                                   f"{flat[out_of_range][0].item()}")])
     if torch.is_grad_enabled() and logits.requires_grad:
         out = _LogProbsFn.apply(logits, flat, t, chunk_rows)
     else:
@@ -609,7 +622,7 @@ def compute_gae(rewards: torch.Tensor, values: torch.Tensor, action_mask: torch.
 
 def policy_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: torch.Tensor,
                 action_mask: torch.Tensor, clip_eps: float, dual_clip: Optional[float] = None,
-                num_tokens: Optional[Union[int, float, torch.Tensor]] = None
+                num_tokens: Optional[Union[int, float, torch.Tensor]] = None, *, check: bool = True
                 ) -> Tuple[torch.Tensor, Dict[str, torch.Tensor]]:
     """PPO clipped surrogate loss (optionally dual-clipped), token-level aggregation.
 
@@ -627,6 +640,11 @@ def policy_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: 
         dual_clip: None or a constant > 1.
         num_tokens: global real-token count of the mini-batch (int or 1-element tensor, e.g. all-reduced);
             None uses ``action_mask.sum()``.
+        check: run the data-dependent checks (``action_mask`` holds only 0/1, ``num_tokens`` >= the local token
+            count), one host sync per call. False skips them (shape, dtype and hyperparameter checks still run): for
+            micro-batches sliced from a batch validated once, like the PPO trainer's (its mask was checked by
+            ``compute_rewards``/``compute_gae`` in this iteration; its ``num_tokens`` is an all-reduced sum that
+            includes this micro-batch's tokens).
 
     Returns:
         ``(loss [], stats)``; stats are detached 0-dim fp32 tensors: ``approx_kl`` (masked mean of
@@ -639,7 +657,7 @@ def policy_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: 
     adv = _tensor("advantages", advantages, shape=lp.shape, shape_of="logprobs").detach()
     eps = _number("clip_eps", clip_eps, ge=0.0)
     c = None if dual_clip is None else _number("dual_clip", dual_clip, gt=1.0)
-    checks: List[_Check] = []
+    checks: Optional[List[_Check]] = [] if check else None
     m = _mask("action_mask", action_mask, lp.shape, "logprobs", checks)
     tokens = m.sum().float()
     denom = _num_tokens(num_tokens, tokens, checks)
@@ -678,8 +696,8 @@ def policy_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: 
 
 
 def value_loss(values: torch.Tensor, old_values: torch.Tensor, returns: torch.Tensor, action_mask: torch.Tensor,
-               clip_range: float, num_tokens: Optional[Union[int, float, torch.Tensor]] = None
-               ) -> Tuple[torch.Tensor, Dict[str, torch.Tensor]]:
+               clip_range: float, num_tokens: Optional[Union[int, float, torch.Tensor]] = None, *,
+               check: bool = True) -> Tuple[torch.Tensor, Dict[str, torch.Tensor]]:
     """Clipped critic loss, token-level aggregation like :func:`policy_loss`.
 
     ``v_clipped = old + clamp(values - old, -clip_range, clip_range)``; per token
@@ -692,6 +710,7 @@ def value_loss(values: torch.Tensor, old_values: torch.Tensor, returns: torch.Te
         action_mask: ``[B, R]`` 0/1.
         clip_range: >= 0 (``float('inf')`` disables clipping).
         num_tokens: as in :func:`policy_loss`.
+        check: as in :func:`policy_loss`.
 
     Returns:
         ``(loss [], stats)``: ``clipfrac`` (share of real tokens where the clipped term is strictly larger) and
@@ -701,7 +720,7 @@ def value_loss(values: torch.Tensor, old_values: torch.Tensor, returns: torch.Te
     old = _tensor("old_values", old_values, shape=v.shape, shape_of="values").detach()
     ret = _tensor("returns", returns, shape=v.shape, shape_of="values").detach()
     clip = _number("clip_range", clip_range, ge=0.0)
-    checks: List[_Check] = []
+    checks: Optional[List[_Check]] = [] if check else None
     m = _mask("action_mask", action_mask, v.shape, "values", checks)
     tokens = m.sum().float()
     denom = _num_tokens(num_tokens, tokens, checks)

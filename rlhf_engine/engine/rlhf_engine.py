@@ -247,7 +247,7 @@ class RLHFEngine:
     def _inputs(self, r: Rollout) -> dict:
         return rollout_inputs(r, self.use_position_ids)
 
-    def _lm_forward(self, engine, r: Rollout, with_entropy: bool):
+    def _lm_forward(self, engine, r: Rollout, with_entropy: bool, check: bool = True):
         R = r.response_width
         if _accepts_logits_to_keep(engine.module):
             # only the last R+1 positions go through the LM head (prompt logits are never used); their first R are
@@ -256,7 +256,7 @@ class RLHFEngine:
         else:
             logits = r.action_slice(engine(**self._inputs(r), use_cache=False).logits)
         # logits [B, R, V]: the logits that predict each response token
-        logprobs = logprobs_from_logits(logits, r.responses, temperature=self.temperature) * r.action_mask
+        logprobs = logprobs_from_logits(logits, r.responses, temperature=self.temperature, check=check) * r.action_mask
         entropy = None
         if with_entropy:
             entropy = entropy_from_logits(logits, temperature=self.temperature) * r.action_mask
@@ -305,10 +305,11 @@ class RLHFEngine:
             "reward", rollout, lambda e, mb: sequence_scores(e, mb, self.use_position_ids)))
 
     # ---- training ------------------------------------------------------------------------------------------
-    def actor_forward(self, rollout: Rollout, with_entropy: bool = False):
-        """Training forward (with grad): ([B, R] log-probs, [B, R] entropy or None)."""
+    def actor_forward(self, rollout: Rollout, with_entropy: bool = False, check: bool = True):
+        """Training forward (with grad): ([B, R] log-probs, [B, R] entropy or None). check=False skips the label-range
+        check of the response ids (a host sync), for micro-batches of an experience whose ids were checked."""
         self.actor.train()
-        return self._lm_forward(self.actor, rollout, with_entropy)
+        return self._lm_forward(self.actor, rollout, with_entropy, check)
 
     def critic_forward(self, rollout: Rollout) -> torch.Tensor:
         """Training forward (with grad): [B, R] values."""

@@ -186,7 +186,8 @@ class StepGuard:
         all_reduce(table)
         for flag in list(self._loss_bad.values()) + list(self._grad_bad.values()):
             flag.zero_()
-        bad = {n: [r for r in range(dist.world_size) if table[r, j] > 0] for j, n in enumerate(names)}
+        rows = table.tolist()  # the boundary's one host sync (indexing the tensor would sync per rank and flag)
+        bad = {n: [r for r in range(dist.world_size) if rows[r][j] > 0] for j, n in enumerate(names)}
         at = f" ({where})" if where else ""
         for n in LOSSES:
             if bad[n]:
@@ -241,18 +242,18 @@ class StepGuard:
         names = list(errors) + list(tensors)
         # 2 = a non-finite value reported as an exception (NonFiniteError), 1 = another exception
         flags = [0.0 if errors[n] is None else 2.0 if isinstance(errors[n], NonFiniteError) else 1.0 for n in errors]
-        details = {}
+        bad = {}
         for n, (x, mask) in tensors.items():
-            bad = ~torch.isfinite(x.detach())
+            bad[n] = ~torch.isfinite(x.detach())
             if mask is not None:
-                bad = bad & mask.bool()
-            flags.append(float(bad.any()))
-            if flags[-1]:
-                details[n] = f"at {min(int(bad.sum()), 10**9)} position(s), first {torch.nonzero(bad)[0].tolist()}"
+                bad[n] = bad[n] & mask.bool()
         table = torch.zeros((dist.world_size, len(names)), dtype=torch.float32, device=device)
-        table[dist.rank] = torch.tensor(flags, dtype=torch.float32, device=device)
+        # the tensors' flags stay on the device until the collective: one host sync in all (rows below)
+        table[dist.rank] = torch.cat([torch.tensor(flags, dtype=torch.float32, device=device)]
+                                     + [b.any().float().reshape(1) for b in bad.values()])
         all_reduce(table)
-        failed = {n: [r for r in range(dist.world_size) if table[r, j] > 0] for j, n in enumerate(names)}
+        rows = table.tolist()
+        failed = {n: [r for r in range(dist.world_size) if rows[r][j] > 0] for j, n in enumerate(names)}
         prefix = f"rank {dist.rank}, iteration {iteration}: "
         for n in errors:
             e = errors[n]
@@ -264,11 +265,13 @@ class StepGuard:
                 raise err from e
         for n in tensors:
             if dist.rank in failed[n]:
-                raise NonFiniteError(f"{prefix}non-finite {n} on {_ranks(failed[n])} ({details[n]} on this rank); "
+                b = bad[n]  # the details cost host syncs, paid only on the way out
+                detail = f"at {min(int(b.sum()), 10**9)} position(s), first {torch.nonzero(b)[0].tolist()}"
+                raise NonFiniteError(f"{prefix}non-finite {n} on {_ranks(failed[n])} ({detail} on this rank); "
                                      "every rank stops")
         for j, n in enumerate(names):
             if failed[n]:
-                non_finite = n in tensors or bool((table[:, j] == 2).any())
+                non_finite = n in tensors or any(row[j] == 2 for row in rows)
                 what = f"non-finite {n}" if non_finite else f"{n} failed"
                 raise (NonFiniteError if non_finite else TrainingStopped)(
                     f"{prefix}stopping: {what} on {_ranks(failed[n])} (see that rank's error); every rank stops")

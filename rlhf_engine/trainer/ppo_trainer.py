@@ -203,12 +203,15 @@ class PPOTrainer:
                 max_abs_log_ratio = torch.zeros((), dtype=torch.float64, device=engine.device)
                 for k, micro in enumerate(micros):
                     r = micro.rollout
+                    # check=False: no host sync per micro-batch. Its tensors are slices of `exp`, whose response ids
+                    # (experience forward) and masks (compute_rewards / compute_gae) were checked in this iteration;
+                    # global_tokens is an all-reduced sum that includes its tokens. (ptx batches keep their checks.)
                     if train_actor:
-                        logprobs, entropy = engine.actor_forward(r, with_entropy=with_entropy)
+                        logprobs, entropy = engine.actor_forward(r, with_entropy=with_entropy, check=False)
                         loss, ps = policy_loss(logprobs=logprobs, old_logprobs=micro.old_logprobs,
                                                advantages=micro.advantages, action_mask=r.action_mask,
                                                clip_eps=ppo.clip_eps, dual_clip=ppo.dual_clip,
-                                               num_tokens=global_tokens)
+                                               num_tokens=global_tokens, check=False)
                         if with_entropy:
                             loss = loss - ppo.entropy_coef * (entropy * r.action_mask).sum() / global_tokens
                         if inject_loss["actor"]:
@@ -227,7 +230,7 @@ class PPOTrainer:
                     values = engine.critic_forward(r)
                     vloss, vs = value_loss(values=values, old_values=micro.values, returns=micro.returns,
                                            action_mask=r.action_mask, clip_range=ppo.value_clip,
-                                           num_tokens=global_tokens)
+                                           num_tokens=global_tokens, check=False)
                     if inject_loss["critic"]:
                         vloss = vloss * float("nan")
                     self.guard.watch("value loss", vloss)

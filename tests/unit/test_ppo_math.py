@@ -604,3 +604,87 @@ class TestBadInput:
             compute_gae(self.z, self.z, self.m, gamma=1.5, lam=0.95)
         with pytest.raises(ValueError, match="num_tokens"):
             policy_loss(self.z, self.z, self.z, self.m, clip_eps=0.2, num_tokens=4)  # local count is 6
+
+
+class TestCheckKeyword:
+    """check=False (the trainer's micro-batches) skips the data-dependent checks and their host sync, nothing else."""
+
+    z = torch.zeros(1, 3)
+    half = torch.tensor([[1.0, 0.5, 0.0]])  # not a 0/1 mask
+
+    def test_bad_mask_and_num_tokens_raise_by_default_and_pass_with_check_false(self):
+        with pytest.raises(ValueError, match="action_mask.*0/1.*0.5"):
+            policy_loss(self.z, self.z, torch.ones(1, 3), self.half, clip_eps=0.2)
+        # negative control of the keyword: the same input is NOT detected; 0.5 then counts as a real token (!= 0):
+        # ratio 1, A = 1 -> per token -1 on t0, t1 -> loss -2 / 2 = -1
+        loss, stats = policy_loss(self.z, self.z, torch.ones(1, 3), self.half, clip_eps=0.2, check=False)
+        close(loss, -1.0)
+        close(stats["tokens"], 2.0)
+        # num_tokens below the local count (2): raises by default; unchecked it is the divisor: -2 / 1
+        m = torch.tensor([[1, 1, 0]])
+        with pytest.raises(ValueError, match="num_tokens.*local count 2"):
+            policy_loss(self.z, self.z, torch.ones(1, 3), m, clip_eps=0.2, num_tokens=1)
+        loss, _ = policy_loss(self.z, self.z, torch.ones(1, 3), m, clip_eps=0.2, num_tokens=1, check=False)
+        close(loss, -2.0)
+        # value loss: values 1, returns 0 -> 0.5 * 1 per real token; the mask value 2 counts as real when unchecked
+        two = torch.tensor([[1, 2, 0]])
+        with pytest.raises(ValueError, match="action_mask.*0/1.*2"):
+            value_loss(torch.ones(1, 3), torch.ones(1, 3), self.z, two, clip_range=0.2)
+        vloss, vs = value_loss(torch.ones(1, 3), torch.ones(1, 3), self.z, two, clip_range=0.2, check=False)
+        close(vloss, 0.5)  # 0.5 * (1 + 1) / 2
+        close(vs["tokens"], 2.0)
+
+    def test_label_range_check_and_what_skipping_it_means(self):
+        logits, labels = torch.zeros(2, 5), torch.tensor([0, 5])
+        with pytest.raises(ValueError, match=r"labels.*\[0, 5\).*5"):
+            logprobs_from_logits(logits, labels)
+        # unchecked, an out-of-range id is left to gather (on CPU an index error; on CUDA a device-side assert)
+        with pytest.raises(RuntimeError, match="out of bounds"):
+            logprobs_from_logits(logits, labels, check=False)
+        # in range, the result is the same number: uniform over 5 -> ln(1/5) = -1.609438
+        close(logprobs_from_logits(logits, torch.tensor([0, 4]), check=False), [-1.6094379, -1.6094379])
+
+    def test_shape_dtype_and_hyperparameter_checks_still_run_with_check_false(self):
+        m = torch.ones(1, 3)
+        with pytest.raises(ValueError, match="advantages.*shape"):
+            policy_loss(self.z, self.z, torch.zeros(1, 4), m, clip_eps=0.2, check=False)
+        with pytest.raises(ValueError, match="action_mask.*shape"):
+            policy_loss(self.z, self.z, self.z, torch.ones(2, 3), clip_eps=0.2, check=False)
+        with pytest.raises(ValueError, match="clip_eps"):
+            policy_loss(self.z, self.z, self.z, m, clip_eps=-0.1, check=False)
+        with pytest.raises(ValueError, match="returns.*shape"):
+            value_loss(self.z, self.z, torch.zeros(3), m, clip_range=0.2, check=False)
+        with pytest.raises(ValueError, match="num_tokens.*1-element"):
+            value_loss(self.z, self.z, self.z, m, clip_range=0.2, num_tokens=torch.ones(2), check=False)
+        with pytest.raises(ValueError, match="labels.*shape"):
+            logprobs_from_logits(torch.zeros(2, 3, 5), torch.zeros(2, 4, dtype=torch.long), check=False)
+        with pytest.raises(ValueError, match="labels.*integer"):
+            logprobs_from_logits(torch.zeros(2, 5), torch.zeros(2), check=False)
+
+    def test_training_path_calls_make_no_host_sync_with_check_false(self):
+        from _host_syncs import HostSyncs
+
+        # one training micro-batch: log-probs from logits, policy loss, value loss, one backward
+        torch.manual_seed(0)
+        logits = torch.randn(2, 3, 7, requires_grad=True)
+        labels = torch.randint(0, 7, (2, 3))
+        mask = torch.tensor([[1, 1, 1], [1, 1, 0]])
+        values = torch.randn(2, 3, requires_grad=True)
+        old, adv, n = torch.zeros(2, 3), torch.ones(2, 3), torch.tensor(10.0)  # n: e.g. all-reduced
+
+        def micro_batch(check):
+            lp = logprobs_from_logits(logits, labels, check=check) * mask
+            loss, _ = policy_loss(lp, old, adv, mask, clip_eps=0.2, num_tokens=n, check=check)
+            vloss, _ = value_loss(values, old, adv, mask, clip_range=0.2, num_tokens=n, check=check)
+            (loss + vloss).backward()
+            return loss.detach(), vloss.detach()
+
+        with HostSyncs() as checked:
+            want = micro_batch(check=True)
+        with HostSyncs() as unchecked:
+            got = micro_batch(check=False)
+        # default: one batched sync per call (_raise_first's tolist) -> 3; the counter sees them (negative control)
+        assert checked.at("ppo_math.py") == 3 and checked.sites["ppo_math.py:_raise_first [tolist]"] == 3, \
+            checked.sites
+        assert sum(unchecked.sites.values()) == 0, unchecked.sites
+        torch.testing.assert_close(got, want, atol=0.0, rtol=0.0)  # the same numbers

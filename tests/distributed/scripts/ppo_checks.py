@@ -82,8 +82,7 @@ def run_one(spec: dict) -> dict | None:
         trainer.loss_token_mean = hooks["loss_token_mean"]
     if "left_pad_training" in hooks:  # the actor's TRAINING forward sees k more left padding than its experience
         k, orig_actor_forward = int(hooks["left_pad_training"]), engine.actor_forward
-        engine.actor_forward = lambda r, with_entropy=False: orig_actor_forward(
-            left_padded(r, k, engine.pad_token_id), with_entropy=with_entropy)
+        engine.actor_forward = lambda r, **kw: orig_actor_forward(left_padded(r, k, engine.pad_token_id), **kw)
     if "reward_fn" in hooks:
         kind, lo, hi = hooks["reward_fn"].split(":")
         assert kind == "fraction", kind

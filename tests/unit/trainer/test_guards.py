@@ -146,3 +146,47 @@ def test_injection_spec_and_nan_gradient_term():
     assert term.item() == 0.0
     term.backward()
     assert torch.isnan(x.grad).all()
+
+
+def test_host_syncs_one_per_guard_collective_and_none_from_ppo_math_in_the_training_loop(tiny, dist_single, tmp_path,
+                                                                                          monkeypatch):
+    """Per iteration with FLAGS: 4 rollouts = one mini-batch of 2 micro-batches (one boundary), 1 PPO epoch."""
+    from _host_syncs import HostSyncs
+    from rlhf_engine import ppo_math
+    from rlhf_engine.trainer import ppo_trainer
+    from rlhf_engine.trainer.metric_sums import MetricSums
+
+    trainer = _build(tiny, tmp_path, max_steps=2)
+    trainer.step()  # warm-up: first-call paths (DeepSpeed, caches) are not what this test counts
+
+    def iteration():
+        stats = MetricSums(trainer.engine.device)
+        rollouts = trainer.rollout_phase()
+        with HostSyncs() as exp_syncs:
+            exp = trainer.experience_phase(rollouts, stats)
+        with HostSyncs() as train_syncs:
+            trainer.train_phase(exp, stats)
+        return exp_syncs, train_syncs
+
+    exp_syncs, train_syncs = iteration()
+    # experience: the checks stay on, one sync per call: actor and reference log-probs (one experience micro-batch
+    # each), compute_rewards, compute_gae, masked_whiten = 5; the two guard agreements (scores, advantages) one each
+    assert exp_syncs.at("ppo_math.py") == 5, exp_syncs.sites
+    assert exp_syncs.at("trainer/guards.py") == exp_syncs.sites["trainer/guards.py:agree [tolist]"] == 2, \
+        exp_syncs.sites
+    # training: none from ppo_math (check=False); the boundary's guard table read once; the ratio trace once
+    assert train_syncs.at("ppo_math.py") == 0, train_syncs.sites
+    assert train_syncs.at("trainer/guards.py") == train_syncs.sites["trainer/guards.py:step [tolist]"] == 1, \
+        train_syncs.sites
+    assert train_syncs.at("trainer/ppo_trainer.py") == 1, train_syncs.sites
+
+    # negative control: with the checks forced back on, the counter sees them in the training loop too:
+    # 2 micro-batches x (actor log-probs, policy loss, value loss) = 6
+    monkeypatch.setattr(ppo_trainer, "policy_loss", lambda *a, check=True, **k: ppo_math.policy_loss(*a, **k))
+    monkeypatch.setattr(ppo_trainer, "value_loss", lambda *a, check=True, **k: ppo_math.value_loss(*a, **k))
+    forward = trainer.engine.actor_forward
+    monkeypatch.setattr(trainer.engine, "actor_forward", lambda r, check=True, **k: forward(r, **k))
+    _, train_syncs = iteration()
+    assert train_syncs.at("ppo_math.py") == train_syncs.sites["ppo_math.py:_raise_first [tolist]"] == 6, \
+        train_syncs.sites
+    trainer.metrics.close()
