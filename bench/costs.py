@@ -1,16 +1,22 @@
-"""Avoidable costs: the current code against candidate fixes (patches.py), phase by phase, interleaved in ONE process.
+"""Avoidable costs, phase by phase, interleaved in ONE process: applied fixes as before -> current, candidate fixes as
+current -> candidate (patches.py).
 
-    python bench/costs.py --preset cpu-small --variant base --variant fix:patch=logits_to_keep --reps 8 --out c.json
+    python bench/costs.py --preset cpu-small --variant current --variant full_lm_head:patch=full_lm_head \
+        --variant no_entropy:patch=no_entropy --reps 8 --out c.json
 
-Every variant is a full trainer built the same way (same random weights); `--check-equivalence` first shows each
-variant computes the same numbers. Then `--reps` rounds, each round in a rotated variant order, time:
+The first variant is the current code (no patch). A variant whose patches are 'before' patches (patches.KIND)
+restores the code before a fix the library has applied (the commit that applied it is recorded, patches.applied_in);
+any other variant (candidate patches, config switches) tries a fix the library does not have. Every variant is a full
+trainer built the same way (same random weights); `--check-equivalence` first shows each variant computes the same
+numbers. Then `--reps` rounds, each round in a rotated variant order, time:
 
   generation  engine.generate on the round's prompts, the same sampling seed for every variant
   experience  trainer.experience_phase on ONE rollout shared by all variants (same tokens, same padding)
   training    trainer.train_phase on that variant's experience (one PPO epoch: forward, backward, optimizer step)
 
-and report the median time per phase, the median over rounds of the per-round ratio current/fixed (> 1: the fix is
-faster; both ran back to back in that round) with its range, and host syncs per iteration.
+and report the median time per phase, the median over rounds of the per-round ratio time without the fix / time with
+it (before / current for applied fixes, current / candidate for candidates; > 1: the fix is faster; both ran back to
+back in that round) with its range, and host syncs per iteration of every variant.
 """
 from __future__ import annotations
 
@@ -42,7 +48,7 @@ def one_round(built, rnd: int, count_syncs: bool = False) -> dict:
     from patches import SyncCounter, summarize_syncs
     from rlhf_engine.data.prompts import collate_prompts
     from rlhf_engine.engine.distributed import barrier
-    from rlhf_engine.trainer.ppo_trainer import _Sums
+    from rlhf_engine.trainer.metric_sums import MetricSums
 
     t0 = built[0].trainer
     k = rnd % t0.sampler.batches_per_epoch
@@ -64,7 +70,7 @@ def one_round(built, rnd: int, count_syncs: bool = False) -> dict:
             torch.manual_seed(20_000 + rnd)
             _, tg = timed(lambda: t.engine.generate(ids, mask))
             barrier()
-            stats = _Sums(t.engine.device)
+            stats = MetricSums(t.engine.device)
             exp, te = timed(lambda: t.experience_phase([shared], stats))
             barrier()
             _, tt = timed(lambda: t.train_phase(exp, stats))
@@ -109,9 +115,17 @@ def main(argv=None) -> int:
               "critic": bl.make_model_folder(models_dir, ns.critic_shape, "score", ns.dtype, seed=1)}
     prompts = bl.synthetic_prompts(ns.global_batch * max(args.reps, 2), ns.prompt_len,
                                    bl.SHAPES[ns.actor_shape]["vocab_size"], seed=ns.seed, fixed=ns.fixed_length)
-    variants = [pi.parse_variant(s) for s in args.variant] or [{"name": "base"}]
-    for v in variants:
+    from patches import applied_in, variant_kind
+
+    variants = [pi.parse_variant(s) for s in args.variant] or [{"name": "current"}]
+    if variants[0].get("patch"):
+        raise SystemExit(f"costs: the first variant ({variants[0]['name']}) is the current code: no patch")
+    for i, v in enumerate(variants):
         v.setdefault("zero", args.zero)
+        # before: the code before an applied fix (ratio before / current); candidate: a fix to try (current / it)
+        v["kind"] = "current" if i == 0 else variant_kind(v.get("patch", ""))
+        if v["kind"] == "before":
+            v["applied_in"] = {p: applied_in(p) for p in v["patch"].split("+")}
     run_dir = os.path.join(args.work_dir, "runs", f"costs-{args.label or args.preset}-{os.environ['MASTER_PORT']}")
     built, skipped = [], {}
     for v in variants:
@@ -148,12 +162,17 @@ def main(argv=None) -> int:
         med = {ph: bl.median([r[name][ph] for r in rounds]) for ph in PHASES}
         med["total"] = sum(med[ph] for ph in PHASES)
         summary[name] = {"median_s": med}
+    kind = {v["name"]: v["kind"] for v in variants}
+
+    def phase_s(r: dict, name: str, ph: str) -> float:
+        return r[name][ph] if ph != "total" else sum(r[name][p] for p in PHASES)
+
     for name, s in summary.items():
-        # per round current/this (the two ran back to back, so slow drifts of the machine cancel), then the median
-        per_round = {ph: [(r[base][ph] if ph != "total" else sum(r[base][p] for p in PHASES))
-                          / (r[name][ph] if ph != "total" else sum(r[name][p] for p in PHASES))
-                          for r in rounds] for ph in (*PHASES, "total")}
-        s["ratio_current_over_this"] = {ph: bl.median(v) for ph, v in per_round.items()}
+        # per round without-fix / with-fix (the two ran back to back, so slow drifts of the machine cancel), then the
+        # median: before / current for an applied fix, current / candidate for a candidate
+        slow, fast = (name, base) if kind[name] == "before" else (base, name)
+        per_round = {ph: [phase_s(r, slow, ph) / phase_s(r, fast, ph) for r in rounds] for ph in (*PHASES, "total")}
+        s["ratio_without_over_with"] = {ph: bl.median(v) for ph, v in per_round.items()}
         s["ratio_range"] = {ph: [min(v), max(v)] for ph, v in per_round.items()}
     result["rounds"] = rounds
     result["summary"] = summary
@@ -162,8 +181,12 @@ def main(argv=None) -> int:
     if dist.is_main:
         bl.write_json(args.out, result)
         for name, s in summary.items():
-            print(f"[costs] {name}: " + ", ".join(f"{ph} {s['median_s'][ph]:.3f}s (x{s['ratio_current_over_this'][ph]:.3f})"
-                                                  for ph in (*PHASES, "total")))
+            rt = s["ratio_without_over_with"]
+            print(f"[costs] {name} ({kind[name]}): " + ", ".join(
+                f"{ph} {s['median_s'][ph]:.3f}s (x{rt[ph]:.3f})" for ph in (*PHASES, "total")))
+            hs = result["host_syncs"].get(name)
+            if hs:
+                print(f"[costs] {name}: host syncs per iteration {hs['by_owner']}; ours {hs['rlhf_engine_sites']}")
     return 0
 
 

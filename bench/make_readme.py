@@ -153,18 +153,24 @@ def section_scaling(res: str) -> list[str]:
 
 
 COST_TEXT = {
-    "logits_to_keep": ("LM head on the prompt positions", "`RLHFEngine._lm_forward` runs the actor/reference LM "
-                       "head on all P+R positions and keeps R: pass `logits_to_keep=R+1` and take `logits[:, :R]`"),
-    "top_k_off": ("top-k 50 sampling although top_k is 0 (off)", "`RLHFEngine.generation_kwargs` passes "
-                  "`top_k=None`, which transformers 5 replaces by its default 50: pass `top_k=0` (a correctness fix: "
-                  "the sampled tokens change, as they should)"),
-    "no_value_checks": ("input checks' host syncs in the hot loop", "ppo_math's data-dependent checks "
-                        "(`_raise_first`, one sync per call) skipped"),
+    # applied fixes (the variant patches the code back to before the fix)
+    "full_lm_head": ("LM head on the prompt positions", "`RLHFEngine._lm_forward` passes `logits_to_keep=R+1` and "
+                     "takes `logits[:, :R]`; before, the actor/reference LM head ran on all P+R positions and R were "
+                     "kept"),
+    "top_k_default": ("top-k 50 sampling although top_k is 0 (off)", "`RLHFEngine.generation_kwargs` passes "
+                      "`top_k=0`; before, `top_k=None`, which transformers 5 replaces by its default 50 (a correctness "
+                      "fix: the sampled tokens change, as they should)"),
+    "checks_in_hot_loop": ("host syncs in the training loop", "the trainer calls ppo_math with `check=False` per "
+                           "micro-batch (the experience was checked once per iteration) and the guards read their "
+                           "all-reduced table with one `tolist`; before, one sync per ppo_math call and one per rank "
+                           "and flag"),
+    "all_before": ("all applied fixes together", "full_lm_head + top_k_default + checks_in_hot_loop undone"),
+    # candidates
     "no_entropy": ("entropy pass over the logits (bound)", "experience entropy not computed: the most a fused "
                    "log-prob + entropy pass could save (changes objective/entropy; a bound, not a fix)"),
-    "all_fixes": ("all fixes together", "logits_to_keep + top_k_off + no_value_checks"),
     "gather_once": ("ZeRO-3 generation, per-layer gathers", "rlhf_engine's own `generation_gather_once on` "
-                    "(one gather around `generate()`; ZeRO-3's module hooks still run at every step)"),
+                    "(one gather around `generate()`; ZeRO-3's module hooks still run at every step; `auto`, the "
+                    "default, is off on CPU)"),
     "gather_once_patch": ("ZeRO-3 generation, per-layer gathers", "bench prototype: `GatheredParameters` of the "
                           "whole actor around `generate()`; ZeRO-3's module hooks still run"),
     "gather_copy": ("ZeRO-3 generation, hooks + gathers", "gather once into a plain replica of the actor that "
@@ -172,15 +178,40 @@ COST_TEXT = {
 }
 
 
+def _kind(v: dict, i: int) -> str:
+    """current / before / candidate; results written before the before/after split hold candidates only."""
+    return v.get("kind") or ("current" if i == 0 else "candidate")
+
+
+def _status(v: dict) -> str:
+    """'candidate', or 'applied in <commit>[, <commit>]' / 'applied, uncommitted' (patches.applied_in)."""
+    if v.get("kind") != "before":
+        return "candidate"
+    found = list(dict.fromkeys((v.get("applied_in") or {}).values()))
+    commits = [c for c in found if c not in ("uncommitted", "not found")]
+    return ("applied" + (f" in {', '.join(commits)}" if commits else "")
+            + "".join(f"{' +' if commits else ','} {c}" for c in found if c not in commits))
+
+
+def _sync_diff(before: dict, current: dict) -> str:
+    """Our host syncs per iteration, before -> current, for the sites that differ."""
+    b, c = before["rlhf_engine_sites"], current["rlhf_engine_sites"]
+    sites = [k for k in dict.fromkeys([*b, *c]) if b.get(k, 0) != c.get(k, 0)]
+    return (f"rlhf_engine {before['by_owner'].get('rlhf_engine', 0)} → {current['by_owner'].get('rlhf_engine', 0)}"
+            + (" (" + "; ".join(f"`{k}` {b.get(k, 0)} → {c.get(k, 0)}" for k in sites) + ")" if sites else ""))
+
+
 def section_costs(res: str) -> list[str]:
-    out = ["## 3. Avoidable costs: current code against candidate fixes (CPU)", "",
-           "Each fix is a patch of ONE trainer instance (`bench/patches.py`); the current code and the patched "
-           "variants are built side by side in one process and timed phase by phase, interleaved, on the same "
-           "prompts (experience: the same rollout). Ratio = current time / patched time (> 1: the fix is faster), the "
-           "median over rounds of the two back-to-back timings of each round (total: its range in brackets). "
-           "The equivalence column is the largest difference of log-probs, values, scores and entropy between the "
-           "variant and the current code on one rollout, and the share of identical sampled tokens with one seed.",
-           ""]
+    out = ["## 3. Avoidable costs: applied fixes (before → current) and candidate fixes (CPU)", "",
+           "Every row is a patch of ONE trainer instance (`bench/patches.py`), built side by side with the current "
+           "code in one process and timed phase by phase, interleaved, on the same prompts (experience: the same "
+           "rollout). **Applied** fixes are in `rlhf_engine` (status: the commit that introduced them); their "
+           "variant patches the code back to BEFORE the fix, so the row reads before → current and ratio = before "
+           "time / current time. **Candidate** fixes are not in `rlhf_engine`; the row reads current → candidate "
+           "and ratio = current time / candidate time. Either way > 1 means the fix is faster: the median over "
+           "rounds of the two back-to-back timings of each round (total: its range in brackets). The equivalence "
+           "column is the largest difference of log-probs, values, scores and entropy between the variant and the "
+           "current code on one rollout, and the share of identical sampled tokens with one seed.", ""]
     found = False
     for fname in ("costs_1rank.json", "costs_zero3_2ranks.json"):
         r = load(os.path.join(res, "cpu", fname))
@@ -191,37 +222,71 @@ def section_costs(res: str) -> list[str]:
         zero = r["variants"][0].get("zero", 0)
         out += [f"`{r['command']}` — {shape_line(r)}, ZeRO {zero}, "
                 f"{r['world_size']} rank(s), median of {r['reps']} rounds; {provenance(r)}.", "",
-                "| cost | fix | generation | experience | training | total (s, current → fixed) | ratio total "
-                "| equivalence |", "|---|---|---|---|---|---|---|---|"]
+                "| cost | fix | status | generation | experience | training | total s (without → with the fix) "
+                "| ratio total | equivalence |", "|---|---|---|---|---|---|---|---|---|"]
         eq = {e["variant"]: e for e in r.get("equivalence", [])}
         bmed = r["summary"][base]["median_s"]
-        for v in r["variants"][1:]:
+        for i, v in enumerate(r["variants"][1:], 1):
             name = v["name"]
             s = r["summary"][name]
             what, fix = COST_TEXT.get(name, (name, v.get("patch", "")))
-            rt = s["ratio_current_over_this"]
+            before = _kind(v, i) == "before"
+            rt = s.get("ratio_without_over_with") or s["ratio_current_over_this"]
             e = eq.get(name)
             eqs = "–" if not e else (f"max abs diff {fmt(max(d for k, d in e['max_abs_diff'].items() if k != 'entropy'))}"
                                      f" (entropy {fmt(e['max_abs_diff']['entropy'])}); sampled tokens "
                                      f"{pct(e.get('sampled_tokens_equal'))} equal")
             rng = s.get("ratio_range", {}).get("total")
             rng = f" ({fmt(rng[0])}–{fmt(rng[1])})" if rng else ""
-            out.append(f"| {what} | {fix} | x{fmt(rt['generation'])} | x{fmt(rt['experience'])} | "
-                       f"x{fmt(rt['training'])} | {fmt(bmed['total'])} → {fmt(s['median_s']['total'])} | "
-                       f"**x{fmt(rt['total'])}**{rng} | {eqs} |")
+            slow, fast = (s["median_s"]["total"], bmed["total"]) if before else (bmed["total"], s["median_s"]["total"])
+            out.append(f"| {what} | {fix} | {_status(v)} | x{fmt(rt['generation'])} | x{fmt(rt['experience'])} | "
+                       f"x{fmt(rt['training'])} | {fmt(slow)} → {fmt(fast)} | **x{fmt(rt['total'])}**{rng} | {eqs} |")
         for name, why in r.get("skipped", {}).items():
-            out.append(f"| {COST_TEXT.get(name, (name, ''))[0]} | skipped: {bl.cell(why)} | | | | | | |")
-        hs = r.get("host_syncs", {}).get(base)
+            out.append(f"| {COST_TEXT.get(name, (name, ''))[0]} | skipped: {bl.cell(why)} | | | | | | | |")
+        syncs = r.get("host_syncs", {})
+        hs = syncs.get(base)
         if hs:
             ours = hs["rlhf_engine_sites"]
             out += ["", f"Host synchronisation points reached from Python in one iteration of `{base}` "
-                        f"(generate + experience + train; counted, not timed: on CPU they cost nothing): "
+                        f"(generate + experience + train; counted, not timed: on CPU they cost nothing, on a GPU "
+                        f"each one waits for the device's queue): "
                         + ", ".join(f"{k} {n}" for k, n in sorted(hs["by_owner"].items())) + ". Ours by site: "
                         + "; ".join(f"`{k}` {n}" for k, n in ours.items()) + "."]
+            diffs = [f"`{v['name']}` {_sync_diff(syncs[v['name']], hs)}" for i, v in enumerate(r["variants"][1:], 1)
+                     if _kind(v, i) == "before" and v["name"] in syncs]
+            if diffs:
+                out += ["", "Ours, before → current: " + "; ".join(diffs) + ". A before variant runs the current "
+                        "code plus what its patch restores (`checks_in_hot_loop`: the old per-flag reads before the "
+                        "guards' current single `tolist`), so it may count a few syncs more than the old code had."]
         out.append("")
     if not found:
         out += ["Not measured yet: `bash bench/run_cpu.sh costs costs_zero3`.", ""]
-    return out
+    return out + section_tokenize(res)
+
+
+def section_tokenize(res: str) -> list[str]:
+    """Re-tokenizing at start-up: the per-node tokenized-data cache (an applied fix), measured side by side."""
+    r = load(os.path.join(res, "cpu", "tokenize_cache.json"))
+    out = ["### Re-tokenizing at start-up: the per-node tokenized-data cache (applied)", ""]
+    if not r:
+        return out + ["Not measured yet: `bash bench/run_cpu.sh tokenize`.", ""]
+    s = r["summary"]
+    out += [f"`{r['command']}` — {r['prompts']:,} prompts ({fmt(r['data_file_mib'])} MiB of .jsonl, a prompt "
+            f"template, 1% held out) tokenized by a {r['vocab']:,}-token {r['tokenizer']}, {r['ranks']} ranks on one "
+            f"node, {len(r['rounds'])} rounds (no cache and cold swap places every round); {provenance(r)}. Wall = "
+            "`load_prompt_data` from a barrier before to a barrier after (the slowest rank: training starts only "
+            "then); CPU = seconds of CPU time summed over the ranks (what the node's cores spent). Ratio = no cache / "
+            f"variant, median over rounds. The cache entry is {fmt(r['entry_mib'])} MiB.", "",
+            "| variant | what each rank does | wall s | CPU s, all ranks | ratio wall | ratio CPU | cache use by rank |",
+            "|---|---|---|---|---|---|---|"]
+    what = {"no_cache": "reads and tokenizes everything (before: every rank, every start)",
+            "cold": "local rank 0 builds and writes the entry; the other rank waits, then reads it",
+            "warm": "reads the entry an earlier run wrote (a restart, another seed on the same data)"}
+    for name in ("no_cache", "cold", "warm"):
+        v = s[name]
+        out.append(f"| {name} | {what[name]} | {fmt(v['wall_s'])} | {fmt(v['cpu_s_all_ranks'])} | "
+                   f"x{fmt(v['ratio_wall'])} | x{fmt(v['ratio_cpu'])} | {', '.join(v['cache_status_by_rank'])} |")
+    return out + [""]
 
 
 def section_gpu(res: str) -> list[str]:

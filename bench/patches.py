@@ -1,35 +1,54 @@
-"""Candidate fixes of avoidable costs, applied to ONE trainer instance (never to the library), so a benchmark can run
-the current code and the fixed variant side by side in one process (`ppo_iteration.py --variant name:patch=...`).
+"""Fixes of avoidable costs as patches of ONE trainer instance (never of the library), so a benchmark can run the
+current code and a patched variant side by side in one process (`ppo_iteration.py --variant name:patch=...`).
 
-Each patch is `apply(trainer) -> Optional[context manager factory]`; a returned factory is entered around every
-`trainer.step()` of that variant only (for module-level swaps such as `no_value_checks`). The benchmarks'
+Two kinds (`KIND[name]`):
+
+* **before**: the fix is applied in rlhf_engine; the patch restores the code BEFORE the fix on one instance, so one
+  run measures before -> current. `APPLIED[name]` = (file, a string the fix introduced) finds the commit that applied
+  it (`applied_in`).
+* **candidate**: the fix is not in rlhf_engine; the patch applies it (or bounds what it could save) on one instance.
+
+Each patch is `apply(trainer) -> Optional[context manager factory]`; a returned factory is entered around every step
+of that variant only (for module-level swaps, shared by every trainer of the process). The benchmarks'
 `--check-equivalence` runs every variant on one rollout and records the differences, so a speed-up never hides a
 wrong result.
 
-  logits_to_keep    actor/reference forwards compute the LM head only on the R+1 positions whose logits are used
-                    (`logits_to_keep`), not on all P+R positions: the prompt's logits are thrown away today.
-  no_entropy        the experience's entropy (a metric only) is not computed: the most that fusing its pass over
-                    the logits into the log-prob pass could save (it changes objective/entropy, so it is a bound,
-                    not a fix).
-  no_value_checks   ppo_math's data-dependent input checks (one host sync per call) are skipped in the hot loop.
-  top_k_off         generation really samples with top-k off when the config says top_k 0 (today: transformers'
-                    default top_k=50, a different distribution from the one the log-probs assume).
-  gather_once       ZeRO-3: the actor's parameters are gathered once around generate(), not per layer per token.
-  gather_copy       ZeRO-3: gathered once into a plain replica that generates without ZeRO-3's module hooks.
+  before     full_lm_head        actor/reference forwards run the LM head on all P+R positions and keep the R used
+                                 ones (now: `logits_to_keep=R+1`).
+  before     top_k_default       generation passes top_k=None for top_k 0, so transformers samples with its default
+                                 top_k=50 (now: top_k=0, really off; the sampled tokens change, as they should).
+  before     checks_in_hot_loop  the training micro-batches run ppo_math's data-dependent checks (one host sync per
+                                 call: actor log-probs, policy loss, value loss) and the guards read their all-reduced
+                                 table one element at a time (a sync per rank and flag) plus one flag per checked
+                                 tensor before the collective (now: check=False; one `tolist` per collective).
+  candidate  no_entropy          the experience's entropy (a metric only) is not computed: the most that fusing its
+                                 pass over the logits into the log-prob pass could save (it changes objective/entropy,
+                                 so it is a bound, not a fix).
+  candidate  gather_once         ZeRO-3: the actor's parameters are gathered once around generate(), not per layer
+                                 per token (the library has this as `generation_gather_once`, off on CPU by default).
+  candidate  gather_copy         ZeRO-3: gathered once into a plain replica that generates without ZeRO-3's hooks.
 """
 from __future__ import annotations
 
 import contextlib
+import os
+import subprocess
 from typing import Callable
 
 import torch
 
 PATCHES: dict[str, Callable] = {}
+KIND: dict[str, str] = {}  # name -> "before" | "candidate"
+APPLIED: dict[str, tuple[str, str]] = {}  # before patches: name -> (file, a string the fix introduced there)
 
 
-def patch(name: str):
+def patch(name: str, applied: tuple[str, str] | None = None):
+    """Register a patch; `applied` = (file, marker) makes it a 'before' patch of a fix applied in rlhf_engine."""
     def deco(fn):
         PATCHES[name] = fn
+        KIND[name] = "before" if applied else "candidate"
+        if applied:
+            APPLIED[name] = applied
         return fn
 
     return deco
@@ -47,27 +66,114 @@ def apply_patches(trainer, names: list[str]) -> list[Callable]:
     return contexts
 
 
-# ---- logits_to_keep ------------------------------------------------------------------------------------------------
-@patch("logits_to_keep")
-def _logits_to_keep(trainer) -> None:
-    from rlhf_engine.ppo_math import entropy_from_logits, logprobs_from_logits
+def variant_kind(patch_spec: str) -> str:
+    """'before' or 'candidate' for a variant's '+'-separated patches (a variant without patches, e.g. a config
+    switch, is a candidate); mixing the two kinds has no before/after reading and is refused."""
+    kinds = {KIND[p] for p in filter(None, patch_spec.split("+")) if p in KIND}
+    if len(kinds) > 1:
+        raise SystemExit(f"patch={patch_spec}: mixes 'before' patches ({', '.join(sorted(APPLIED))}) with candidates")
+    return kinds.pop() if kinds else "candidate"
 
+
+def applied_in(name: str) -> str:
+    """The short hash of the commit that introduced a before-patch's fix (the first commit adding its marker),
+    'uncommitted' when only the working tree has it, 'not found' when the file does not have it."""
+    path, marker = APPLIED[name]
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    try:
+        out = subprocess.run(["git", "log", "--reverse", "--format=%h", "-S", marker, "--", path], cwd=root,
+                             capture_output=True, text=True, timeout=60).stdout.split()
+    except (OSError, subprocess.SubprocessError):
+        out = []
+    if out:
+        return out[0]
+    try:
+        with open(os.path.join(root, path)) as f:
+            return "uncommitted" if marker in f.read() else "not found"
+    except OSError:
+        return "not found"
+
+
+# ---- applied fixes: restore the code before them --------------------------------------------------------------------
+@patch("full_lm_head", applied=("rlhf_engine/engine/rlhf_engine.py", "logits_to_keep=R + 1"))
+def _full_lm_head(trainer) -> Callable:
+    """`RLHFEngine._lm_forward`'s fallback branch is the code before the fix (LM head on all positions, then
+    `action_slice`): take it for every model. Module-level switch, so a context entered around this variant only."""
+    from rlhf_engine.engine import rlhf_engine as module
+
+    @contextlib.contextmanager
+    def ctx():
+        orig = module._accepts_logits_to_keep
+        module._accepts_logits_to_keep = lambda m: False
+        try:
+            yield
+        finally:
+            module._accepts_logits_to_keep = orig
+
+    return ctx
+
+
+@patch("top_k_default", applied=("rlhf_engine/engine/rlhf_engine.py", "top_k=0 (not None)"))
+def _top_k_default(trainer) -> None:
+    """Before: `top_k=g.top_k or None`; transformers 5 then applies its default top_k=50 for 'top_k 0 = off'."""
     eng = trainer.engine
+    orig = eng.generation_kwargs
 
-    def _lm_forward(engine, r, with_entropy):
-        R = r.response_width
-        # the last R+1 positions are P-1 .. P+R-1; the first R of them predict response tokens 0 .. R-1
-        logits = engine(**eng._inputs(r), use_cache=False, logits_to_keep=R + 1).logits[:, :R]
-        logprobs = logprobs_from_logits(logits, r.responses, temperature=eng.temperature) * r.action_mask
-        entropy = None
-        if with_entropy:
-            entropy = entropy_from_logits(logits, temperature=eng.temperature) * r.action_mask
-        return logprobs, entropy
+    def generation_kwargs():
+        kw = orig()
+        if kw.get("do_sample") and kw.get("top_k") == 0:
+            kw["top_k"] = None
+        return kw
 
-    eng._lm_forward = _lm_forward
+    eng.generation_kwargs = generation_kwargs
 
 
-# ---- entropy -------------------------------------------------------------------------------------------------------
+@patch("checks_in_hot_loop", applied=("rlhf_engine/trainer/ppo_trainer.py", "check=False"))
+def _checks_in_hot_loop(trainer) -> Callable:
+    """Before: the trainer called the ppo_math functions of a micro-batch with their checks on, and the guards read
+    each flag of their tables with its own host sync (plus one per checked tensor before the collective). The current
+    guards' one `tolist` per collective still runs after those reads, so this variant counts one sync per collective
+    more than the old code had (then cheap: the queue is already drained)."""
+    from rlhf_engine import ppo_math
+    from rlhf_engine.trainer import guards, ppo_trainer
+
+    eng, guard = trainer.engine, trainer.guard
+    forward = eng.actor_forward
+    eng.actor_forward = lambda r, with_entropy=False, check=False: forward(r, with_entropy=with_entropy, check=True)
+    agree = guard.agree
+
+    def agree_before(iteration, errors=None, tensors=None):
+        for x, mask in (tensors or {}).values():
+            bad = ~torch.isfinite(x.detach())
+            float((bad & mask.bool() if mask is not None else bad).any())  # the old per-tensor flag
+        return agree(iteration, errors=errors, tensors=tensors)
+
+    guard.agree = agree_before
+
+    def all_reduce_before(table, op="sum"):
+        out = reduce(table, op)
+        for r in range(out.shape[0]):  # the old `table[r, j] > 0` of every rank and flag
+            for j in range(out.shape[1]):
+                bool(out[r, j] > 0)
+        return out
+
+    reduce = guards.all_reduce
+
+    @contextlib.contextmanager
+    def ctx():
+        saved = ppo_trainer.policy_loss, ppo_trainer.value_loss, guards.all_reduce
+        ppo_trainer.policy_loss = lambda *a, check=False, **k: ppo_math.policy_loss(*a, **k)
+        ppo_trainer.value_loss = lambda *a, check=False, **k: ppo_math.value_loss(*a, **k)
+        guards.all_reduce = all_reduce_before
+        try:
+            yield
+        finally:
+            ppo_trainer.policy_loss, ppo_trainer.value_loss, guards.all_reduce = saved
+
+    return ctx
+
+
+# ---- candidate fixes ------------------------------------------------------------------------------------------------
 @patch("no_entropy")
 def _no_entropy(trainer) -> None:
     eng = trainer.engine
@@ -80,21 +186,63 @@ def _no_entropy(trainer) -> None:
     eng.actor_logprobs = actor_logprobs
 
 
-# ---- value checks ----------------------------------------------------------------------------------------------------
-@patch("no_value_checks")
-def _no_value_checks(trainer) -> Callable:
-    from rlhf_engine import ppo_math
+# ---- candidate fixes: ZeRO-3 generation ----------------------------------------------------------------------------
+@patch("gather_once")
+def _gather_once(trainer) -> None:
+    """ZeRO-3 prototype of 'gather once': all of the actor's parameters are gathered once around generate() instead of
+    layer by layer at every decoding step (no-op for other stages)."""
+    import deepspeed
 
-    @contextlib.contextmanager
-    def ctx():
-        orig = ppo_math._raise_first
-        ppo_math._raise_first = lambda checks: None
-        try:
-            yield
-        finally:
-            ppo_math._raise_first = orig
+    eng = trainer.engine
+    if eng.plans["actor"].stage != 3:
+        return
+    orig = eng.generate
 
-    return ctx
+    def generate(ids, mask):
+        with deepspeed.zero.GatheredParameters(list(eng.actor.module.parameters())):
+            return orig(ids, mask)
+
+    eng.generate = generate
+
+
+@patch("gather_copy")
+def _gather_copy(trainer) -> None:
+    """ZeRO-3 prototype of 'gather once' without ZeRO-3's per-module hooks: once per generate() call the actor's
+    parameters are gathered and copied into a plain (unpartitioned) replica of the model, which then generates.
+    Costs one full copy of the actor's weights per rank (no-op for other stages)."""
+    import copy
+
+    import deepspeed
+
+    from rlhf_engine.engine.ds_config import torch_dtype
+    from rlhf_engine.engine.models import load_causal_lm
+    from rlhf_engine.rollout import Rollout
+
+    eng = trainer.engine
+    plan = eng.plans["actor"]
+    if plan.stage != 3:
+        return
+    replica = load_causal_lm(plan.path, torch_dtype(plan.dtype)).to(eng.device).eval().requires_grad_(False)
+    source = dict(eng.actor.module.named_parameters())
+    targets = list(replica.named_parameters())
+    missing = [n for n, _ in targets if n not in source]
+    if missing:
+        raise RuntimeError(f"gather_copy: replica parameters {missing[:3]} not in the actor")
+
+    @torch.no_grad()
+    def generate(ids, mask):
+        with deepspeed.zero.GatheredParameters([source[n] for n, _ in targets]):
+            for n, q in targets:
+                q.copy_(source[n])
+        kw = eng.generation_kwargs()
+        kw.pop("synced_gpus")  # the replica runs no collective: every rank may stop at its own length
+        gen_config = copy.deepcopy(replica.generation_config)
+        gen_config.update(**kw)
+        ids, mask = ids.to(eng.device), mask.to(eng.device)
+        out = replica.generate(input_ids=ids, attention_mask=mask, generation_config=gen_config)
+        return Rollout.from_generation(ids, mask, out, eng.stop_token_ids, eng.pad_token_id)
+
+    eng.generate = generate
 
 
 # ---- host-sync audit -------------------------------------------------------------------------------------------------
@@ -172,79 +320,3 @@ def summarize_syncs(counts: dict[str, int]) -> dict:
         by_owner[owner] = by_owner.get(owner, 0) + n
     ours = {k: v for k, v in sorted(counts.items(), key=lambda kv: -kv[1]) if k.startswith("rlhf_engine/")}
     return {"total": sum(counts.values()), "by_owner": by_owner, "rlhf_engine_sites": ours}
-
-
-
-# ---- generation ------------------------------------------------------------------------------------------------------
-@patch("top_k_off")
-def _top_k_off(trainer) -> None:
-    """generation_kwargs passes top_k=None for 'top_k 0 = off'; transformers 5 then applies its default top_k=50.
-    Passing 0 really turns top-k off (the sampled distribution is then the one the PPO log-probs assume)."""
-    eng = trainer.engine
-    orig = eng.generation_kwargs
-
-    def generation_kwargs():
-        kw = orig()
-        if kw.get("do_sample") and kw.get("top_k") is None:
-            kw["top_k"] = 0
-        return kw
-
-    eng.generation_kwargs = generation_kwargs
-
-
-@patch("gather_once")
-def _gather_once(trainer) -> None:
-    """ZeRO-3 prototype of 'gather once': all of the actor's parameters are gathered once around generate() instead of
-    layer by layer at every decoding step (no-op for other stages)."""
-    import deepspeed
-
-    eng = trainer.engine
-    if eng.plans["actor"].stage != 3:
-        return
-    orig = eng.generate
-
-    def generate(ids, mask):
-        with deepspeed.zero.GatheredParameters(list(eng.actor.module.parameters())):
-            return orig(ids, mask)
-
-    eng.generate = generate
-
-
-@patch("gather_copy")
-def _gather_copy(trainer) -> None:
-    """ZeRO-3 prototype of 'gather once' without ZeRO-3's per-module hooks: once per generate() call the actor's
-    parameters are gathered and copied into a plain (unpartitioned) replica of the model, which then generates.
-    Costs one full copy of the actor's weights per rank (no-op for other stages)."""
-    import copy
-
-    import deepspeed
-
-    from rlhf_engine.engine.ds_config import torch_dtype
-    from rlhf_engine.engine.models import load_causal_lm
-    from rlhf_engine.rollout import Rollout
-
-    eng = trainer.engine
-    plan = eng.plans["actor"]
-    if plan.stage != 3:
-        return
-    replica = load_causal_lm(plan.path, torch_dtype(plan.dtype)).to(eng.device).eval().requires_grad_(False)
-    source = dict(eng.actor.module.named_parameters())
-    targets = list(replica.named_parameters())
-    missing = [n for n, _ in targets if n not in source]
-    if missing:
-        raise RuntimeError(f"gather_copy: replica parameters {missing[:3]} not in the actor")
-
-    @torch.no_grad()
-    def generate(ids, mask):
-        with deepspeed.zero.GatheredParameters([source[n] for n, _ in targets]):
-            for n, q in targets:
-                q.copy_(source[n])
-        kw = eng.generation_kwargs()
-        kw.pop("synced_gpus")  # the replica runs no collective: every rank may stop at its own length
-        gen_config = copy.deepcopy(replica.generation_config)
-        gen_config.update(**kw)
-        ids, mask = ids.to(eng.device), mask.to(eng.device)
-        out = replica.generate(input_ids=ids, attention_mask=mask, generation_config=gen_config)
-        return Rollout.from_generation(ids, mask, out, eng.stop_token_ids, eng.pad_token_id)
-
-    eng.generate = generate

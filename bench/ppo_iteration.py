@@ -13,7 +13,8 @@ Variants (`--variant NAME:key=value,...`, repeatable) are built side by side in 
 interleaved (round r starts with variant r mod n), so a noisy machine affects them alike; compare them by their
 ratios. Keys: zero (actor/critic ZeRO stage; reference/reward follow: 3 if 3, else 0), offload (optimizer offload of
 actor and critic), gather_once (only when TrainConfig has such a field), hybrid_engine (DeepSpeed Hybrid Engine on
-the actor; CUDA only), patch (candidate fixes from patches.py, '+'-separated).
+the actor; CUDA only), patch (patches.py, '+'-separated: candidate fixes, or 'before' patches that restore the
+code before a fix the library has applied).
 
 Per iteration: wall time; the trainer's phases (time/generate, time/experience, time/train) and finer splits from
 timers wrapped around the engine INSTANCE's methods (reference/reward/critic/actor experience forwards; actor and
