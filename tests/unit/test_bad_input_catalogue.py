@@ -159,6 +159,12 @@ def test_missing_data_file_and_column(tiny, out_dir, tmp_path, capsys, dist_sing
     err = refused(capsys, out_dir, flags(tiny, out_dir, data_path=str(wrong)))
     assert "prompt_column = 'prompt'" in err and str(wrong) in err, err
     assert "'question'" in err and "'id'" in err  # the columns the file does have
+    # a hub name while offline that the local datasets cache does not hold; a folder save_to_disk did not write
+    err = refused(capsys, out_dir, flags(tiny, out_dir, data_path="someorg/not_downloaded"))
+    assert "data_path = 'someorg/not_downloaded'" in err and "not in the Hugging Face datasets cache" in err
+    (tmp_path / "a_folder").mkdir()
+    err = refused(capsys, out_dir, flags(tiny, out_dir, data_path=str(tmp_path / "a_folder")))
+    assert "not one written by datasets' save_to_disk" in err
 
 
 def _bad_rows_file(tiny, path):
