@@ -29,7 +29,8 @@ def smollm2_gguf() -> str:
     return path
 
 
-def _sha256(path: str) -> str:
+def sha256_file(path: str) -> str:
+    """Hex SHA-256 of a file's bytes, read in blocks (also the tokenized-data cache's file digest)."""
     h = hashlib.sha256()
     with open(path, "rb") as f:
         for block in iter(lambda: f.read(1 << 22), b""):
@@ -48,7 +49,7 @@ def smollm2_dir() -> str:
     a half-written model behind. The tokenizer's EOS and pad are `<|im_end|>` (the ChatML end of turn).
     """
     gguf = smollm2_gguf()
-    target = os.path.join(cache_root(), f"smollm2-135m-instruct-{_sha256(gguf)[:16]}")
+    target = os.path.join(cache_root(), f"smollm2-135m-instruct-{sha256_file(gguf)[:16]}")
     if os.path.isfile(os.path.join(target, "config.json")):
         return target
     import torch

@@ -30,6 +30,8 @@ from typing import Any, Callable, Optional, Sequence, TypeVar
 
 import torch
 
+from ..pretrained import cache_root, sha256_file
+
 log = logging.getLogger("rlhf_engine.data")
 T = TypeVar("T")
 CODE_FILES = ("cache.py", "prompts.py", "sources.py", "supervised.py")
@@ -41,8 +43,6 @@ BUILD_WAIT = datetime.timedelta(hours=12)
 
 
 def default_cache_dir() -> str:
-    from ..pretrained import cache_root
-
     return os.environ.get("RLHF_ENGINE_DATA_CACHE") or os.path.join(cache_root(), "tokenized")
 
 
@@ -57,11 +57,7 @@ def resolve_cache_dir(setting: str) -> Optional[str]:
 
 
 def file_digest(path: str) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
+    return sha256_file(path)
 
 
 def folder_digest(path: str) -> str:
