@@ -3,7 +3,25 @@
 GPU users: install a CUDA build of torch first, then `pip install -e .`.
 CPU-only machines: use `scripts/install.sh` (it pins torch==2.13.0 in the same pip command, see README).
 """
+import glob
+import os
+import shutil
+
 from setuptools import find_packages, setup
+from setuptools.command.build_py import build_py
+
+
+class BuildWithTemplates(build_py):
+    """Copy the DeepSpeed JSON templates of ds_configs/ (top level, where users read and edit them in a checkout)
+    into the built package as rlhf_engine/ds_configs/, so a non-editable install finds them too."""
+
+    def run(self):
+        super().run()
+        target = os.path.join(self.build_lib, "rlhf_engine", "ds_configs")
+        os.makedirs(target, exist_ok=True)
+        for path in glob.glob(os.path.join(os.path.dirname(os.path.abspath(__file__)), "ds_configs", "*.json")):
+            shutil.copy(path, target)
+
 
 setup(
     name="rlhf_engine",
@@ -11,6 +29,7 @@ setup(
     description="DeepSpeed-native RLHF: actor, critic, reference and reward as separate ZeRO engines, PPO trainer.",
     packages=find_packages(include=["rlhf_engine", "rlhf_engine.*"]),
     package_data={"rlhf_engine": ["data/builtin/*.jsonl"]},
+    cmdclass={"build_py": BuildWithTemplates},
     python_requires=">=3.10",
     # Ranges we have tested against (CPU: the exact versions in requirements/cpu.txt).
     install_requires=[

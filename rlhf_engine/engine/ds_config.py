@@ -16,7 +16,12 @@ import torch
 from ..config import BatchConfig, RoleConfig
 from ..errors import Problems, did_you_mean
 
-TEMPLATE_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "ds_configs")
+_PACKAGE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# A checkout (or an editable install) reads the top-level ds_configs/; an installed wheel carries a copy inside the
+# package (setup.py's build step).
+TEMPLATE_DIR = next((d for d in (os.path.join(os.path.dirname(_PACKAGE), "ds_configs"),
+                                 os.path.join(_PACKAGE, "ds_configs")) if os.path.isdir(d)),
+                    os.path.join(os.path.dirname(_PACKAGE), "ds_configs"))
 
 # Top-level keys DeepSpeed 0.19 reads (from its config parser and documentation).
 KNOWN_KEYS = frozenset("""
