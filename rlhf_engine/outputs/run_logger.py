@@ -203,6 +203,17 @@ def _redacted_sys_argv() -> Iterator[None]:
         sys.argv = saved
 
 
+WANDB_ID_FILE = "run_id"  # <output_dir>/wandb/run_id: the wandb run a resume continues
+
+
+def _read_text(path: str) -> str:
+    try:
+        with open(path) as f:
+            return f.read().strip()
+    except OSError:
+        return ""
+
+
 def _scalar(v: Any) -> bool:
     return isinstance(v, (int, float)) and not isinstance(v, bool)
 
@@ -224,7 +235,7 @@ class RunLogger:
     def __init__(self, output_dir: str, is_main: bool, config: dict, wandb_project: str = "",
                  wandb_entity: str = "", wandb_run_name: str = "", wandb_sample_interval: int = 10,
                  tensorboard: bool = False, total_iterations: int = 0, plot_keys: Sequence[str] = PLOT_KEYS,
-                 bar_desc: str = "PPO", bar_keys: Sequence[tuple[str, str]] = BAR_KEYS):
+                 bar_desc: str = "PPO", bar_keys: Sequence[tuple[str, str]] = BAR_KEYS, resume: bool = False):
         self.output_dir, self.is_main = output_dir, is_main
         self.plot_keys, self.bar_keys = tuple(plot_keys), tuple(bar_keys)
         self.wandb_sample_interval = max(1, int(wandb_sample_interval))
@@ -239,7 +250,7 @@ class RunLogger:
             return
         os.makedirs(output_dir, exist_ok=True)
         if wandb_project:
-            self._wandb = self._start_wandb(wandb_project, wandb_entity, wandb_run_name, config)
+            self._wandb = self._start_wandb(wandb_project, wandb_entity, wandb_run_name, config, resume)
         if tensorboard:
             self._tb = self._start_tensorboard()
         if total_iterations:
@@ -254,10 +265,12 @@ class RunLogger:
         lg = cfg.logging
         return cls(cfg.output_dir, is_main, config, wandb_project=lg.wandb_project, wandb_entity=lg.wandb_entity,
                    wandb_run_name=lg.wandb_run_name, wandb_sample_interval=lg.wandb_sample_interval,
-                   tensorboard=lg.tensorboard, total_iterations=cfg.max_steps)
+                   tensorboard=lg.tensorboard, total_iterations=cfg.max_steps, resume=bool(getattr(cfg, "resume", "")))
 
     # ---- sinks -------------------------------------------------------------------------------------------------
-    def _start_wandb(self, project: str, entity: str, name: str, config: dict) -> Any:
+    def _start_wandb(self, project: str, entity: str, name: str, config: dict, resume: bool) -> Any:
+        """wandb.init inside the run directory. A resumed run continues the wandb run of the run directory (its id is
+        kept in <output_dir>/wandb/run_id): one run on the dashboard across preemptions and requeues."""
         try:
             import wandb
         except ImportError:
@@ -267,23 +280,35 @@ class RunLogger:
         mode = wandb_mode()
         kwargs = dict(project=redact(project), entity=redact(entity) or None, name=redact(name) or None,
                       dir=self.output_dir, config=redact(config), mode=mode)  # wandb writes all of them to disk
+        id_file = os.path.join(self.output_dir, "wandb", WANDB_ID_FILE)
+        previous = _read_text(id_file) if resume else ""
+        if previous:  # the records after the checkpoint come again: wandb keeps the first (equal) values
+            kwargs.update(id=previous, resume="allow")
+            log.info("wandb continues run %s (%s)", previous, id_file)
         if mode == "offline":
             log.info("wandb runs offline (no WANDB_API_KEY, or WANDB_MODE=offline): files in %s/wandb; upload later "
                      "with `wandb sync`", self.output_dir)
         with _redacted_sys_argv():
+            run = None
             try:
-                return wandb.init(**kwargs)
+                run = wandb.init(**kwargs)
             except Exception as e:
                 if mode != "online":
                     log.warning("wandb could not start (%s: %s); logging to metrics.jsonl only", type(e).__name__, e)
                     return None
                 log.warning("wandb could not start online (%s: %s); falling back to offline", type(e).__name__, e)
-            try:
-                return wandb.init(**{**kwargs, "mode": "offline"})
-            except Exception as e:
-                log.warning("wandb could not start offline either (%s: %s); logging to metrics.jsonl only",
-                            type(e).__name__, e)
-                return None
+            if run is None:
+                try:
+                    run = wandb.init(**{**kwargs, "mode": "offline"})
+                except Exception as e:
+                    log.warning("wandb could not start offline either (%s: %s); logging to metrics.jsonl only",
+                                type(e).__name__, e)
+                    return None
+        if run.id != previous:
+            os.makedirs(os.path.dirname(id_file), exist_ok=True)
+            with open(id_file, "w") as f:
+                f.write(run.id + "\n")
+        return run
 
     def _start_tensorboard(self) -> Any:
         try:

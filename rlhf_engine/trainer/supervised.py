@@ -220,7 +220,7 @@ def build_supervised(cfg: Any, trainer_cls: type, argv: Optional[list] = None) -
                        wandb_entity=lg.wandb_entity, wandb_run_name=lg.wandb_run_name,
                        wandb_sample_interval=lg.wandb_sample_interval, tensorboard=lg.tensorboard,
                        total_iterations=total, plot_keys=trainer_cls.plot_keys, bar_desc=trainer_cls.name.upper(),
-                       bar_keys=trainer_cls.bar_keys)
+                       bar_keys=trainer_cls.bar_keys, resume=bool(cfg.resume))
     trainer = trainer_cls(cfg, dist, engine, plan, tokenizer, data, sampler, logger, total)
     trainer.checkpointer.fingerprint = fingerprint
     if resume_path:  # last: the random generators are restored right before training continues

@@ -177,3 +177,23 @@ def test_wandb_mode_rule():
     assert wandb_mode({"WANDB_API_KEY": "k" * 40, "WANDB_MODE": "offline"}) == "offline"
     assert wandb_mode({"WANDB_API_KEY": "k" * 40, "WANDB_MODE": "disabled"}) == "disabled"
     assert wandb_mode({"WANDB_API_KEY": "k" * 40, "WANDB_DISABLED": "true"}) == "disabled"
+
+
+def test_a_resumed_run_continues_its_wandb_run(tmp_path, secrets):
+    out = tmp_path / "run"
+    first = RunLogger(str(out), True, {}, wandb_project="proj")
+    run_id = first._wandb.id
+    for r in _records(3):
+        first.log(r)
+    first.close()
+    assert (out / "wandb" / "run_id").read_text().strip() == run_id
+    again = RunLogger(str(out), True, {}, wandb_project="proj", resume=True)  # a resume in the same run directory
+    assert again._wandb.id == run_id
+    for r in _records(5)[2:]:  # from the checkpoint on: step 2 comes again
+        again.log(r)
+    again.close()
+    # offline: two folders of the same run id, which `wandb sync` uploads into one run
+    assert len(list((out / "wandb").glob(f"offline-run-*/run-{run_id}.wandb"))) == 2
+    fresh = RunLogger(str(out), True, {}, wandb_project="proj")  # not a resume (e.g. --overwrite_output_dir)
+    assert fresh._wandb.id != run_id and (out / "wandb" / "run_id").read_text().strip() == fresh._wandb.id
+    fresh.close()
