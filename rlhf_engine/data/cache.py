@@ -160,28 +160,35 @@ def _distributed() -> bool:
     return torch.distributed.is_available() and torch.distributed.is_initialized()
 
 
-def _wait_for_builders() -> None:
-    """A barrier of every rank with the BUILD_WAIT timeout: a gloo group of its own (CPU, so also in NCCL jobs)."""
-    group = torch.distributed.new_group(backend="gloo", timeout=BUILD_WAIT)
-    try:
-        torch.distributed.barrier(group=group)
-    finally:
-        torch.distributed.destroy_process_group(group)
-
-
 def node_cached(key: Optional[str], cache_dir: Optional[str], build: Callable[[], T]) -> tuple[T, CacheUse]:
     """`build()`, through the cache entry `key` in `cache_dir` when both are set.
 
-    Every rank of the job must call this with the same key at the same point (one barrier when distributed, with
-    its own timeout: BUILD_WAIT). Local
-    rank 0 (LOCAL_RANK) reads the entry or builds and writes it; after the barrier the other ranks read it. A rank
-    that finds no readable entry (local rank 0 failed, the folder is not writable) builds the data itself, so an
-    invalid dataset raises the same error on every rank, and no rank waits forever.
+    Every rank of the job calls this at the same point. When distributed, the ranks talk over a gloo group of their
+    own whose timeout is BUILD_WAIT (CPU tensors, so NCCL jobs too): first they agree whether every rank can use
+    the cache (otherwise none does: a rank must never wait at a barrier that another skips); then local rank 0
+    (LOCAL_RANK) reads the entry, or builds and writes it, while the node's other ranks wait at one barrier and read
+    it after. A rank that finds no readable entry (local rank 0 failed, the folder is not writable) builds the data
+    itself, so an invalid dataset raises the same error on every rank.
     """
-    if cache_dir is None or key is None:
+    group = torch.distributed.new_group(backend="gloo", timeout=BUILD_WAIT) if _distributed() else None
+    try:
+        return _node_cached(key, cache_dir, build, group)
+    finally:
+        if group is not None:
+            torch.distributed.destroy_process_group(group)
+
+
+def _node_cached(key: Optional[str], cache_dir: Optional[str], build: Callable[[], T], group: Any
+                 ) -> tuple[T, CacheUse]:
+    usable = cache_dir is not None and key is not None
+    if group is not None:
+        flag = torch.tensor([int(usable)])
+        torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MIN, group=group)
+        usable = bool(flag.item())
+    if not usable:
         return build(), CacheUse("off" if cache_dir is None else "uncacheable")
     path = os.path.join(cache_dir, key + ".pkl")
-    first = int(os.environ.get("LOCAL_RANK", 0)) == 0 or not _distributed()
+    first = group is None or int(os.environ.get("LOCAL_RANK", 0)) == 0
     result, use, error = None, None, None
     if first:
         found, result = _try_read(path)
@@ -199,8 +206,8 @@ def node_cached(key: Optional[str], cache_dir: Optional[str], build: Callable[[]
                     log.warning("could not write the tokenized-data cache %s (%s); every rank tokenizes on its own. "
                                 "Set data_cache_dir to a writable node-local folder, or 'none'", path, e)
                     use = CacheUse("built_unsaved", path)
-    if _distributed():
-        _wait_for_builders()
+    if group is not None:
+        torch.distributed.barrier(group=group)
     if error is not None:
         raise error
     if not first:

@@ -25,5 +25,6 @@ def test_local_rank_0_builds_the_other_rank_reads_and_errors_reach_every_rank(tm
     assert r0["equal_to_uncached"] and r1["equal_to_uncached"] and r0["prompts"] == r1["prompts"] == 10
     # rank 1 waited for the slow build (10 s) longer than the job's collective timeout (6 s), without timing out
     assert r1["first_wait_s"] > 6.0
+    assert (r0["split_status"], r1["split_status"]) == ("uncacheable", "off") and not r0["split_dir_used"]
     assert r0["bad_error"] and r0["bad_error"] == r1["bad_error"] and "empty prompt" in r0["bad_error"]
     assert r0["all_reduce"] == r1["all_reduce"] == 2.0

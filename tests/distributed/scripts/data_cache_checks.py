@@ -1,5 +1,6 @@
 """2 ranks, one node: local rank 0 builds the tokenized-data cache entry, the other rank reads it; a build slower
-than the job's collective timeout does not time the other rank out; invalid data raises the same error on every rank.
+than the job's collective timeout does not time the other rank out; ranks that disagree about the cache do not use
+it (and do not wait for each other); invalid data raises the same error on every rank.
 
     torchrun --nproc_per_node 2 data_cache_checks.py --tokenizer DIR --work DIR --out result.json
 """
@@ -51,6 +52,11 @@ def main() -> None:
     res["equal_to_uncached"] = all(x.train.input_ids == plain.train.input_ids and x.train.texts == plain.train.texts
                                    for x in (first, second))
     res["prompts"] = len(first.train)
+
+    # the ranks disagree (rank 1 has the cache off): nobody uses it, and nobody waits for the other
+    split = dataclasses.replace(data, data_cache_dir="none" if dist.rank == 1 else os.path.join(args.work, "c2"))
+    res["split_status"] = prompts.load_prompt_data(split, tok, 200).cache.status
+    res["split_dir_used"] = os.path.exists(os.path.join(args.work, "c2"))
 
     bad = dataclasses.replace(data, data_path=os.path.join(args.work, "bad.jsonl"))
     try:
