@@ -281,7 +281,7 @@ def section_tokenize(res: str) -> list[str]:
             "|---|---|---|---|---|---|---|"]
     what = {"no_cache": "reads and tokenizes everything (before: every rank, every start)",
             "cold": "local rank 0 builds and writes the entry; the other rank waits, then reads it",
-            "warm": "reads the entry an earlier run wrote (a restart, another seed on the same data)"}
+            "warm": "reads the entry an earlier run wrote (a restart, or a new run with the same data, settings and seed)"}
     for name in ("no_cache", "cold", "warm"):
         v = s[name]
         out.append(f"| {name} | {what[name]} | {fmt(v['wall_s'])} | {fmt(v['cpu_s_all_ranks'])} | "
