@@ -41,13 +41,25 @@ def _barrier() -> None:
         torch.distributed.barrier()
 
 
+def save_trained(ds_engine: Any, ckpt_dir: str, tag: str) -> None:
+    """A trained engine's module, optimizer, LR scheduler and counters into `<ckpt_dir>/<tag>/` (no 'latest' file)."""
+    ds_engine.save_checkpoint(ckpt_dir, tag=tag, save_latest=False)
+
+
+def load_trained(ds_engine: Any, ckpt_dir: str, tag: str) -> None:
+    """The reverse of `save_trained`; a missing `<ckpt_dir>/<tag>/` is an error."""
+    path, _ = ds_engine.load_checkpoint(ckpt_dir, tag=tag, load_optimizer_states=True, load_lr_scheduler_states=True)
+    if path is None:
+        raise FileNotFoundError(f"no {tag} checkpoint in {ckpt_dir} (expected {ckpt_dir}/{tag}/)")
+
+
 def save_engines(engine: Any, ckpt_dir: str) -> list[str]:
     """Save every checkpointed role of `engine` (an RLHFEngine) under `ckpt_dir`; returns the roles."""
     roles = checkpoint_roles(engine)
     for role in roles:
         ds = engine.engines[role]
         if role in TRAINED:
-            ds.save_checkpoint(ckpt_dir, tag=role, save_latest=False)
+            save_trained(ds, ckpt_dir, role)
         else:
             save_weights(ds, os.path.join(ckpt_dir, role))
     return roles
@@ -60,10 +72,7 @@ def load_engines(engine: Any, ckpt_dir: str, roles: list[str] | None = None) -> 
     for role in roles:
         ds = engine.engines[role]
         if role in TRAINED:
-            path, _ = ds.load_checkpoint(ckpt_dir, tag=role, load_optimizer_states=True,
-                                         load_lr_scheduler_states=True)
-            if path is None:
-                raise FileNotFoundError(f"no {role} checkpoint in {ckpt_dir} (expected {ckpt_dir}/{role}/)")
+            load_trained(ds, ckpt_dir, role)
         else:
             load_weights(ds, os.path.join(ckpt_dir, role))
     return roles

@@ -6,12 +6,12 @@ tokenized as PPO tokenizes prompts) -> sampler (batch arithmetic) -> output-dir 
 `build_role_engine` -> `RunLogger`. Every cheap check runs before any weight is read.
 
 Loop (`SupervisedTrainer.train`): epoch e draws `PromptSampler`'s permutation (seed + e; the same on every rank, rank r
-takes its slice of each global mini-batch; the short last global batch is dropped), read through a `DataCursor`. Per optimizer step, the rank's
-mini-batch is cut into `per_device_training_batch_size` micro-batches; the loss of each is its sum over this rank's
-tokens (SFT) or pairs (reward model) divided by the GLOBAL count of the mini-batch (one all-reduce), and
-`backward_global` undoes DeepSpeed's rank and accumulation averaging, exactly as in PPO. One metrics record per
-optimizer step (`iteration` = its 0-based index); the last step of each epoch also carries the held-out evaluation
-(when `eval_split` > 0). At the end the model is exported to `<output_dir>/model` in Hugging Face format.
+takes its slice of each global mini-batch; the short last global batch is dropped), read through a `DataCursor`. Per
+optimizer step, the rank's mini-batch is cut into `per_device_training_batch_size` micro-batches; the loss of each is
+its sum over this rank's tokens (SFT) or pairs (reward model) divided by the GLOBAL count of the mini-batch (one
+all-reduce), and `backward_global` undoes DeepSpeed's rank and accumulation averaging, exactly as in PPO. One metrics
+record per optimizer step (`iteration` = its 0-based index); the last step of each epoch also carries the held-out
+evaluation (when `eval_split` > 0). At the end the model is exported to `<output_dir>/model` in Hugging Face format.
 
 Checkpoints (`save_interval` N > 0): every N optimizer steps and at the end, with PPO's `Checkpointer` (folder layout,
 COMPLETE marker, keep_last, per-rank state: step counter, data position, random generators); the DeepSpeed engine
@@ -32,6 +32,7 @@ from ..cli import flat_dict
 from ..data.prompts import PromptData, PromptDataset, PromptSampler
 from ..data.supervised import eval_shards
 from ..engine import all_reduce, barrier, init_distributed, load_tokenizer
+from ..engine.checkpointing import load_trained, save_trained
 from ..engine.preflight import RolePlan, plan_model
 from ..engine.role_engine import backward_global, build_role_engine, export_engine, write_ds_config
 from ..outputs.run_logger import RunLogger
@@ -52,14 +53,11 @@ class OneEngine:
         self.ds, self.dist = ds, dist
 
     def save(self, path: str) -> list:
-        self.ds.save_checkpoint(path, tag=CHECKPOINT_TAG, save_latest=False)
+        save_trained(self.ds, path, CHECKPOINT_TAG)
         return [CHECKPOINT_TAG]
 
     def load(self, path: str) -> list:
-        loaded, _ = self.ds.load_checkpoint(path, tag=CHECKPOINT_TAG, load_optimizer_states=True,
-                                            load_lr_scheduler_states=True)
-        if loaded is None:
-            raise FileNotFoundError(f"no model checkpoint in {path} (expected {path}/{CHECKPOINT_TAG}/)")
+        load_trained(self.ds, path, CHECKPOINT_TAG)
         return [CHECKPOINT_TAG]
 
 
