@@ -1,5 +1,6 @@
 """The trainer's per-rank checkpoint state without engines: random generators, the data cursor, the providers, the
 run fingerprint, and the checkpoint config fields."""
+import os
 import random
 
 import numpy as np
@@ -82,6 +83,22 @@ def test_fingerprint_keys(tiny, tmp_path):
     assert run_fingerprint(decaying, 1, 32)["max_steps"] == decaying.max_steps
     no_rm = parse_args(train_args(tiny, str(tmp_path), reward_fn="rlhf_engine.rewards.sentiment:vader_positive"))
     assert "reward_model_name_or_path" not in run_fingerprint(no_rm, 1, 32)
+
+
+def test_supervised_fingerprint_keys(tiny, tmp_path):
+    from rlhf_engine.config import SFTConfig
+    from rlhf_engine.trainer.state import supervised_fingerprint
+
+    argv = ["--model_name_or_path", os.path.relpath(tiny.actor), "--data_path", "d.jsonl", "--zero_stage", "3",
+            "--gradient_accumulation_steps", "2", "--seed", "5"]
+    cfg = parse_args(argv, config_cls=SFTConfig)
+    fp = supervised_fingerprint(cfg, world_size=2, num_rows=48)
+    assert {k: fp[k] for k in ("world_size", "seed", "num_rows", "zero_stage", "gradient_accumulation_steps")} == {
+        "world_size": 2, "seed": 5, "num_rows": 48, "zero_stage": 3, "gradient_accumulation_steps": 2}
+    assert fp["model_name_or_path"] == os.path.realpath(tiny.actor)  # a relative path compares as absolute
+    assert "max_steps" not in fp and "num_train_epochs" not in fp  # a constant schedule: the run can be extended
+    decaying = parse_args(argv + ["--lr_scheduler_type", "cosine", "--num_train_epochs", "3"], config_cls=SFTConfig)
+    assert supervised_fingerprint(decaying, 2, 48)["num_train_epochs"] == 3
 
 
 def test_checkpoint_config_fields(tiny, tmp_path):
