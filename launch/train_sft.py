@@ -19,8 +19,6 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    from rlhf_engine.trainer.run import shutdown_distributed
+    from rlhf_engine.trainer.run import exit_process
 
-    rc = main()
-    shutdown_distributed(ok=rc == 0)  # no gloo abort at exit (exit code -6 after a complete multi-rank run)
-    sys.exit(rc)
+    exit_process(main())  # the process group torn down on every rank together: no gloo abort at exit

@@ -129,3 +129,10 @@ def shutdown_distributed(ok: bool) -> None:
         if ok:
             torch.distributed.barrier()  # every rank has finished: nobody closes a connection a peer still uses
         torch.distributed.destroy_process_group()
+
+
+def exit_process(rc: int) -> None:
+    """The end of a launch script's `__main__`: tear the process group down on every rank together
+    (`shutdown_distributed`), then exit with `rc`."""
+    shutdown_distributed(ok=rc == 0)
+    sys.exit(rc)

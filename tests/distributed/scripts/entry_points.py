@@ -47,8 +47,6 @@ def main():
 
 if __name__ == "__main__":
     sys.path.insert(0, ROOT)
-    from rlhf_engine.trainer.run import shutdown_distributed
+    from rlhf_engine.trainer.run import exit_process
 
-    rc = main()
-    shutdown_distributed(ok=rc == 0)  # as the launch scripts do: no gloo abort at exit
-    sys.exit(rc)
+    exit_process(main())  # as the launch scripts do
