@@ -1,5 +1,6 @@
 """Reliability under faults, on real DeepSpeed engines (CPU, gloo, 2 ranks, the deepspeed launcher): a rank killed
-mid-iteration, a rank stalled inside a checkpoint write, and `--resume auto` back to the uninterrupted result.
+mid-iteration, a rank stalled inside a checkpoint write, and `--resume auto` back to the uninterrupted result; and the
+kill once more under torchrun (a launch of its own).
 
 Three launches, each checking several things (faults injected with the test hooks of rlhf_engine/faults.py):
 
@@ -56,19 +57,30 @@ def _procs_with(marker: str) -> dict[int, str]:
     return out
 
 
-def launch_watched(script, args, marker, log_path, env=None, timeout=300):
-    """The deepspeed launcher on 2 ranks, watched: the pids of its rank processes (command line holds `marker` and
-    --local_rank=), its exit time, and every process still alive with `marker` right after it exited."""
+def _is_rank(cmd: str, launcher: str) -> bool:
+    """Whether a process (its command line) is one of a launch's ranks, not the launcher itself."""
+    if launcher == "deepspeed":
+        return "--local_rank=" in cmd
+    return "torchrun" not in cmd and "torch.distributed.run" not in cmd
+
+
+def launch_watched(script, args, marker, log_path, env=None, timeout=300, launcher="deepspeed"):
+    """A launcher (deepspeed or torchrun) on 2 ranks, watched: the pids of its rank processes (command line holds
+    `marker`), its exit time, and every process still alive with `marker` right after it exited."""
     from rlhf_engine.engine.distributed import free_port
 
     bindir = os.path.dirname(sys.executable)
-    cmd = [os.path.join(bindir, "deepspeed"), "--num_gpus", "2", "--master_port", str(free_port()), script] + args
+    if launcher == "deepspeed":
+        head = [os.path.join(bindir, "deepspeed"), "--num_gpus", "2"]
+    else:
+        head = [os.path.join(bindir, "torchrun"), "--nproc_per_node", "2"]
+    cmd = head + ["--master_port", str(free_port()), script] + args
     ranks: set[int] = set()
     t0 = time.time()
     with open(log_path, "w") as log:
         proc = subprocess.Popen(cmd, cwd=ROOT, env=clean_env(**(env or {})), stdout=log, stderr=subprocess.STDOUT)
         while proc.poll() is None:
-            ranks |= {pid for pid, c in _procs_with(marker).items() if "--local_rank=" in c}
+            ranks |= {pid for pid, c in _procs_with(marker).items() if _is_rank(c, launcher)}
             if time.time() - t0 > timeout:
                 proc.kill()
                 raise AssertionError(f"launch still running after {timeout}s: {cmd}")
@@ -128,6 +140,21 @@ def test_a_killed_rank_ends_the_job_promptly_and_leaves_no_process(faults):
     assert first["survivors"] == {}, first["survivors"]  # ... and nothing of the launch outlived it
     assert first["t_exit"] - _fault_time(first["out"]) < 15, first["out"][-3000:]
     assert faults["after_kill"] == ["iter_000002"]  # the kill came before iteration 3 ended: no iter_000004
+
+
+@pytest.mark.distributed
+def test_a_killed_rank_under_torchrun_ends_the_job_promptly_and_leaves_no_process(tiny, tmp_path):
+    """The same kill under torchrun (its elastic agent, not the deepspeed launcher, must end the other rank)."""
+    out_dir = str(tmp_path / "victim")
+    res = launch_watched(os.path.join(ROOT, "launch", "train_ppo.py"),
+                         args_for(tiny, out_dir, **{**RUN, "max_steps": 2, "save_interval": 0}), str(tmp_path),
+                         str(tmp_path / "torchrun.log"), env={"RLHF_ENGINE_TEST_KILL": "1:1:train_step"},
+                         launcher="torchrun")
+    assert res["rc"] != 0, res["out"][-4000:]
+    assert "SIGKILL at iteration 1, phase train_step" in res["out"], res["out"][-4000:]
+    assert len(res["ranks"]) == 2, res  # both rank processes were seen running ...
+    assert res["survivors"] == {}, res["survivors"]  # ... and nothing of the launch outlived it
+    assert res["t_exit"] - _fault_time(res["out"]) < 15, res["out"][-3000:]
 
 
 @pytest.mark.distributed
