@@ -160,8 +160,10 @@ def _distributed() -> bool:
     return torch.distributed.is_available() and torch.distributed.is_initialized()
 
 
-def node_cached(key: Optional[str], cache_dir: Optional[str], build: Callable[[], T]) -> tuple[T, CacheUse]:
-    """`build()`, through the cache entry `key` in `cache_dir` when both are set.
+def node_cached(key: Callable[[], Optional[str]], cache_dir: Optional[str], build: Callable[[], T]
+                ) -> tuple[T, CacheUse]:
+    """`build()`, through the cache entry named `key()` in `cache_dir` when both are set. `key` is called only with a
+    cache folder: with the cache off, no file or tokenizer is hashed.
 
     Every rank of the job calls this at the same point. When distributed, the ranks talk over a gloo group of their
     own whose timeout is BUILD_WAIT (CPU tensors, so NCCL jobs too): first they agree whether every rank can use
@@ -178,9 +180,10 @@ def node_cached(key: Optional[str], cache_dir: Optional[str], build: Callable[[]
             torch.distributed.destroy_process_group(group)
 
 
-def _node_cached(key: Optional[str], cache_dir: Optional[str], build: Callable[[], T], group: Any
+def _node_cached(key_fn: Callable[[], Optional[str]], cache_dir: Optional[str], build: Callable[[], T], group: Any
                  ) -> tuple[T, CacheUse]:
-    usable = cache_dir is not None and key is not None
+    key = key_fn() if cache_dir is not None else None
+    usable = key is not None
     if group is not None:
         flag = torch.tensor([int(usable)])
         torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MIN, group=group)

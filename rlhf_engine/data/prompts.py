@@ -299,12 +299,15 @@ def load_prompt_data(data: DataConfig, tokenizer: Any, max_prompt_seq_len: int, 
     p.raise_if_any(header)
     sources = parse_data_sources(data.data_path) if data.data_path else [("", None)]
     seed = seed if data.data_seed is None else data.data_seed
-    key = None
-    if row_hook is None or hasattr(row_hook, "cache_key"):
+
+    def key() -> Optional[str]:
+        if row_hook is not None and not hasattr(row_hook, "cache_key"):
+            return None
         settings = {k: v for k, v in vars(data).items() if k != "data_cache_dir"}
         settings.update(max_prompt_seq_len=max_prompt_seq_len, seed=seed,
                         row_hook=getattr(row_hook, "cache_key", None))
-        key = cache_key("prompts", [path for path, _ in sources], tokenizer, settings)
+        return cache_key("prompts", [path for path, _ in sources], tokenizer, settings)
+
     result, use = node_cached(key, resolve_cache_dir(data.data_cache_dir),
                               lambda: _build_prompt_data(data, sources, tokenizer, max_prompt_seq_len, seed, row_hook,
                                                          header))

@@ -84,8 +84,10 @@ def load_ptx_data(path: str, tokenizer: Any, max_len: int, text_column: str = "t
     (`data/cache.py`; every rank calls this together). Raises ConfigError when none is usable."""
     from ..data.cache import cache_key, node_cached, resolve_cache_dir
 
-    key = cache_key("ptx", [path], tokenizer, {"max_len": max_len, "text_column": text_column},
-                    extra_code=[os.path.abspath(__file__)])
+    def key():
+        return cache_key("ptx", [path], tokenizer, {"max_len": max_len, "text_column": text_column},
+                         extra_code=[os.path.abspath(__file__)])
+
     out, use = node_cached(key, resolve_cache_dir(data_cache_dir),
                            lambda: _build_ptx_data(path, tokenizer, max_len, text_column))
     out.cache = use
