@@ -4,31 +4,24 @@
     torchrun --nproc_per_node N launch/train_ppo.py ...
     python launch/train_ppo.py ...          (one process; a one-rank environment is set up)
 
-Exit codes: 0 = done; 2 = a configuration / data error (nothing trained); 3 = max_consecutive_skips updates in a row
-were skipped (non-finite gradients / fp16 overflow); 4 = a non-finite score, advantage or loss (every rank stops);
-1 = anything else. The deepspeed launcher exits with the failing rank's code; torchrun reports 1.
+Exit codes (rlhf_engine/errors.py, EXIT_CODES): 0 = done; 2 = a configuration / data error (nothing trained); 3 =
+max_consecutive_skips updates in a row were skipped (non-finite gradients / fp16 overflow); 4 = a non-finite score,
+advantage or loss (every rank stops); 1 = anything else. The deepspeed launcher exits with the failing rank's code;
+torchrun reports 1.
 """
 import os
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from rlhf_engine.cli import run_main  # noqa: E402
+from rlhf_engine.cli import exit_process, run_main  # noqa: E402
 from rlhf_engine.config import TrainConfig  # noqa: E402
 from rlhf_engine.trainer import run_ppo  # noqa: E402
 
 
 def main(argv=None):
-    from rlhf_engine.trainer.guards import TrainingStopped
-
-    try:
-        return run_main(argv, __doc__, TrainConfig, run_ppo)
-    except TrainingStopped as e:  # every rank stops together, each with this message (trainer/guards.py)
-        print(f"error: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
-        return e.exit_code
+    return run_main(argv, __doc__, TrainConfig, run_ppo)
 
 
 if __name__ == "__main__":
-    from rlhf_engine.trainer.run import exit_process
-
     exit_process(main())  # the process group torn down on every rank together: no gloo abort at exit

@@ -24,8 +24,9 @@ import sys
 import typing
 from typing import Any, Callable, Optional, Sequence
 
-from .config import RoleConfig, TrainConfig
-from .errors import ConfigError, Problems, did_you_mean
+from .config import TrainConfig, flat_fields
+from .errors import (CLEAN_EXIT_CODES, EXIT_FAILED, EXIT_OK, EXIT_USER_ERROR, ConfigError, Problems,
+                     TrainingStopped, did_you_mean)
 
 
 # DeepSpeed-Chat flag -> (the flat keys it sets, what it means there)
@@ -47,41 +48,8 @@ ALIASES: dict[str, tuple[tuple[str, ...], str]] = {
 
 def aliases_of(cfg: Any) -> dict[str, tuple[str, ...]]:
     """The aliases that apply to a config instance: every target is one of its keys and the alias name is not."""
-    keys = _walk(cfg)
+    keys = flat_fields(cfg)
     return {a: targets for a, (targets, _) in ALIASES.items() if a not in keys and all(t in keys for t in targets)}
-
-
-def _walk(cfg: Any) -> dict[str, tuple[Any, dataclasses.Field, str, str]]:
-    """flat key -> (owner object, field, help-group title, help-group text) for every leaf field of the config."""
-    out: dict[str, tuple[Any, dataclasses.Field, str, str]] = {}
-
-    def put(key: str, owner: Any, f: dataclasses.Field, title: str, doc: str) -> None:
-        if key in out:  # two sections with the same field name would silently share one flag
-            raise RuntimeError(f"config key {key!r} is defined twice; rename one of the fields")
-        out[key] = (owner, f, title, doc)
-
-    for f in dataclasses.fields(cfg):
-        value = getattr(cfg, f.name)
-        if not dataclasses.is_dataclass(value):
-            put(f.name, cfg, f, type(cfg).__name__, (type(cfg).__doc__ or "").strip())
-            continue
-        is_role = isinstance(value, RoleConfig)
-        prefix = f.metadata.get("flag_prefix", f"{f.name}_" if is_role else "")
-        skip = set(f.metadata.get("skip_flags", ()))
-        if is_role:  # one group per role, not one "RoleConfig" group holding all four
-            title = f"{f.name} role" if prefix else f.name
-            doc = f"{f.metadata.get('help', '')} Flags: --{prefix}<field>."
-        else:
-            title, doc = type(value).__name__, (type(value).__doc__ or "").strip()
-        for g in dataclasses.fields(value):
-            if g.name not in skip:
-                put(f"{prefix}{g.name}", value, g, title, doc)
-    return out
-
-
-def _leaves(cfg: Any) -> dict[str, tuple[Any, dataclasses.Field]]:
-    """flat key -> (owner object, field) for every leaf field of the config."""
-    return {k: (owner, f) for k, (owner, f, _, _) in _walk(cfg).items()}
 
 
 def _bool(s: str) -> bool:
@@ -162,7 +130,7 @@ def build_parser(description: str = "", config_cls: type = TrainConfig) -> argpa
     parser.add_argument("--local_rank", type=int, default=None, help=argparse.SUPPRESS)  # passed by deepspeed
     groups = {}
     cfg = config_cls()
-    for key, (owner, f, section, doc) in _walk(cfg).items():
+    for key, (owner, f, section, doc) in flat_fields(cfg).items():
         if section not in groups:
             groups[section] = parser.add_argument_group(section, doc.replace("%", "%%"))
         group = groups[section]
@@ -182,7 +150,7 @@ def build_parser(description: str = "", config_cls: type = TrainConfig) -> argpa
     if aliases:
         group = parser.add_argument_group("DeepSpeed-Chat aliases", "DeepSpeed-Chat's flag names; each sets the "
                                           "fields it names (a flag naming one of those fields as well wins).")
-        leaves = _leaves(cfg)
+        leaves = {k: (o, f) for k, (o, f, _, _) in flat_fields(cfg).items()}
         for alias, targets in aliases.items():
             owner, f = leaves[targets[0]]
             t = _arg_type(f, owner)
@@ -213,7 +181,7 @@ def _read_config_file(path: str) -> dict:
 def apply_overrides(cfg: Any, values: dict, source: str) -> Any:
     """Set flat keys on cfg; unknown keys are one error with "did you mean". Aliases (`ALIASES`) are expanded first,
     so a key of the same source naming one of their targets wins."""
-    leaves = _leaves(cfg)
+    leaves = {k: (o, f) for k, (o, f, _, _) in flat_fields(cfg).items()}
     aliases = aliases_of(cfg)
     items = [(t, value, f"{key} (alias of {', '.join(aliases[key])})") for key, value in values.items()
              if key in aliases for t in aliases[key]]
@@ -255,16 +223,13 @@ def parse_args(argv: Optional[Sequence[str]] = None, description: str = "", conf
     return cfg.validate()
 
 
-def flat_dict(cfg: Any) -> dict:
-    """The resolved config as flat keys (what a config file holds)."""
-    return {k: getattr(owner, f.name) for k, (owner, f) in _leaves(cfg).items()}
-
-
 def run_main(argv: Optional[Sequence[str]], description: str, config_cls: type, run: Callable[[Any, list], Any]) -> int:
     """The body of every launch script: parse `argv` (default `sys.argv[1:]`) into `config_cls`, call
-    `run(cfg, argv)`; a user error (`ConfigError`) is printed and gives exit code 2. A collective operation that timed
+    `run(cfg, argv)` and map its outcome to an exit code of `errors.EXIT_CODES`, the only place that does: a user
+    error (`ConfigError`) is printed, code 2; training stopped on every rank together (`TrainingStopped`: too many
+    skipped steps, a non-finite value) prints its message and gives its own code; a collective operation that timed
     out or lost its peer (another rank stalled or died), or a reward function that raised, prints its traceback and
-    one `error:` line saying so, and gives exit code 1; anything else propagates."""
+    one `error:` line saying so, code 1; anything else propagates."""
     argv = sys.argv[1:] if argv is None else list(argv)
     cfg = None
     try:
@@ -272,22 +237,35 @@ def run_main(argv: Optional[Sequence[str]], description: str, config_cls: type, 
         run(cfg, argv)
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
-        return 2
+        return EXIT_USER_ERROR
+    except TrainingStopped as e:  # every rank stops together, each with this message (trainer/guards.py)
+        print(f"error: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
+        return e.exit_code
     except Exception as e:  # noqa: BLE001  (only collective failures are handled; the rest is re-raised)
         from .engine.distributed import describe_collective_failure
         from .rewards.loader import RewardFunctionError
 
         msg = describe_collective_failure(e, getattr(cfg, "dist_timeout_minutes", None))
         if isinstance(e, RewardFunctionError):
-            import torch
+            from .comm import rank as this_rank
 
-            rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
-            msg = str(e) if str(e).startswith("rank ") else f"rank {rank}: {e}"  # the trainer may name rank/iteration
+            msg = str(e) if str(e).startswith("rank ") else f"rank {this_rank()}: {e}"  # the trainer may name it
         if not msg:
             raise
         import traceback
 
         traceback.print_exc()
         print(f"error: {msg}", file=sys.stderr, flush=True)
-        return 1
-    return 0
+        return EXIT_FAILED
+    return EXIT_OK
+
+
+def exit_process(rc: int) -> None:
+    """The end of a launch script's `__main__` (never in-process): tear the process group down on every rank
+    together, then exit with `rc`. A clean code (`errors.CLEAN_EXIT_CODES`) means every rank got here: a barrier
+    first, so no gloo rank aborts after a complete run while its peer is already gone ('terminate called without an
+    active exception', exit code -6, seen in 2 of 8 two-rank launches on a loaded machine)."""
+    from .comm import shutdown
+
+    shutdown(ok=rc in CLEAN_EXIT_CODES)
+    sys.exit(rc)

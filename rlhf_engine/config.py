@@ -14,7 +14,7 @@ from typing import Any, Optional
 
 from .errors import Problems
 
-DTYPES = ("fp32", "bf16", "fp16")
+DTYPES = ("auto", "fp32", "bf16", "fp16")  # auto: bf16 on GPUs that support it, fp16 on other GPUs, fp32 on CPU
 KL_ESTIMATORS = ("k1", "k2", "k3")
 SCHEDULERS = ("constant", "constant_with_warmup", "linear", "cosine")
 ROLES = ("actor", "critic", "reference", "reward")
@@ -187,7 +187,8 @@ class RoleConfig:
                                     "their trained counterpart uses 3, else 0 (eval-only engines must be 0 or 3).")
     offload: bool = opt(False, "Offload optimizer state (trained roles) or parameters (eval-only roles) to CPU.")
     offload_params: bool = opt(False, "Also offload parameters to CPU (ZeRO-3 only).")
-    dtype: str = opt("", "fp32, bf16 or fp16 ('' = the run's dtype).")
+    dtype: str = opt("", "auto, fp32, bf16 or fp16 ('' = the run's dtype; auto = bf16 on GPUs that support it, fp16 "
+                     "on other GPUs, fp32 on CPU).")
     gradient_checkpointing: bool = opt(False, "Recompute activations in backward to save memory (trained roles).")
     trainable_layers: int = opt(0, "Train only the top N transformer blocks (+ final norm and score head); the "
                                 "embeddings and lower blocks stay frozen, so backward stops early (0 = train all).")
@@ -490,7 +491,9 @@ class TrainConfig:
                             "is the mean negative log-likelihood per token (nats/token) of the mini-batch's "
                             "unsupervised tokens on all ranks, as the policy loss is a per-token mean. 27.8 = "
                             "InstructGPT's and DeepSpeed-Chat's value. Used only with unsupervised_dataset_name.")
-    dtype: str = opt("fp32", "Default dtype of every role: fp32, bf16 or fp16.")
+    dtype: str = opt("auto", "Default dtype of every role: auto (bf16 on GPUs that support it, fp16 on other GPUs, "
+                     "fp32 on CPU; resolved at start-up, logged, and stored in the checkpoints' fingerprint), fp32, "
+                     "bf16 or fp16.")
     overwrite_output_dir: bool = opt(False, "Start a new run in an output_dir that holds another run: its files "
                                      "are kept, moved aside as <name>.<timestamp>.bak (nothing is deleted or "
                                      "overwritten).")
@@ -605,6 +608,44 @@ class TrainConfig:
         self.data.data_path = value
 
 
+# ---- flat keys (flags, config files, config.json) ---------------------------------------------------------------
+def flat_fields(cfg: Any) -> dict[str, tuple[Any, dataclasses.Field, str, str]]:
+    """flat key -> (owner object, field, help-group title, help-group text) for every leaf field of the config.
+
+    The flat key is the flag and config-file key: a nested section's fields are prefixed by its field's
+    `flag_prefix` metadata (default `<field>_` for a `RoleConfig`, nothing otherwise); `skip_flags` leaves fields
+    out."""
+    out: dict[str, tuple[Any, dataclasses.Field, str, str]] = {}
+
+    def put(key: str, owner: Any, f: dataclasses.Field, title: str, doc: str) -> None:
+        if key in out:  # two sections with the same field name would silently share one flag
+            raise RuntimeError(f"config key {key!r} is defined twice; rename one of the fields")
+        out[key] = (owner, f, title, doc)
+
+    for f in dataclasses.fields(cfg):
+        value = getattr(cfg, f.name)
+        if not dataclasses.is_dataclass(value):
+            put(f.name, cfg, f, type(cfg).__name__, (type(cfg).__doc__ or "").strip())
+            continue
+        is_role = isinstance(value, RoleConfig)
+        prefix = f.metadata.get("flag_prefix", f"{f.name}_" if is_role else "")
+        skip = set(f.metadata.get("skip_flags", ()))
+        if is_role:  # one group per role, not one "RoleConfig" group holding all four
+            title = f"{f.name} role" if prefix else f.name
+            doc = f"{f.metadata.get('help', '')} Flags: --{prefix}<field>."
+        else:
+            title, doc = type(value).__name__, (type(value).__doc__ or "").strip()
+        for g in dataclasses.fields(value):
+            if g.name not in skip:
+                put(f"{prefix}{g.name}", value, g, title, doc)
+    return out
+
+
+def flat_dict(cfg: Any) -> dict:
+    """The resolved config as flat keys (what a config file, config.json and wandb's config hold)."""
+    return {k: getattr(owner, f.name) for k, (owner, f, _, _) in flat_fields(cfg).items()}
+
+
 # ---- steps 1 and 2: supervised fine-tuning and reward-model training ------------------------------------------------
 LONG_RESPONSE_POLICIES = ("error", "skip", "truncate")
 
@@ -669,8 +710,8 @@ class _SupervisedRun:
     dist_timeout_minutes: Optional[float] = _dist_timeout_field()
 
     def __post_init__(self) -> None:
-        # the one model: fp32 unless told otherwise (no run-level dtype here), a fine-tuning learning rate
-        for name, make in (("model", lambda: RoleConfig(dtype="fp32", learning_rate=1e-5)), ("train", SupervisedConfig),
+        # the one model: dtype auto unless told otherwise (no run-level dtype here), a fine-tuning learning rate
+        for name, make in (("model", lambda: RoleConfig(dtype="auto", learning_rate=1e-5)), ("train", SupervisedConfig),
                            ("data", DataConfig), ("logging", LoggingConfig)):
             if getattr(self, name) is None:
                 setattr(self, name, make())

@@ -1,13 +1,34 @@
-"""One exception type for user errors, carrying every problem found at once.
+"""One exception type for user errors, carrying every problem found at once, and the table of exit codes.
 
 Validation code collects problems into a `Problems` list and raises once at the end, so a user fixing a config sees
-all mistakes in one run instead of one per launch.
+all mistakes in one run instead of one per launch. The entry points (`cli.run_main`) map exceptions to the codes of
+`EXIT_CODES`, once; nothing else chooses an exit code.
 """
 from __future__ import annotations
 
 import difflib
 from dataclasses import dataclass
 from typing import Any, Iterable
+
+
+# ---- exit codes: the one table ---------------------------------------------------------------------------------------
+EXIT_OK = 0
+EXIT_FAILED = 1  # anything else: a crash, a collective that timed out or lost a peer, a reward function that raised
+EXIT_USER_ERROR = 2  # ConfigError: configuration, data, model paths, batch arithmetic; nothing trained
+EXIT_SKIPPED_STEPS = 3  # max_consecutive_skips updates in a row skipped (non-finite gradients / fp16 overflow)
+EXIT_NON_FINITE = 4  # a non-finite score, advantage or loss; every rank stops
+EXIT_PREEMPTED = 75  # preempted: a checkpoint was written, requeue me (EX_TEMPFAIL)
+EXIT_CODES = {EXIT_OK: "done", EXIT_FAILED: "failed", EXIT_USER_ERROR: "user error (nothing trained)",
+              EXIT_SKIPPED_STEPS: "too many skipped steps", EXIT_NON_FINITE: "non-finite value",
+              EXIT_PREEMPTED: "preempted, checkpoint written"}
+# Codes every rank reaches together at a clean end: the process group is torn down with a barrier first.
+CLEAN_EXIT_CODES = frozenset({EXIT_OK, EXIT_PREEMPTED})
+
+
+class TrainingStopped(RuntimeError):
+    """Training cannot go on (every rank stops together); `exit_code` is what the entry point exits with."""
+
+    exit_code = EXIT_FAILED
 
 
 @dataclass(frozen=True)

@@ -27,7 +27,7 @@ import string
 from dataclasses import dataclass, field
 from fractions import Fraction
 from math import floor
-from typing import Any, Callable, Iterator, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 import torch
 
@@ -387,68 +387,6 @@ def load_prompt_dataset(data_path: Any, tokenizer: Any, max_prompt_seq_len: int,
                       use_chat_template=use_chat_template, long_prompt_policy=long_prompt_policy,
                       bad_row_policy=bad_row_policy, data_cache_dir=data_cache_dir)
     return load_prompt_data(data, tokenizer, max_prompt_seq_len, seed=seed, verbose=verbose).train
-
-
-class PromptSampler:
-    """Deterministic sharded order over `num_prompts` prompts.
-
-    Epoch e is a permutation of range(num_prompts) drawn from `torch.Generator().manual_seed(seed + e)`: identical on
-    every rank, it depends on seed and epoch only. A global batch is batch_size * world_size prompts; rank r of global
-    batch k gets perm[k*G + r*batch_size : k*G + (r+1)*batch_size]. With drop_last (the default) the short last batch
-    is dropped, and counted: `dropped_per_epoch` prompts per epoch are not seen in that epoch (another epoch's
-    permutation puts them elsewhere). With drop_last=False the short last batch is filled from the start of the same
-    permutation, so a few prompts repeat in that epoch.
-
-    `batch_field` names the setting behind `batch_size` in the error raised when one global batch cannot be filled
-    (PPO: the generation batch; SFT / reward model: the training mini-batch).
-    """
-
-    def __init__(self, num_prompts: int, batch_size: int, rank: int, world_size: int, seed: int,
-                 drop_last: bool = True, batch_field: str = "per_device_generation_batch_size"):
-        if batch_size <= 0 or world_size <= 0 or not 0 <= rank < world_size:
-            raise ValueError(f"need batch_size > 0 and 0 <= rank < world_size; got batch_size={batch_size}, "
-                             f"rank={rank}, world_size={world_size}")
-        G = batch_size * world_size
-        if num_prompts < G:
-            fit = num_prompts // world_size
-            hint = f"lower it to {fit} or below, or add prompts" if fit else "add prompts"
-            raise ConfigError([Problem(batch_field, batch_size,
-                                        f"{num_prompts} prompts cannot fill one global batch of {batch_size} x "
-                                        f"{world_size} ranks = {G} prompts; {hint}")], "not enough prompts")
-        self.num_prompts, self.batch_size, self.rank, self.world_size = num_prompts, batch_size, rank, world_size
-        self.seed, self.drop_last, self.global_batch_size = seed, drop_last, G
-        self.dropped_per_epoch = num_prompts % G if drop_last else 0
-        self._cache: tuple[int, list[int]] | None = None  # (epoch, permutation): recomputed once per epoch
-
-    @property
-    def batches_per_epoch(self) -> int:
-        G = self.global_batch_size
-        return self.num_prompts // G if self.drop_last else -(-self.num_prompts // G)
-
-    def permutation(self, epoch: int) -> list[int]:
-        if self._cache is None or self._cache[0] != epoch:
-            g = torch.Generator().manual_seed(self.seed + epoch)
-            perm = torch.randperm(self.num_prompts, generator=g).tolist()
-            if not self.drop_last:  # num_prompts >= G, so one wrap fills the last batch
-                perm += perm[: self.batches_per_epoch * self.global_batch_size - self.num_prompts]
-            self._cache = (epoch, perm)
-        return self._cache[1]
-
-    def indices(self, epoch: int, k: int) -> list[int]:
-        """This rank's prompt indices in global batch `k` of `epoch`."""
-        if not 0 <= k < self.batches_per_epoch:
-            raise IndexError(f"batch {k} out of range: an epoch holds {self.batches_per_epoch} batches")
-        start = k * self.global_batch_size + self.rank * self.batch_size
-        return self.permutation(epoch)[start: start + self.batch_size]
-
-    def iter_from(self, epoch: int = 0, batch: int = 0) -> Iterator[tuple[int, int, list[int]]]:
-        """Yield (epoch, k, indices) forever, starting at (epoch, batch): resume a checkpoint from where it stopped."""
-        if not 0 <= batch < self.batches_per_epoch:
-            raise IndexError(f"batch {batch} out of range: an epoch holds {self.batches_per_epoch} batches")
-        while True:
-            for k in range(batch, self.batches_per_epoch):
-                yield epoch, k, self.indices(epoch, k)
-            epoch, batch = epoch + 1, 0
 
 
 def collate_prompts(dataset: PromptDataset, indices: Sequence[int],

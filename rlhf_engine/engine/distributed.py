@@ -5,9 +5,10 @@ import datetime
 import importlib
 import os
 import socket
-from dataclasses import dataclass
 
 import torch
+
+from ..comm import DistInfo, all_reduce, barrier  # noqa: F401  (re-exported: the engine's own use)
 
 _LAUNCH_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
 
@@ -17,18 +18,6 @@ def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
-
-
-@dataclass(frozen=True)
-class DistInfo:
-    rank: int
-    world_size: int
-    local_rank: int
-    device: torch.device
-
-    @property
-    def is_main(self) -> bool:
-        return self.rank == 0
 
 
 def launch_env(environ) -> dict:
@@ -233,17 +222,3 @@ def describe_collective_failure(exc: BaseException, timeout_minutes: float | Non
         what = f"rank {rank}: lost the connection to another rank during a collective operation: that rank died"
     return (f"{what} ({type(exc).__name__}: {last}). Look at the other ranks' output for the first error. The job "
             "stops; --resume auto continues from the newest complete checkpoint.")
-
-
-def all_reduce(tensor: torch.Tensor, op: str = "sum") -> torch.Tensor:
-    """In-place all-reduce over every rank (sum, max or min); a no-op when not distributed."""
-    if torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1:
-        ops = {"sum": torch.distributed.ReduceOp.SUM, "max": torch.distributed.ReduceOp.MAX,
-               "min": torch.distributed.ReduceOp.MIN}
-        torch.distributed.all_reduce(tensor, op=ops[op])
-    return tensor
-
-
-def barrier() -> None:
-    if torch.distributed.is_initialized():
-        torch.distributed.barrier()

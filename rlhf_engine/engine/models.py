@@ -16,6 +16,24 @@ from torch import nn
 log = logging.getLogger(__name__)
 
 
+def prepare_tokenizer(tok):
+    """The actor's tokenizer as every rollout needs it: left-padded; a missing pad token becomes EOS (logged)."""
+    tok.padding_side = "left"
+    if tok.pad_token is None:
+        if tok.eos_token is None:
+            raise ValueError(f"tokenizer {tok.name_or_path} has neither a pad nor an EOS token; add one")
+        tok.pad_token = tok.eos_token
+        log.warning("tokenizer has no pad token: using EOS %r as pad", tok.eos_token)
+    return tok
+
+
+def load_tokenizer(path: str):
+    """`prepare_tokenizer` of the tokenizer at `path`."""
+    from transformers import AutoTokenizer
+
+    return prepare_tokenizer(AutoTokenizer.from_pretrained(path))
+
+
 def no_dropout_config(path: str, **overrides):
     """The model's config with every dropout probability set to 0 (RL needs deterministic forwards)."""
     from transformers import AutoConfig

@@ -1,29 +1,67 @@
-"""Start-up checks of the model side, before any engine is built: every problem reported in one error.
+"""The model side of a run's plan: every role's path, ZeRO stage and resolved dtype, the tokenizer, the stop tokens and
+the generation path, checked before any engine is built (every problem in one error).
 
-Only configs and tokenizers are read here (cheap), never weights.
+Only configs and tokenizers are read here (cheap), never weights. `plan_engine` (PPO) and `plan_model` (steps 1 and 2)
+are called once per run, by the run plan (trainer/plan.py); the engines take what they return.
 """
 from __future__ import annotations
 
 import functools
 import logging
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any, Mapping
 
 from ..config import ROLES, RoleConfig, TrainConfig
 from ..errors import ConfigError, Problem, Problems
 from .ds_config import load_user_config
+from .models import prepare_tokenizer
 
 log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
 class RolePlan:
-    """Where one role's weights come from and how its engine is placed."""
+    """Where one role's weights come from and how its engine is placed (`dtype` resolved: never "auto")."""
 
     path: str
     stage: int
     dtype: str
     train: bool
+
+
+@dataclass(frozen=True)
+class EnginePlan:
+    """What `RLHFEngine` builds: one engine per role of `roles` (the reference is skipped when it is the actor's
+    disabled adapter), with this tokenizer, for `num_training_steps` optimizer steps of the LR schedule."""
+
+    roles: Mapping[str, RolePlan]
+    tokenizer: Any = field(repr=False)
+    stop_token_ids: tuple  # generation ends at the first of them: the tokenizer's EOS and --stop_token_ids
+    hybrid_engine: bool  # the actor generates with DeepSpeed's Hybrid Engine (requested and possible)
+    num_training_steps: int = 0
+
+
+def resolve_dtype(dtype: str, cuda: bool | None = None) -> str:
+    """`auto` -> bf16 on a GPU that supports it, fp16 on another GPU, fp32 on CPU; any other value as given."""
+    if dtype != "auto":
+        return dtype
+    import torch
+
+    cuda = torch.cuda.is_available() if cuda is None else cuda
+    if not cuda:
+        return "fp32"
+    return "bf16" if torch.cuda.is_bf16_supported() else "fp16"
+
+
+def log_dtypes(roles: Mapping[str, RolePlan], requested: Mapping[str, str]) -> None:
+    """One line naming what each `auto` dtype resolved to."""
+    auto = {r: p.dtype for r, p in roles.items() if requested.get(r) == "auto"}
+    if auto:
+        import torch
+
+        where = "CUDA" if torch.cuda.is_available() else "no CUDA device"
+        log.info("dtype auto (%s): %s", where, ", ".join(f"{r} {d}" for r, d in auto.items()))
 
 
 def resolve_paths(cfg: TrainConfig) -> dict[str, str]:
@@ -105,8 +143,9 @@ def missing_tokenizer(path: str) -> str:
             "(tokenizer.save_pretrained) or point the tokenizer_name_or_path flag at a folder that has one")
 
 
-def plan_roles(cfg: TrainConfig) -> dict[str, RolePlan]:
-    """Resolve and check every role; raise one `ConfigError` listing all problems."""
+def plan_engine(cfg: TrainConfig, num_training_steps: int = 0) -> EnginePlan:
+    """Resolve and check every role, load the actor's tokenizer (once), decide the generation path; raise one
+    `ConfigError` listing all problems."""
     from transformers import AutoConfig, AutoTokenizer
 
     p = Problems()
@@ -142,7 +181,7 @@ def plan_roles(cfg: TrainConfig) -> dict[str, RolePlan]:
             reported.add(path)
             p.add(field, path, no_weights)
     tok_path = cfg.actor.tokenizer_name_or_path or paths["actor"]
-    tokenizer_len = None
+    tokenizer_len = tokenizer = None
     if tok_path and "actor" in configs:
         try:
             if missing_tokenizer(tok_path):
@@ -157,6 +196,8 @@ def plan_roles(cfg: TrainConfig) -> dict[str, RolePlan]:
             if tok.eos_token_id is None:  # (no pad token is fine: EOS becomes the pad token, logged)
                 p.add("actor_tokenizer_name_or_path", tok_path, "the tokenizer has no EOS token: generation stops at "
                       "it (and it is the pad token when there is none); give a tokenizer with one")
+            else:
+                tokenizer = prepare_tokenizer(tok)
     if "actor" in configs:
         vocab = configs["actor"].vocab_size
         if tokenizer_len is not None and tokenizer_len > vocab:
@@ -190,13 +231,6 @@ def plan_roles(cfg: TrainConfig) -> dict[str, RolePlan]:
             seen.add(paths[role])
             p.add("max_prompt_seq_len + max_answer_seq_len", need, f"exceeds the {role} model's maximum positions "
                   f"({limit}); lower max_prompt_seq_len or max_answer_seq_len")
-    if cfg.reward_fn:
-        try:
-            from ..rewards import load_reward_fn
-
-            load_reward_fn(cfg.reward_fn)
-        except ValueError as e:
-            p.add("reward_fn", cfg.reward_fn, str(e))
     for role in ("actor", "critic"):
         rc = getattr(cfg, role)
         config = configs.get(role) or (configs.get("actor") if role == "critic" and cfg.critic.init_from == "actor"
@@ -215,9 +249,11 @@ def plan_roles(cfg: TrainConfig) -> dict[str, RolePlan]:
         train = role in ("actor", "critic")
         rc = getattr(cfg, role)
         check_placement(p, rc, stage, train, prefix=f"{role}_", name=role)
-        plans[role] = RolePlan(paths[role], stage, rc.dtype or cfg.dtype, train)
+        plans[role] = RolePlan(paths[role], stage, resolve_dtype(rc.dtype or cfg.dtype), train)
     p.raise_if_any("cannot start: model setup")
-    return plans
+    log_dtypes(plans, {r: getattr(cfg, r).dtype or cfg.dtype for r in plans})
+    stop = tuple(sorted({int(tokenizer.eos_token_id), *map(int, cfg.generation.stop_token_ids)}))
+    return EnginePlan(plans, tokenizer, stop, use_hybrid_engine(cfg, configs["actor"]), num_training_steps)
 
 
 def check_placement(p: Problems, rc: RoleConfig, stage: int, train: bool, prefix: str, name: str) -> None:
@@ -241,11 +277,11 @@ def check_placement(p: Problems, rc: RoleConfig, stage: int, train: bool, prefix
         load_user_config(rc.ds_config, f"{prefix}ds_config", p)
 
 
-def plan_model(rc: RoleConfig, need_positions: int, name: str = "model") -> RolePlan:
+def plan_model(rc: RoleConfig, need_positions: int, name: str = "model") -> tuple[RolePlan, Any]:
     """Resolve and check the one trained model of an SFT or reward-model run (flat flags: `model_name_or_path`,
     `zero_stage`, ...): its config and tokenizer load, the tokenizer fits the vocabulary and has an EOS token,
     `need_positions` (prompt + response tokens) fits the model, and the placement is valid. Raises one `ConfigError`
-    listing every problem; reads no weights."""
+    listing every problem; reads no weights. Returns (its `RolePlan`, the prepared tokenizer)."""
     from transformers import AutoConfig, AutoTokenizer
 
     p = Problems()
@@ -290,7 +326,9 @@ def plan_model(rc: RoleConfig, need_positions: int, name: str = "model") -> Role
     stage = rc.zero_stage if rc.zero_stage is not None else 0
     check_placement(p, rc, stage, True, prefix="", name=name)
     p.raise_if_any("cannot start: model setup")
-    return RolePlan(path, stage, rc.dtype or "fp32", True)
+    plan = RolePlan(path, stage, resolve_dtype(rc.dtype or "auto"), True)
+    log_dtypes({name: plan}, {name: rc.dtype or "auto"})
+    return plan, prepare_tokenizer(tok)
 
 
 # ---- engine extensions ----------------------------------------------------------------------------------------------
@@ -364,15 +402,13 @@ def hybrid_engine_reasons(cfg: TrainConfig, actor_config, on_gpu: bool | None = 
 _warned: set = set()
 
 
-def use_hybrid_engine(cfg: TrainConfig, actor_path: str) -> bool:
+def use_hybrid_engine(cfg: TrainConfig, actor_config: Any) -> bool:
     """Whether the actor's engine gets the Hybrid Engine: requested and possible. Requested but impossible: with
-    `hybrid_engine_fallback` a warning (once per message) and False, else a `ConfigError` (plan_roles reports it
+    `hybrid_engine_fallback` a warning (once per message) and False, else a `ConfigError` (plan_engine reports it
     first, with every other problem)."""
     if cfg.engine.enable_hybrid_engine is not True:
         return False
-    from transformers import AutoConfig
-
-    reasons = hybrid_engine_reasons(cfg, AutoConfig.from_pretrained(actor_path))
+    reasons = hybrid_engine_reasons(cfg, actor_config)
     if not reasons:
         return True
     if not cfg.engine.hybrid_engine_fallback:

@@ -8,7 +8,6 @@ steps, so `backward` multiplies by the world size and turns DeepSpeed's accumula
 from __future__ import annotations
 
 import logging
-import os
 from typing import Optional
 
 import torch
@@ -18,37 +17,27 @@ from ..ppo_math import entropy_from_logits, logprobs_from_logits
 from ..rollout import Rollout
 from .distributed import DistInfo
 from .models import ScalarHeadModel, adapter_disabled
-from .preflight import RolePlan, plan_roles, use_hybrid_engine
+from .models import load_tokenizer  # noqa: F401  (re-exported)
+from .preflight import EnginePlan, RolePlan, resolve_dtype
 from .role_engine import (backward_global, build_role_engine, export_engine, full_state_dict, rollout_inputs,
-                          sequence_scores, write_ds_config)
+                          sequence_scores)
 from .zero3 import ema_update_, full_param_bytes, gathered_for_generation
 
 log = logging.getLogger(__name__)
 TRAINED = ("actor", "critic")
 
 
-def load_tokenizer(path: str):
-    """The actor's tokenizer, left-padded; a missing pad token becomes EOS (logged)."""
-    from transformers import AutoTokenizer
-
-    tok = AutoTokenizer.from_pretrained(path)
-    tok.padding_side = "left"
-    if tok.pad_token is None:
-        if tok.eos_token is None:
-            raise ValueError(f"tokenizer at {path} has neither a pad nor an EOS token; add one")
-        tok.pad_token = tok.eos_token
-        log.warning("tokenizer has no pad token: using EOS %r as pad", tok.eos_token)
-    return tok
-
-
 class RLHFEngine:
-    def __init__(self, cfg: TrainConfig, dist: DistInfo, num_training_steps: int,
-                 output_dir: Optional[str] = None):
-        self.cfg, self.dist = cfg, dist
-        self.plans: dict[str, RolePlan] = plan_roles(cfg)  # raises before any weight is read
-        self.tokenizer = load_tokenizer(cfg.actor.tokenizer_name_or_path or self.plans["actor"].path)
+    """Builds the engines of an `EnginePlan` (engine/preflight.py: planned and checked once, before any weight is
+    read). `ds_configs` holds each engine's resolved DeepSpeed config (the run directory writes them)."""
+
+    def __init__(self, cfg: TrainConfig, dist: DistInfo, plan: EnginePlan):
+        self.cfg, self.dist, self.plan = cfg, dist, plan
+        self.plans: dict[str, RolePlan] = dict(plan.roles)  # + "ema" when built
+        self.tokenizer = plan.tokenizer
         self.pad_token_id = int(self.tokenizer.pad_token_id)
-        self.stop_token_ids = sorted({int(self.tokenizer.eos_token_id), *map(int, cfg.generation.stop_token_ids)})
+        self.stop_token_ids = list(plan.stop_token_ids)
+        num_training_steps = plan.num_training_steps
         self.experience_micro_batch = (cfg.batch.experience_micro_batch_size
                                        or cfg.batch.per_device_generation_batch_size)
         g = cfg.generation
@@ -59,7 +48,7 @@ class RLHFEngine:
         ext = cfg.engine
         # the reference is the actor with its LoRA adapter disabled: no engine of its own
         self.reference_from_adapter = bool(ext.reference_from_actor_adapter)
-        self.hybrid_engine = use_hybrid_engine(cfg, self.plans["actor"].path)  # False (warned) with the fallback
+        self.hybrid_engine = plan.hybrid_engine  # False (warned) with the fallback
         for role, plan in self.plans.items():
             if role == "reference" and self.reference_from_adapter:
                 continue
@@ -76,9 +65,6 @@ class RLHFEngine:
             self._build_ema(num_training_steps)
         self._gather_once_logged = False
         self._hybrid_engine_checked = False
-        if output_dir and dist.is_main:
-            for role, ds_cfg in self.ds_configs.items():
-                write_ds_config(output_dir, role, ds_cfg)
 
     def _build_ema(self, num_training_steps: int) -> None:
         """The EMA of the actor: an eval-only engine built from the actor's weights, at ZeRO 3 when the actor is at 3
@@ -87,7 +73,8 @@ class RLHFEngine:
         from ..config import RoleConfig
 
         actor = self.plans["actor"]
-        plan = RolePlan(actor.path, 3 if actor.stage == 3 else 0, self.cfg.engine.ema_dtype or actor.dtype, False)
+        plan = RolePlan(actor.path, 3 if actor.stage == 3 else 0, resolve_dtype(self.cfg.engine.ema_dtype or actor.dtype),
+                        False)
         engine, ds_cfg = build_role_engine(
             RoleConfig(), plan.path, kind="causal_lm", stage=plan.stage, dtype=plan.dtype, train=False,
             batch=self.cfg.batch, world_size=self.dist.world_size, eval_micro_batch_size=self.experience_micro_batch,

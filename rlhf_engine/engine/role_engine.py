@@ -13,7 +13,6 @@
 """
 from __future__ import annotations
 
-import json
 import os
 from typing import Any, Optional
 
@@ -82,15 +81,6 @@ def build_role_engine(role_cfg: RoleConfig, path: str, *, kind: str, stage: int,
         engine, *_ = deepspeed.initialize(model=model, config=ds_cfg)
         engine.eval()
     return engine, ds_cfg
-
-
-def write_ds_config(output_dir: str, role: str, ds_cfg: dict) -> str:
-    """`<output_dir>/ds_config_<role>.json` (the resolved DeepSpeed config of one engine); call on the main rank."""
-    os.makedirs(output_dir, exist_ok=True)
-    path = os.path.join(output_dir, f"ds_config_{role}.json")
-    with open(path, "w") as f:
-        json.dump(ds_cfg, f, indent=2, sort_keys=True)
-    return path
 
 
 def rollout_inputs(rollout: Rollout, use_position_ids: bool = True) -> dict:

@@ -36,10 +36,10 @@ import time
 from typing import Any, Mapping, Optional, Sequence
 
 from ..errors import ConfigError, Problem
+from .run_dir import CHECKPOINTS, RECORD_FILES, RunDir
 
 log = logging.getLogger("rlhf_engine.outputs")
 
-CHECKPOINTS_DIR = "checkpoints"
 MARKER = "COMPLETE"
 MARKER_FORMAT = 1
 TAG_PREFIX = "iter_"
@@ -48,7 +48,7 @@ _TAG_RE = re.compile(r"^iter_(\d{6,})$")
 
 # ---- names -------------------------------------------------------------------------------------------------------
 def checkpoints_root(output_dir: str) -> str:
-    return os.path.join(output_dir, CHECKPOINTS_DIR)
+    return RunDir(output_dir).checkpoints
 
 
 def tag_for(iteration: int) -> str:
@@ -185,7 +185,7 @@ def resolve_resume(resume: str, output_dir: str) -> tuple[Optional[str], str]:
     path = os.path.abspath(os.path.expanduser(resume))
     if not os.path.isdir(path):
         raise ConfigError([Problem("resume", resume, "no such folder; give 'auto', a checkpoint folder "
-                                   f"(<output_dir>/{CHECKPOINTS_DIR}/iter_NNNNNN) or a run folder")],
+                                   f"(<output_dir>/{CHECKPOINTS}/iter_NNNNNN) or a run folder")],
                           "cannot resume")
     if is_complete(path):
         bad = corrupt_files(path)
@@ -206,7 +206,7 @@ def resolve_resume(resume: str, output_dir: str) -> tuple[Optional[str], str]:
             return found, (f"--resume {resume}: resuming from {found} (iteration {it}), the newest complete "
                            f"checkpoint there{skipped}")
     raise ConfigError([Problem("resume", resume, "holds no complete checkpoint (no iter_NNNNNN folder with a "
-                               f"{MARKER} marker here or in {CHECKPOINTS_DIR}/)")], "cannot resume")
+                               f"{MARKER} marker here or in {CHECKPOINTS}/)")], "cannot resume")
 
 
 def _skipped(incomplete: Sequence[tuple[int, str]], newest: int) -> str:
@@ -330,8 +330,7 @@ def check_fingerprint(saved: Mapping[str, Any], current: Mapping[str, Any], ckpt
 
 # ---- run files after a resume ------------------------------------------------------------------------------------
 def trim_after_resume(output_dir: str, iteration: int,
-                      names: Sequence[str] = ("metrics.jsonl", "samples.jsonl", "eval_samples.jsonl")
-                      ) -> list[str]:
+                      names: Sequence[str] = RECORD_FILES) -> list[str]:
     """Keep only the records of iterations before `iteration` in metrics.jsonl / samples.jsonl (rank 0, on resume):
     iterations logged after the checkpoint by the interrupted run are run again. The dropped lines are kept in
     `<name>.dropped-<time>.bak`; returns those backup paths. A last line cut short by a crash is dropped too."""

@@ -6,6 +6,8 @@ import math
 import os
 from typing import Any, Optional
 
+from .run_dir import METRICS
+
 
 def _plain(key: str, value: Any) -> Any:
     """0-dim / one-element tensors and numpy scalars -> python numbers; None and non-finite floats -> None (omitted)."""
@@ -28,7 +30,7 @@ class MetricsWriter:
     """
 
     def __init__(self, output_dir: str, enabled: bool = True):
-        self.path = os.path.join(output_dir, "metrics.jsonl")
+        self.path = os.path.join(output_dir, METRICS)
         self.enabled = enabled
         self._file: Optional[Any] = None
 
@@ -61,7 +63,7 @@ def read_metrics(path: str) -> list[dict]:
     A last line cut short by a crash mid-write is skipped; a bad line anywhere else raises.
     """
     if os.path.isdir(path):
-        path = os.path.join(path, "metrics.jsonl")
+        path = os.path.join(path, METRICS)
     with open(path, encoding="utf-8") as f:
         lines = [ln for ln in f.read().split("\n") if ln.strip()]
     records = []

@@ -1,11 +1,10 @@
-"""The run directory and everything the trainer logs into it: one facade, `RunLogger`, plus the output-dir policy and
-the secret redaction used for every file we write.
+"""Everything the trainer logs into the run directory: one facade, `RunLogger`, plus the secret redaction used for every
+file we write. The paths and the output-dir policy are `run_dir.py`'s.
 
-Run directory layout (rank 0 writes; other ranks write nothing):
+What `RunLogger` writes (rank 0; other ranks write nothing):
 
 | file | written by |
 |---|---|
-| `config.json`, `command.txt` | `write_run_files` (redacted) |
 | `metrics.jsonl` | `RunLogger.log`, one line per iteration (always) |
 | `samples.jsonl` | `RunLogger.log_samples`, one line per prompt/response/score (always) |
 | `wandb/offline-run-*` or `wandb/run-*` | wandb, when `wandb_project` is set |
@@ -30,14 +29,12 @@ import json
 import logging
 import os
 import re
-import shlex
 import sys
-import time
 from typing import Any, Iterator, Mapping, Optional, Sequence
 
-from ..errors import ConfigError, Problem
 from .metrics import MetricsWriter, _plain
 from .plot import PLOT_KEYS, plot_metrics
+from .run_dir import RunDir
 
 log = logging.getLogger("rlhf_engine.outputs")
 
@@ -48,12 +45,6 @@ _MIN_SECRET_LEN = 6  # shorter values ("1", "true") would match ordinary text ev
 _SECRET_WORDS = frozenset({"key", "apikey", "token", "secret", "password", "passwd", "pwd"})
 _SPECIAL_TOKENS = frozenset({"pad", "bos", "eos", "unk", "sep", "cls", "mask", "stop", "start", "end"})
 _TRUE = ("1", "true", "yes", "on")
-
-# what holds "another run" in an output directory, and what `overwrite_output_dir` moves aside
-RUN_MARKERS = ("metrics.jsonl", "checkpoints")
-RUN_FILES = ("metrics.jsonl", "samples.jsonl", "config.json", "command.txt", "metrics.png", "checkpoints",
-             "tensorboard", "model", "final")  # model/: the HF export of an SFT or reward-model run; final/: PPO's
-
 
 # ---- redaction ---------------------------------------------------------------------------------------------------
 def secret_values(environ: Optional[Mapping[str, str]] = None) -> list[str]:
@@ -114,72 +105,6 @@ def redact_argv(argv: Sequence[str], environ: Optional[Mapping[str, str]] = None
     return out
 
 
-def _write_atomic(path: str, text: str) -> None:
-    tmp = path + ".tmp"
-    with open(tmp, "w", encoding="utf-8") as f:
-        f.write(text)
-    os.replace(tmp, path)
-
-
-def write_run_files(output_dir: str, config: dict, argv: Sequence[str]) -> None:
-    """`<output_dir>/config.json` (the resolved config, redacted) and `command.txt` (the command line, redacted,
-    shell-quoted so it can be pasted back). Call on rank 0 only."""
-    os.makedirs(output_dir, exist_ok=True)
-    _write_atomic(os.path.join(output_dir, "config.json"),
-                  json.dumps(redact(config), indent=2, sort_keys=True, default=str) + "\n")
-    _write_atomic(os.path.join(output_dir, "command.txt"), shlex.join(redact_argv(argv)) + "\n")
-
-
-# ---- output directory policy -------------------------------------------------------------------------------------
-def holds_run(output_dir: str) -> bool:
-    """True when `output_dir` holds another run: a metrics.jsonl or a checkpoints/ folder."""
-    return any(os.path.exists(os.path.join(output_dir, m)) for m in RUN_MARKERS)
-
-
-def prepare_output_dir(output_dir: str, resume: bool, overwrite: bool, is_main: bool = True) -> list[str]:
-    """Apply the output-directory policy; returns the backup paths made (rank 0 with `overwrite` only).
-
-    - `output_dir` holding another run (metrics.jsonl or checkpoints/ exists): a `ConfigError` naming `output_dir`
-      and the fixes, unless `resume` or `overwrite`.
-    - `resume`: nothing is moved; the run continues in place.
-    - `overwrite` (rank 0): nothing is deleted or overwritten. Each run file that exists (metrics.jsonl,
-      samples.jsonl, config.json, command.txt, metrics.png, checkpoints/, tensorboard/, ds_config_*.json) is renamed
-      to `<name>.<YYYYmmdd-HHMMSS>.bak` beside it; wandb/ is left as is (every wandb run has its own folder).
-    - The folder is created (rank 0). The check reads only, so every rank can call this and raise the same error;
-      other ranks must wait for rank 0 (a barrier) before writing.
-    """
-    if os.path.exists(output_dir) and not os.path.isdir(output_dir):
-        raise ConfigError([Problem("output_dir", output_dir, "is a file; give a folder for the run")],
-                          "invalid output directory")
-    if holds_run(output_dir) and not resume and not overwrite:
-        found = [m for m in RUN_MARKERS if os.path.exists(os.path.join(output_dir, m))]
-        raise ConfigError([Problem("output_dir", output_dir,
-                                   f"holds another run ({', '.join(found)} exist); pass --resume auto to continue "
-                                   f"it, --overwrite_output_dir to start a new run there (the old files are kept, "
-                                   f"renamed *.<timestamp>.bak), or choose another --output_dir")],
-                          "output directory in use")
-    moved: list[str] = []
-    if not is_main:
-        return moved
-    os.makedirs(output_dir, exist_ok=True)
-    if overwrite and not resume:
-        stamp = time.strftime("%Y%m%d-%H%M%S")
-        names = list(RUN_FILES) + sorted(n for n in os.listdir(output_dir)
-                                         if n.startswith("ds_config_") and n.endswith(".json"))
-        for name in names:
-            src = os.path.join(output_dir, name)
-            if not os.path.exists(src):
-                continue
-            dst, k = f"{src}.{stamp}.bak", 1
-            while os.path.exists(dst):  # two overwrites in one second: never replace an older backup
-                dst, k = f"{src}.{stamp}-{k}.bak", k + 1
-            os.rename(src, dst)
-            moved.append(dst)
-        if moved:
-            log.warning("overwrite_output_dir: kept the previous run's files as %s", ", ".join(moved))
-    return moved
-
-
 # ---- wandb -------------------------------------------------------------------------------------------------------
 def wandb_mode(environ: Optional[Mapping[str, str]] = None) -> str:
     """'disabled', 'offline' or 'online' (the module docstring gives the rule)."""
@@ -201,9 +126,6 @@ def _redacted_sys_argv() -> Iterator[None]:
         yield
     finally:
         sys.argv = saved
-
-
-WANDB_ID_FILE = "run_id"  # <output_dir>/wandb/run_id: the wandb run a resume continues
 
 
 def _read_text(path: str) -> str:
@@ -239,8 +161,9 @@ class RunLogger:
         self.output_dir, self.is_main = output_dir, is_main
         self.plot_keys, self.bar_keys = tuple(plot_keys), tuple(bar_keys)
         self.wandb_sample_interval = max(1, int(wandb_sample_interval))
+        self.run_dir = RunDir(output_dir)
         self.metrics = MetricsWriter(output_dir, enabled=is_main)
-        self.samples_path = os.path.join(output_dir, "samples.jsonl")
+        self.samples_path = self.run_dir.samples
         self.png_path: Optional[str] = None
         self._wandb: Any = None
         self._tb: Any = None
@@ -259,13 +182,14 @@ class RunLogger:
             self._bar = tqdm(total=total_iterations, desc=bar_desc, unit="it", dynamic_ncols=True, file=sys.stderr)
 
     @classmethod
-    def from_config(cls, cfg: Any, is_main: bool, config: dict) -> "RunLogger":
-        """From a TrainConfig (`cfg.output_dir`, `cfg.logging.*`, `cfg.max_steps` for the progress bar); `config` is
-        what wandb records (e.g. `cli.flat_dict(cfg)`)."""
+    def from_config(cls, cfg: Any, is_main: bool, config: dict, **kwargs: Any) -> "RunLogger":
+        """From a run config (`cfg.output_dir`, `cfg.logging.*`, `cfg.resume`); `config` is what wandb records (e.g.
+        `config.flat_dict(cfg)`); `kwargs` go to the constructor (`total_iterations` for the progress bar, and the
+        supervised runs' plot and bar keys)."""
         lg = cfg.logging
         return cls(cfg.output_dir, is_main, config, wandb_project=lg.wandb_project, wandb_entity=lg.wandb_entity,
                    wandb_run_name=lg.wandb_run_name, wandb_sample_interval=lg.wandb_sample_interval,
-                   tensorboard=lg.tensorboard, total_iterations=cfg.max_steps, resume=bool(getattr(cfg, "resume", "")))
+                   tensorboard=lg.tensorboard, resume=bool(getattr(cfg, "resume", "")), **kwargs)
 
     # ---- sinks -------------------------------------------------------------------------------------------------
     def _start_wandb(self, project: str, entity: str, name: str, config: dict, resume: bool) -> Any:
@@ -280,7 +204,7 @@ class RunLogger:
         mode = wandb_mode()
         kwargs = dict(project=redact(project), entity=redact(entity) or None, name=redact(name) or None,
                       dir=self.output_dir, config=redact(config), mode=mode)  # wandb writes all of them to disk
-        id_file = os.path.join(self.output_dir, "wandb", WANDB_ID_FILE)
+        id_file = self.run_dir.wandb_id
         previous = _read_text(id_file) if resume else ""
         if previous:  # the records after the checkpoint come again: wandb keeps the first (equal) values
             kwargs.update(id=previous, resume="allow")
@@ -320,7 +244,7 @@ class RunLogger:
                 log.warning("tensorboard is on but neither tensorboard nor tensorboardX is installed "
                             "(pip install tensorboard); TensorBoard scalars are not written")
                 return None
-        return SummaryWriter(log_dir=os.path.join(self.output_dir, "tensorboard"))
+        return SummaryWriter(log_dir=self.run_dir.tensorboard)
 
     # ---- API -----------------------------------------------------------------------------------------------------
     def log(self, record: dict) -> None:
@@ -382,8 +306,7 @@ class RunLogger:
             except Exception as e:  # never let the sink hide the run's own outcome
                 log.warning("wandb finish failed: %s: %s", type(e).__name__, e)
         try:
-            self.png_path = plot_metrics(os.path.join(self.output_dir, "metrics.jsonl"),
-                                         os.path.join(self.output_dir, "metrics.png"), keys=self.plot_keys)
+            self.png_path = plot_metrics(self.run_dir.metrics, self.run_dir.plot, keys=self.plot_keys)
         except Exception as e:
             log.warning("metrics.png not written: %s: %s", type(e).__name__, e)
         return self.png_path

@@ -13,6 +13,7 @@ from typing import Optional
 import torch
 
 from ..data.prompts import PromptDataset, collate_prompts
+from ..outputs.run_dir import RunDir
 from .experience import decode_rollout
 
 
@@ -42,7 +43,7 @@ class Evaluator:
 
     def run(self, engine, reward_fn) -> tuple[dict, list[dict]]:
         """-> (metrics eval/score, eval/kl, eval/response_length over all ranks; this rank's samples)."""
-        from ..engine import all_reduce
+        from ..comm import all_reduce
 
         sums = torch.zeros(4, dtype=torch.float64, device=engine.device)  # count, score, kl, length
         samples = []
@@ -70,6 +71,6 @@ class Evaluator:
 def write_eval_samples(output_dir: str, iteration: int, samples: list[dict], limit: Optional[int] = 8) -> None:
     """Append this evaluation's first samples to `<output_dir>/eval_samples.jsonl` (before/after comparisons)."""
     os.makedirs(output_dir, exist_ok=True)
-    with open(os.path.join(output_dir, "eval_samples.jsonl"), "a", encoding="utf-8") as f:
+    with open(RunDir(output_dir).eval_samples, "a", encoding="utf-8") as f:
         for s in samples[:limit]:
             f.write(json.dumps({"iteration": iteration, **s}) + "\n")

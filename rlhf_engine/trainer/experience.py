@@ -7,7 +7,7 @@ from typing import Callable, Optional
 import torch
 
 from ..config import PPOConfig
-from ..engine import all_reduce
+from ..comm import all_reduce
 from ..ppo_math import compute_gae, compute_rewards, masked_whiten
 from ..rollout import Experience, Rollout
 from .guards import NonFiniteError  # noqa: F401  (re-exported: defined with the other stop reasons)

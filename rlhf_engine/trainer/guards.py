@@ -34,21 +34,14 @@ from typing import Any, Optional
 
 import torch
 
-from ..engine import all_reduce
+from ..comm import all_reduce
+from ..errors import EXIT_NON_FINITE, EXIT_SKIPPED_STEPS, TrainingStopped
 
 log = logging.getLogger(__name__)
 
-EXIT_SKIPPED_STEPS = 3
-EXIT_NON_FINITE = 4
 TRAINED = ("actor", "critic")
 # the losses watched between two boundaries (fixed order: every rank builds the same table)
 LOSSES = ("policy loss", "ptx loss", "value loss")
-
-
-class TrainingStopped(RuntimeError):
-    """Training cannot go on; `exit_code` is what launch/train_ppo.py exits with."""
-
-    exit_code = 1
 
 
 class NonFiniteError(TrainingStopped):

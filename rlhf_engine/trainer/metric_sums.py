@@ -5,7 +5,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..engine import all_reduce
+from ..comm import all_reduce
 
 
 @dataclass

@@ -16,7 +16,7 @@ One iteration:
 Scores may be normalized and penalized before they enter the reward (trainer/reward_shaping.py); a non-finite score,
 advantage or loss on any rank stops every rank (NonFiniteError, exit code 4); `max_consecutive_skips` skipped updates
 in a row stop the run (TooManySkippedSteps, exit code 3). The first `critic_warmup_iterations` iterations train only
-the critic. The run lasts `total_iterations(cfg, batches_per_epoch)` iterations (max_steps, or fewer with
+the critic. The run lasts `plan.iterations` iterations (trainer/plan.py: max_steps, or fewer with
 num_train_epochs).
 """
 from __future__ import annotations
@@ -27,52 +27,35 @@ from typing import Optional
 
 import torch
 
-from ..config import TrainConfig
-from ..data.prompts import PromptDataset, PromptSampler, collate_prompts
-from ..engine import all_reduce
+from .. import faults
+from ..data.prompts import collate_prompts
+from ..data.sampler import DataCursor
+from ..comm import all_reduce
 from ..outputs.metrics import MetricsWriter
-from ..errors import ConfigError, Problem
 from ..ppo_math import AdaptiveKLController, FixedKLController, policy_loss, value_loss
 from ..rollout import Experience, Rollout
+from .evaluation import Evaluator
 from .experience import (NonFiniteError, RewardFn, build_experience, decode_rollout, experience_forwards,
-                         global_moments, whiten_advantages)
+                         global_moments, text_reward, whiten_advantages)
 from .guards import Injection, StepGuard, injection_from_env
 from .metric_sums import MetricSums
 from .ptx import build_ptx, ptx_loss
 from .reward_shaping import ScoreShaper, reward_model_scorer
-from .state import Checkpointer, DataCursor
+from .plan import RunPlan
+from .state import Checkpointer, providers_of
 
 log = logging.getLogger(__name__)
 
 
-def updates_per_iteration(cfg: TrainConfig) -> int:
-    """Optimizer steps per trained engine per iteration (for the LR schedule)."""
-    return cfg.ppo.ppo_epochs * (cfg.batch.rollout_size // cfg.batch.mini_batch_size)
-
-
-def total_iterations(cfg: TrainConfig, batches_per_epoch: int) -> int:
-    """Iterations of the run: max_steps, or with num_train_epochs E > 0
-    min(max_steps, floor(E x batches_per_epoch / generation_batches)), batches_per_epoch being the sampler's global
-    generation batches per epoch (an iteration may straddle two epochs). Raises ConfigError when that is 0."""
-    epochs = getattr(cfg, "num_train_epochs", 0) or 0
-    if not epochs:
-        return cfg.max_steps
-    n = min(cfg.max_steps, epochs * batches_per_epoch // cfg.batch.generation_batches)
-    if n < 1:
-        raise ConfigError([Problem("num_train_epochs", epochs, f"{epochs} epoch(s) of {batches_per_epoch} generation "
-                                   f"batches hold less than one iteration (generation_batches "
-                                   f"{cfg.batch.generation_batches}); raise num_train_epochs or add prompts")],
-                          "invalid configuration")
-    return n
-
-
 class PPOTrainer:
-    def __init__(self, cfg: TrainConfig, engine, dataset: PromptDataset, metrics: Optional[MetricsWriter] = None,
-                 ptx_dataset=None):
-        self.cfg, self.engine, self.dataset = cfg, engine, dataset
+    """Built from the run plan (trainer/plan.py) and the engine built from it; `metrics` is the run's logger. With
+    `plan.resume_path` the checkpoint is loaded last, right before training continues."""
+
+    def __init__(self, plan: RunPlan, engine, metrics: Optional[MetricsWriter] = None):
+        cfg = plan.cfg
+        self.plan, self.cfg, self.engine, self.dataset = plan, cfg, engine, plan.prompts
         dist = engine.dist
-        self.sampler = PromptSampler(len(dataset), cfg.batch.per_device_generation_batch_size, dist.rank,
-                                     dist.world_size, cfg.seed)
+        self.sampler = plan.sampler
         self._batches = DataCursor(self.sampler)  # (epoch, k, indices) like sampler.iter_from, with a position
         ppo = cfg.ppo
         self.kl_ctl = (AdaptiveKLController(ppo.kl_coef, ppo.kl_target, ppo.kl_horizon) if ppo.adaptive_kl
@@ -81,9 +64,9 @@ class PPOTrainer:
         # What a checkpoint saves besides the engines, per rank (trainer/state.py; "trainer" and "rng" are added
         # there): name -> object with state_dict() / load_state_dict(); "ptx_data" and "reward_normalizer" below.
         self.state_providers = {"data": self._batches, "kl_controller": self.kl_ctl}
-        self.total_iterations = total_iterations(cfg, self.sampler.batches_per_epoch)
-        # PPO-ptx: the unsupervised stream of this rank (trainer/ptx.py), its position saved with checkpoints
-        self.ptx = build_ptx(cfg, engine, ptx_dataset)
+        self.total_iterations = plan.iterations
+        # PPO-ptx: the unsupervised stream of this rank (data/ptx.py), its position saved with checkpoints
+        self.ptx = build_ptx(cfg, engine, plan.ptx)
         if self.ptx is not None:
             self.state_providers["ptx_data"] = self.ptx.cursor
         # scores -> (normalized, missing-EOS penalty) -> reward (trainer/reward_shaping.py)
@@ -95,25 +78,33 @@ class PPOTrainer:
         # TEST HOOK (guards.Injection): inject a non-finite score/advantage/loss/gradient; also from the environment
         # variable RLHF_ENGINE_TEST_INJECT_NONFINITE (JSON). Never set in a real run.
         self.inject_nonfinite: Optional[dict] = injection_from_env()
-        self.checkpointer = Checkpointer(self)  # save_interval / keep_last / export_final; build_trainer resumes
         self.iteration = 0
         self.last_experience: Optional[Experience] = None  # kept for tests and debugging
         self.ratio_trace: list[float] = []  # max |log-ratio| per mini-batch (cheap, used by tests and guards)
         # Optional programmatic reward replacing the reward model: reward_fn(prompt_ids [B, P], rollout) -> [B]
-        # scores (see experience.experience_forwards); build_trainer sets it from `--reward_fn module:function`. A
-        # reward model with its own tokenizer (reward_tokenizer_name_or_path) scores through a re-tokenizing one.
-        self.reward_fn: Optional[RewardFn] = reward_model_scorer(engine, cfg)
-        self.evaluator = None  # trainer.evaluation.Evaluator when eval_interval > 0
+        # scores (see experience.experience_forwards): `--reward_fn module:function` (loaded by the plan). A reward
+        # model with its own tokenizer (reward_tokenizer_name_or_path) scores through a re-tokenizing one.
+        self.reward_fn: Optional[RewardFn] = (text_reward(plan.reward_fn, engine.tokenizer) if plan.reward_fn
+                                              else reward_model_scorer(engine, cfg))
+        self.evaluator = (Evaluator(plan.eval_prompts, cfg.batch.per_device_generation_batch_size, dist.rank,
+                                    dist.world_size) if plan.eval_prompts is not None else None)
         self.samples_per_iteration = 4  # prompt / response / score rows logged per iteration (samples.jsonl, wandb)
         # TEST HOOK (negative control of the token aggregation): "global" (the only correct setting) divides each
         # mini-batch's loss by its global token count; "local" reproduces the naive per-rank token mean (each rank's
         # mean, averaged over ranks), which depends on how tokens fall on ranks.
         self.loss_token_mean = "global"
+        self.checkpointer = Checkpointer(
+            engine, providers_of(self), plan.run_dir, plan.fingerprint, save_interval=cfg.save_interval,
+            keep_last=cfg.keep_last, seed=cfg.seed,
+            export_dir=(cfg.export_dir or plan.run_dir.final) if cfg.export_final else None)
+        faults.install(self)  # TEST HOOK: RLHF_ENGINE_TEST_KILL / _STALL (rlhf_engine/faults.py); no-op unset
         # Sampling differs per rank, data order does not (the sampler depends on seed and epoch only).
         torch.manual_seed(cfg.seed + dist.rank)
         if dist.is_main:
             log.info(cfg.batch.describe(dist.world_size) + f"; {self.sampler.dropped_per_epoch} prompts per epoch "
                      "dropped (short last global batch)")
+        if plan.resume_path:  # last: the random generators are restored right before training continues
+            self.checkpointer.load(plan.resume_path, force=cfg.resume_force)
 
     # ---- phases ----------------------------------------------------------------------------------------------
     def rollout_phase(self):
@@ -357,12 +348,12 @@ class PPOTrainer:
                              self.total_iterations, rec["objective/score"], rec["objective/kl"],
                              rec["rollout/response_length"], rec["time/generate"] + rec["time/experience"]
                              + rec["time/train"])
-                self.checkpointer.after_iteration()  # every save_interval iterations
+                self.checkpointer.after_iteration(self.iteration)  # every save_interval iterations
             if self.evaluator and self.iteration == self.total_iterations:  # "after": one record of eval/* keys only
                 rec = {"iteration": self.iteration, **self.evaluate()}
                 self.metrics.write(rec)
                 records.append(rec)
-            self.checkpointer.finish()  # the final checkpoint and the export (export_final)
+            self.checkpointer.finish(self.iteration)  # the final checkpoint and the export (export_final)
         finally:
             self.metrics.close()  # also when a step fails: what was written stays flushed and the file is closed
         return records

@@ -1,15 +1,7 @@
 """PPO-ptx (InstructGPT): a language-modelling loss on unsupervised text added to the actor's PPO loss.
 
-Data (`--unsupervised_dataset_name`): a local `.txt` file (one document per line, blank lines skipped), a
-`.jsonl`/`.json`/`.parquet`/`.csv` file or a `save_to_disk` folder with a text column (`--unsup_text_column`, default
-`text`), or a hub dataset name (its `train` split; with HF_HUB_OFFLINE, from the local datasets cache only). Each
-document is tokenized with the actor's tokenizer (its default special tokens) and cut to its first
-`max_prompt_seq_len + max_answer_seq_len` tokens (truncations are counted in the start-up log); rows that are not text, blank, or shorter than 2 tokens are skipped (counted).
-
-Sampling: a `PromptSampler` over the documents (order from `seed` and the epoch, rank r takes slice r of each global
-batch of `per_device_training_batch_size x world_size` documents, the short last batch dropped) behind a
-`DataCursor`, registered as the checkpoint state provider "ptx_data": a resumed run continues with the same
-documents. Every actor mini-batch draws `gradient_accumulation_steps` ptx micro-batches, one per PPO micro-batch.
+The documents and their sharded, resumable stream are the data layer's (data/ptx.py). Every actor mini-batch draws
+`gradient_accumulation_steps` ptx micro-batches, one per PPO micro-batch.
 
 Loss: for micro-batch k of a mini-batch, `ptx_loss_k = sum of -log p(token) over its real tokens (all but the first
 of each document: nothing predicts it) / N`, N = the real-token count of the mini-batch's ptx micro-batches on ALL
@@ -22,151 +14,12 @@ the SFT loss). No ptx during critic warm-up (the actor does not train).
 """
 from __future__ import annotations
 
-import logging
-import os
-from dataclasses import dataclass
 from typing import Any, Optional
 
 import torch
 
-from ..errors import ConfigError, Problem
+from ..data.ptx import PtxBatch, PtxData, PtxDataset
 from ..ppo_math import sft_loss
-from ..rollout import position_ids_from_mask
-from .state import DataCursor
-
-log = logging.getLogger(__name__)
-TEXT_EXTENSIONS = (".txt", ".text")
-
-
-@dataclass
-class PtxDataset:
-    """Tokenized documents (unpadded id lists) and what was dropped or cut while loading them."""
-
-    input_ids: list[list[int]]
-    source: str = ""
-    rows: int = 0
-    skipped: int = 0  # not text, blank, or fewer than 2 tokens
-    truncated: int = 0
-    cache: Any = None  # data.cache.CacheUse: how the load used the tokenized-data cache
-
-    def __len__(self) -> int:
-        return len(self.input_ids)
-
-
-def _read_texts(path: str, text_column: str) -> list:
-    """The raw documents of a source: lines of a text file, or the text column of a table (data/sources.py)."""
-    if os.path.splitext(path)[1].lower() in TEXT_EXTENSIONS:
-        if not os.path.isfile(path):
-            raise ConfigError([Problem("unsupervised_dataset_name", path, f"no such file (cwd is {os.getcwd()})")],
-                              "invalid unsupervised (ptx) data")
-        with open(path, encoding="utf-8", errors="strict") as f:
-            try:
-                return [line.rstrip("\n") for line in f]
-            except UnicodeDecodeError as e:
-                raise ConfigError([Problem("unsupervised_dataset_name", path, f"is not valid UTF-8 ({e})")],
-                                  "invalid unsupervised (ptx) data") from e
-    from ..data.sources import read_source
-
-    try:
-        raw = read_source(path, "invalid unsupervised (ptx) data")
-    except ConfigError as e:
-        raise ConfigError([Problem("unsupervised_dataset_name", q.value, q.fix) for q in e.problems],
-                          "invalid unsupervised (ptx) data") from e
-    if text_column not in raw.table.column_names:
-        raise ConfigError([Problem("unsup_text_column", text_column, f"no such column in {path}; its columns are "
-                                   f"{raw.table.column_names}")], "invalid unsupervised (ptx) data")
-    return list(raw.table[text_column])
-
-
-def load_ptx_data(path: str, tokenizer: Any, max_len: int, text_column: str = "text",
-                  verbose: bool = True, data_cache_dir: str = "none") -> PtxDataset:
-    """Read, tokenize and cut the unsupervised documents (module docstring), through the tokenized-data cache
-    (`data/cache.py`; every rank calls this together). Raises ConfigError when none is usable."""
-    from ..data.cache import cache_key, node_cached, resolve_cache_dir
-
-    def key():
-        return cache_key("ptx", [path], tokenizer, {"max_len": max_len, "text_column": text_column},
-                         extra_code=[os.path.abspath(__file__)])
-
-    out, use = node_cached(key, resolve_cache_dir(data_cache_dir),
-                           lambda: _build_ptx_data(path, tokenizer, max_len, text_column))
-    out.cache = use
-    if verbose and (out.skipped or out.truncated):
-        log.warning("ptx data %s: %d documents, %d skipped (not text, blank or < 2 tokens), %d cut to %d tokens",
-                    path, len(out), out.skipped, out.truncated, max_len)
-    elif verbose:
-        log.info("ptx data %s: %d documents", path, len(out))
-    if verbose and use.status in ("read", "built"):
-        log.info("tokenized ptx data %s cache %s", "read from" if use.status == "read" else "written to", use.path)
-    return out
-
-
-def _build_ptx_data(path: str, tokenizer: Any, max_len: int, text_column: str) -> PtxDataset:
-    texts = _read_texts(path, text_column)
-    good = [t for t in texts if isinstance(t, str) and t.strip()]
-    ids = tokenizer(good, add_special_tokens=True, truncation=False)["input_ids"] if good else []
-    out = PtxDataset([], source=path, rows=len(texts))
-    for x in ids:
-        if len(x) < 2:
-            continue
-        if len(x) > max_len:
-            out.truncated += 1
-            x = x[:max_len]
-        out.input_ids.append(list(x))
-    out.skipped = out.rows - len(out.input_ids)
-    if not out.input_ids:
-        raise ConfigError([Problem("unsupervised_dataset_name", path, f"no usable document: {out.rows} rows, none "
-                                   "with text of at least 2 tokens")], "invalid unsupervised (ptx) data")
-    return out
-
-
-@dataclass
-class PtxBatch:
-    """Right-padded documents: ids, mask and position ids [B, L]."""
-
-    input_ids: torch.Tensor
-    attention_mask: torch.Tensor
-    position_ids: torch.Tensor
-
-    @property
-    def num_tokens(self) -> torch.Tensor:
-        """Tokens the loss trains: every real token but the first of each row."""
-        return self.attention_mask[:, 1:].sum()
-
-    def to(self, device: Any) -> "PtxBatch":
-        return PtxBatch(self.input_ids.to(device), self.attention_mask.to(device), self.position_ids.to(device))
-
-
-def collate_ptx(dataset: PtxDataset, indices: list[int], pad_token_id: int) -> PtxBatch:
-    rows = [dataset.input_ids[i] for i in indices]
-    L = max(len(r) for r in rows)
-    ids = torch.full((len(rows), L), pad_token_id, dtype=torch.long)
-    mask = torch.zeros((len(rows), L), dtype=torch.long)
-    for i, r in enumerate(rows):
-        ids[i, :len(r)] = torch.tensor(r, dtype=torch.long)
-        mask[i, :len(r)] = 1
-    return PtxBatch(ids, mask, position_ids_from_mask(mask))
-
-
-class PtxData:
-    """The sharded, resumable stream of ptx micro-batches of one rank (module docstring)."""
-
-    def __init__(self, dataset: PtxDataset, batch_size: int, rank: int, world_size: int, seed: int,
-                 pad_token_id: int):
-        from ..data.prompts import PromptSampler
-
-        self.dataset, self.pad_token_id = dataset, pad_token_id
-        if len(dataset) < batch_size * world_size:
-            raise ConfigError([Problem("unsupervised_dataset_name", dataset.source,
-                                       f"{len(dataset)} usable documents cannot fill one global ptx micro-batch of "
-                                       f"per_device_training_batch_size ({batch_size}) x {world_size} ranks; add "
-                                       "documents")], "invalid unsupervised (ptx) data")
-        self.sampler = PromptSampler(len(dataset), batch_size, rank, world_size, seed,
-                                     batch_field="per_device_training_batch_size")
-        self.cursor = DataCursor(self.sampler)  # the "ptx_data" state provider
-
-    def next_batches(self, n: int, device: Any) -> list[PtxBatch]:
-        return [collate_ptx(self.dataset, next(self.cursor)[2], self.pad_token_id).to(device) for _ in range(n)]
 
 
 def ptx_loss(engine: Any, batch: PtxBatch, num_tokens: torch.Tensor) -> tuple[torch.Tensor, dict]:
@@ -178,13 +31,10 @@ def ptx_loss(engine: Any, batch: PtxBatch, num_tokens: torch.Tensor) -> tuple[to
     return sft_loss(logits, batch.input_ids, batch.attention_mask, num_tokens=num_tokens)
 
 
-def build_ptx(cfg: Any, engine: Any, data: Optional[PtxDataset] = None) -> Optional[PtxData]:
-    """The run's ptx stream (from `data` when already loaded), or None without `unsupervised_dataset_name`."""
-    if not cfg.unsupervised_dataset_name:
-        return None
-    g, dist = cfg.generation, engine.dist
+def build_ptx(cfg: Any, engine: Any, data: Optional[PtxDataset]) -> Optional[PtxData]:
+    """The run's ptx stream over the planned documents, or None without ptx."""
     if data is None:
-        data = load_ptx_data(cfg.unsupervised_dataset_name, engine.tokenizer,
-                             g.max_prompt_seq_len + g.max_answer_seq_len, cfg.unsup_text_column, verbose=dist.is_main)
+        return None
+    dist = engine.dist
     return PtxData(data, cfg.batch.per_device_training_batch_size, dist.rank, dist.world_size, cfg.seed,
                    engine.pad_token_id)

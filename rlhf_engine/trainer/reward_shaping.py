@@ -30,7 +30,7 @@ from typing import Any, Optional
 
 import torch
 
-from ..engine import all_reduce
+from ..comm import all_reduce
 from ..rollout import Rollout, pad_prompts
 from .experience import decode_rollout
 

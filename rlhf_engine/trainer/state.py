@@ -22,13 +22,14 @@ import logging
 import os
 import random
 import time
-from typing import Any, Optional
+from typing import Any, Mapping, Optional
 
 import numpy as np
 import torch
 
-from .. import faults
-from ..engine import barrier
+from .. import faults  # TEST HOOK: the `checkpoint` fault point inside a save
+from ..comm import all_gather_object, barrier, broadcast_object
+from ..data.sampler import DataCursor
 from ..errors import ConfigError, Problem
 from ..outputs import checkpoint as ckpt
 
@@ -69,54 +70,6 @@ def _tuples(x: Any) -> Any:
     return tuple(_tuples(v) for v in x) if isinstance(x, (list, tuple)) else x
 
 
-class DataCursor:
-    """An iterator over a `PromptSampler` that knows where it is: yields (epoch, k, indices) like
-    `sampler.iter_from`, and its state is the position of the NEXT batch, so a resumed run continues with exactly
-    the batch the interrupted one would have drawn (mid-epoch too)."""
-
-    def __init__(self, sampler: Any, epoch: int = 0, batch: int = 0):
-        self.sampler = sampler
-        self.consumed = 0
-        self._seek(epoch, batch)
-
-    def _seek(self, epoch: int, batch: int) -> None:
-        self.epoch, self.batch = epoch, batch
-        self._it = self.sampler.iter_from(epoch, batch)
-
-    def __iter__(self) -> "DataCursor":
-        return self
-
-    def __next__(self) -> tuple[int, int, list]:
-        epoch, k, idx = next(self._it)
-        self.consumed += 1
-        self.epoch, self.batch = (epoch, k + 1) if k + 1 < self.sampler.batches_per_epoch else (epoch + 1, 0)
-        return epoch, k, idx
-
-    def state_dict(self) -> dict:
-        s = self.sampler
-        return {"epoch": self.epoch, "batch": self.batch, "consumed": self.consumed, "num_prompts": s.num_prompts,
-                "global_batch_size": s.global_batch_size, "seed": s.seed}
-
-    def load_state_dict(self, state: dict, strict: bool = True) -> None:
-        s = self.sampler
-        same = (state["num_prompts"], state["global_batch_size"], state["seed"]) == (
-            s.num_prompts, s.global_batch_size, s.seed)
-        epoch, batch = int(state["epoch"]), int(state["batch"])
-        if not same:
-            if strict:
-                raise ConfigError([Problem("data", f"{s.num_prompts} prompts, global batch {s.global_batch_size}, "
-                                           f"seed {s.seed}", f"the checkpoint's data position is for "
-                                           f"{state['num_prompts']} prompts, global batch "
-                                           f"{state['global_batch_size']}, seed {state['seed']}")],
-                                  "cannot resume the data position")
-            # --resume_force: keep the epoch, move to the batch holding the same share of it
-            batch = min(s.batches_per_epoch - 1, batch * int(state["global_batch_size"]) // s.global_batch_size)
-            log.warning("--resume_force: the data changed; continuing at epoch %d, batch %d of %d", epoch, batch,
-                        s.batches_per_epoch)
-        self.consumed = int(state.get("consumed", 0))
-        self._seek(epoch, batch)
-
-
 class _Counter:
     """The "trainer" provider: the iteration counter."""
 
@@ -143,22 +96,19 @@ FINGERPRINT_BATCH = ("per_device_generation_batch_size", "generation_batches", "
                      "gradient_accumulation_steps")
 
 
-def run_fingerprint(cfg: Any, world_size: int, num_prompts: int) -> dict:
+def run_fingerprint(cfg: Any, roles: Mapping[str, Any], world_size: int, num_prompts: int) -> dict:
     """What must not change between a run and its resume, as flat keys named like the flags: the world size, each
-    role's model (path, ZeRO stage and dtype of the trained roles), the reward function, the seed, the data (path
-    and usable prompts), the batch arithmetic and PPO epochs (the LR schedule's length depends on them, and on
-    max_steps when a role's schedule decays)."""
-    from ..engine.preflight import resolve_paths, resolve_stage
-
-    paths = resolve_paths(cfg)
+    role's model (path, ZeRO stage and resolved dtype of the trained roles, from the planned `roles`), the reward
+    function, the seed, the data (path and usable prompts), the batch arithmetic and PPO epochs (the LR schedule's
+    length depends on them, and on max_steps when a role's schedule decays)."""
     fp: dict = {"world_size": int(world_size), "seed": cfg.seed, "reward_fn": cfg.reward_fn,
                 "data_path": cfg.data.data_path, "num_prompts": int(num_prompts), "ppo_epochs": cfg.ppo.ppo_epochs}
-    for role in cfg.active_roles:
-        fp[f"{role}_model_name_or_path"] = _norm_path(paths[role])
+    for role, plan in roles.items():
+        fp[f"{role}_model_name_or_path"] = _norm_path(plan.path)
     for role in ("actor", "critic"):
         rc = getattr(cfg, role)
-        fp[f"{role}_zero_stage"] = resolve_stage(cfg, role)
-        fp[f"{role}_dtype"] = rc.dtype or cfg.dtype
+        fp[f"{role}_zero_stage"] = roles[role].stage
+        fp[f"{role}_dtype"] = roles[role].dtype
         for name in ("lora_dim", "trainable_layers"):  # fields of the engine extensions, when present
             if hasattr(rc, name):
                 fp[f"{role}_{name}"] = getattr(rc, name)
@@ -171,12 +121,12 @@ def run_fingerprint(cfg: Any, world_size: int, num_prompts: int) -> dict:
     return fp
 
 
-def supervised_fingerprint(cfg: Any, world_size: int, num_rows: int) -> dict:
-    """`run_fingerprint` of an SFT or reward-model run (one trained model, its flags flat)."""
+def supervised_fingerprint(cfg: Any, model: Any, world_size: int, num_rows: int) -> dict:
+    """`run_fingerprint` of an SFT or reward-model run (one trained model, its flags flat; `model` its RolePlan)."""
     m, t = cfg.model, cfg.train
     fp = {"world_size": int(world_size), "seed": cfg.seed, "data_path": cfg.data.data_path,
-          "num_rows": int(num_rows), "model_name_or_path": _norm_path(m.model_name_or_path),
-          "zero_stage": m.zero_stage or 0, "dtype": m.dtype, "lora_dim": m.lora_dim,
+          "num_rows": int(num_rows), "model_name_or_path": _norm_path(model.path),
+          "zero_stage": model.stage, "dtype": model.dtype, "lora_dim": m.lora_dim,
           "trainable_layers": m.trainable_layers, "per_device_training_batch_size": t.per_device_training_batch_size,
           "gradient_accumulation_steps": t.gradient_accumulation_steps}
     if m.lr_scheduler_type in ("linear", "cosine"):  # the decaying schedule spans every step of the run
@@ -194,56 +144,51 @@ def _norm_path(path: str) -> str:
 
 # ---- checkpoints -------------------------------------------------------------------------------------------------
 class Checkpointer:
-    """Checkpoints, resume and the final export of one trainer (PPO; the SFT / reward-model loop uses save and load).
+    """Checkpoints, resume and the final export of one run (PPO; the SFT / reward-model loop uses save and load).
 
-    * `after_iteration()`: a checkpoint every `save_interval` iterations (0 = none between);
-    * `finish()`: the checkpoint at the end (unless this iteration was just saved) and the export;
-    * `save()`: engines + per-rank state, barrier, marker (rank 0), rotation (keep_last);
-    * `load(path)`: the reverse, into a freshly built trainer of the same run.
+    * `after_iteration(it)`: a checkpoint every `save_interval` iterations (0 = none between);
+    * `finish(it)`: the checkpoint at the end (unless this iteration was just saved) and the export;
+    * `save(it)`: engines + per-rank state, barrier, marker (rank 0), rotation (keep_last);
+    * `load(path)`: the reverse, into freshly built engines and providers of the same run.
 
-    The trainer provides `cfg` (output_dir, save_interval, keep_last, seed), `iteration` and `state_providers`; the
-    engine (default `trainer.engine`: an RLHFEngine) has `dist`, `save(path) -> roles` and `load(path)` (collective).
+    It takes what it saves: the engine (an RLHFEngine, or anything with `dist`, `save(path) -> roles`,
+    `load(path)`, collective), the state providers (`providers_of`: name -> `state_dict()` / `load_state_dict()`,
+    "rng" last), the run directory, and the run's fingerprint, written into every marker. `export_dir`: where
+    `finish` exports the trained roles (None: no export).
     """
 
-    def __init__(self, trainer: Any, fingerprint: Optional[dict] = None, fault_hooks: bool = True,
-                 engine: Any = None):
-        self.trainer = trainer
-        self.engine = engine if engine is not None else trainer.engine
-        cfg = trainer.cfg
-        self.root = ckpt.checkpoints_root(cfg.output_dir)
-        self.save_interval = int(getattr(cfg, "save_interval", 0) or 0)
-        self.keep_last = int(getattr(cfg, "keep_last", 0) or 0)
-        self.fingerprint = fingerprint
-        self.last_saved: Optional[int] = None  # iteration of the newest checkpoint this trainer saved or loaded
+    def __init__(self, engine: Any, providers: Mapping[str, Any], run_dir: Any, fingerprint: Mapping[str, Any], *,
+                 save_interval: int = 0, keep_last: int = 0, seed: int = 0, export_dir: Optional[str] = None):
+        self.engine, self.providers, self.fingerprint = engine, dict(providers), dict(fingerprint)
+        self.root = run_dir.checkpoints
+        self.save_interval, self.keep_last, self.seed = int(save_interval or 0), int(keep_last or 0), seed
+        self.export_dir = export_dir
+        self.last_saved: Optional[int] = None  # iteration of the newest checkpoint this run saved or loaded
         self.resumed_from: Optional[str] = None
-        if fault_hooks:  # TEST HOOK: RLHF_ENGINE_TEST_KILL / _STALL (rlhf_engine/faults.py); no-op unset; PPO phases
-            faults.install(trainer)
 
     @property
     def dist(self):
         return self.engine.dist
 
     # ---- when ----------------------------------------------------------------------------------------------------
-    def after_iteration(self) -> Optional[str]:
-        it = self.trainer.iteration
+    def after_iteration(self, it: int) -> Optional[str]:
         if self.save_interval and it % self.save_interval == 0 and it != self.last_saved:
-            return self.save()
+            return self.save(it)
         return None
 
-    def finish(self) -> Optional[str]:
+    def finish(self, it: int) -> Optional[str]:
         """End of training: the final checkpoint (if not already taken at this iteration), then the export."""
         path = None
-        if self.trainer.iteration != self.last_saved:
-            path = self.save()
-        cfg = self.trainer.cfg
-        if getattr(cfg, "export_final", False):
-            self.export(getattr(cfg, "export_dir", "") or os.path.join(cfg.output_dir, "final"))
+        if it != self.last_saved:
+            path = self.save(it)
+        if self.export_dir:
+            self.export(self.export_dir)
         return path
 
     # ---- save ----------------------------------------------------------------------------------------------------
-    def save(self) -> str:
-        trainer, dist = self.trainer, self.dist
-        it = int(trainer.iteration)
+    def save(self, it: int) -> str:
+        dist = self.dist
+        it = int(it)
         tag = ckpt.tag_for(it)
         path = os.path.join(self.root, tag)
         t0 = time.perf_counter()
@@ -254,7 +199,7 @@ class Checkpointer:
         faults.fault_point("checkpoint", it, dist.rank)  # TEST HOOK: a save cut short between files
         # the RNG is captured after the engines were saved: exactly what the next iteration starts from
         state = {"format": STATE_FORMAT, "rank": dist.rank, "world_size": dist.world_size, "iteration": it,
-                 "providers": {name: p.state_dict() for name, p in providers_of(trainer).items()}}
+                 "providers": {name: p.state_dict() for name, p in self.providers.items()}}
         target = os.path.join(path, ckpt.state_file(dist.rank))
         with open(target + ".tmp", "wb") as f:
             torch.save(state, f)
@@ -277,9 +222,10 @@ class Checkpointer:
         return path
 
     # ---- load ----------------------------------------------------------------------------------------------------
-    def load(self, path: str, force: bool = False) -> None:
-        """Restore a complete checkpoint into this (freshly built) trainer: engines, then every provider, RNG last."""
-        trainer, dist = self.trainer, self.dist
+    def load(self, path: str, force: bool = False) -> int:
+        """Restore a complete checkpoint into the (freshly built) engines and providers: engines, then every
+        provider, RNG last. Returns the checkpoint's iteration."""
+        dist = self.dist
         meta = ckpt.read_marker(path)
         if meta is None:  # resolve_resume never returns such a folder; a direct call must not load one either
             raise ConfigError([Problem("resume", path, f"is not a complete checkpoint (no {ckpt.MARKER} marker)")],
@@ -301,7 +247,7 @@ class Checkpointer:
                                        "<output_dir>/checkpoints/iter_NNNNNN) or restore the file")],
                               "cannot resume") from e
         self.engine.load(path)
-        providers = providers_of(trainer)
+        providers = self.providers
         missing = [n for n in providers if n not in saved]
         if missing and not force:
             raise ConfigError([Problem(n, "(not in the checkpoint)", f"the run keeps state {n!r} that the "
@@ -313,7 +259,7 @@ class Checkpointer:
         skip = set(SKIP_ON_RESUME) | set(missing)
         if fallback:
             skip.add("rng")  # another rank's generators would repeat its samples: this rank starts fresh
-            torch.manual_seed(trainer.cfg.seed + dist.rank)
+            torch.manual_seed(self.seed + dist.rank)
             log.warning("--resume_force: rank %d has no state file in %s; using rank 0's, with fresh random "
                         "generators", dist.rank, path)
         for name, provider in providers.items():
@@ -326,6 +272,7 @@ class Checkpointer:
         barrier()
         self.last_saved = int(state["iteration"])
         self.resumed_from = path
+        return self.last_saved
 
     # ---- export --------------------------------------------------------------------------------------------------
     def export(self, out_dir: str) -> list[str]:
@@ -341,23 +288,19 @@ class Checkpointer:
 
 
 # ---- resume at build time ----------------------------------------------------------------------------------------
-def resolve_and_check(cfg: Any, dist: Any, fingerprint: dict) -> tuple[Optional[str], dict]:
+def resolve_and_check(cfg: Any, dist: Any, fingerprint: dict) -> Optional[str]:
     """Before any weight is loaded: find the checkpoint `cfg.resume` names (rank 0 decides, every rank follows) and
     compare its run fingerprint with this run's, `fingerprint` (`run_fingerprint` / `supervised_fingerprint`; a
-    `ConfigError` naming every differing key unless `cfg.resume_force`). Returns (checkpoint path or None,
-    `fingerprint`)."""
+    `ConfigError` naming every differing key unless `cfg.resume_force`). Returns the checkpoint path or None."""
     path, why = ckpt.resolve_resume(cfg.resume, cfg.output_dir) if cfg.resume else (None, "")
-    if torch.distributed.is_initialized() and dist.world_size > 1:
-        box = [path]
-        torch.distributed.broadcast_object_list(box, src=0)  # one decision, whatever each rank's view of the disk
-        path = box[0]
+    path = broadcast_object(path)  # one decision, whatever each rank's view of the disk
     if cfg.resume and dist.is_main:
         log.info(why)
     if path:
         meta = ckpt.read_marker(path) or {}
         ckpt.check_fingerprint(meta.get("fingerprint", {}), fingerprint, path, force=bool(cfg.resume_force))
         _check_state_files(path, dist, force=bool(cfg.resume_force))
-    return path, fingerprint
+    return path
 
 
 def _check_state_files(path: str, dist: Any, force: bool) -> None:
@@ -372,11 +315,7 @@ def _check_state_files(path: str, dist: Any, force: bool) -> None:
         except Exception as e:  # noqa: BLE001  (any unreadable state file is a user-facing resume error)
             problem = f"{os.path.basename(target)} cannot be read ({type(e).__name__}: " \
                       f"{str(e).splitlines()[0] if str(e) else ''})"
-    problems = [problem]
-    if torch.distributed.is_initialized() and dist.world_size > 1:
-        problems = [None] * dist.world_size
-        torch.distributed.all_gather_object(problems, problem)
-    bad = [p for p in problems if p]
+    bad = [p for p in all_gather_object(problem) if p]
     if bad:
         raise ConfigError([Problem("resume", path, f"{'; '.join(bad)}; the checkpoint is corrupt: resume from an "
                                    "earlier one (--resume <output_dir>/checkpoints/iter_NNNNNN) or restore the file")],

@@ -1,9 +1,10 @@
 """The loop and run recipe shared by steps 1 and 2 (trainer/sft.py, trainer/reward_model.py): one trained model, built
 with the engine, data, config, logging and export pieces PPO uses.
 
-Recipe (`build_supervised`): validate -> distributed -> model preflight (no weights) -> tokenizer -> data (checked,
-tokenized as PPO tokenizes prompts) -> sampler (batch arithmetic) -> output-dir policy, config.json, command.txt ->
-`build_role_engine` -> `RunLogger`. Every cheap check runs before any weight is read.
+Recipe (`build_supervised`): the plan (`trainer/plan.plan_supervised`: validate -> distributed -> model preflight, no
+weights -> tokenizer -> data, checked and tokenized as PPO tokenizes prompts -> sampler and step count -> fingerprint
+and resume point) -> the run directory (PPO's `prepare_run_dir`) -> `build_role_engine` -> `RunLogger` -> the
+trainer. Every cheap check runs before any weight is read.
 
 Loop (`SupervisedTrainer.train`): epoch e draws `PromptSampler`'s permutation (seed + e; the same on every rank, rank r
 takes its slice of each global mini-batch; the short last global batch is dropped), read through a `DataCursor`. Per
@@ -22,27 +23,25 @@ from __future__ import annotations
 
 import logging
 import math
-import os
 import time
 from typing import Any, Optional
 
 import torch
 
-from ..cli import flat_dict
-from ..data.prompts import PromptData, PromptDataset, PromptSampler
+from ..comm import all_reduce
+from ..config import flat_dict
+from ..data.prompts import PromptData, PromptDataset
+from ..data.sampler import DataCursor
 from ..data.supervised import eval_shards
-from ..engine import all_reduce, barrier, init_distributed, load_tokenizer
 from ..engine.checkpointing import load_trained, save_trained
-from ..engine.preflight import RolePlan, plan_model
-from ..engine.role_engine import backward_global, build_role_engine, export_engine, write_ds_config
+from ..engine.role_engine import backward_global, build_role_engine, export_engine
 from ..outputs.run_logger import RunLogger
 from .metric_sums import MetricSums
-from .run import prepare_run_dir, setup_logging
-from .state import (Checkpointer, DataCursor, after_resume_cleanup, resolve_and_check,
-                    supervised_fingerprint)
+from .plan import SupervisedPlan, plan_supervised
+from .run import prepare_run_dir, write_ds_configs
+from .state import Checkpointer, providers_of
 
 log = logging.getLogger(__name__)
-MODEL_DIR = "model"  # <output_dir>/model: the exported Hugging Face folder
 CHECKPOINT_TAG = "model"  # <checkpoint>/model/: the DeepSpeed engine's part of a checkpoint
 
 
@@ -71,16 +70,31 @@ class SupervisedTrainer:
     plot_keys: tuple = ()
     bar_keys: tuple = ()
 
-    def __init__(self, cfg: Any, dist: Any, engine: Any, plan: RolePlan, tokenizer: Any, data: PromptData,
-                 sampler: PromptSampler, logger: RunLogger, total_steps: int):
-        self.cfg, self.dist, self.engine, self.plan, self.tokenizer = cfg, dist, engine, plan, tokenizer
-        self.data, self.sampler, self.logger, self.total_steps = data, sampler, logger, total_steps
-        self.pad_token_id, self.eos_token_id = int(tokenizer.pad_token_id), int(tokenizer.eos_token_id)
+    def __init__(self, plan: Optional[SupervisedPlan], engine: Any, logger: Optional[RunLogger] = None, *,
+                 cfg: Any = None, dist: Any = None, tokenizer: Any = None):
+        """From the run plan and the engine built from it (resumes last when the plan names a checkpoint). Without a
+        plan (a scorer only, no training: tests, evaluation) give `cfg`, `dist` and `tokenizer`."""
+        self.plan, self.engine, self.logger = plan, engine, logger
+        self.cfg = plan.cfg if plan else cfg
+        self.dist = plan.dist if plan else dist
+        self.tokenizer = plan.tokenizer if plan else tokenizer
+        self.data = plan.data if plan else None
+        self.sampler = plan.sampler if plan else None
+        self.total_steps = plan.total_steps if plan else 0
+        self.pad_token_id, self.eos_token_id = int(self.tokenizer.pad_token_id), int(self.tokenizer.eos_token_id)
         self.records: list[dict] = []
         self.iteration = 0  # optimizer steps taken (the metrics' "iteration")
-        self.cursor = DataCursor(sampler) if sampler is not None else None  # None: a scorer only, no training
+        self.cursor = DataCursor(self.sampler) if self.sampler is not None else None
         self.state_providers = {"data": self.cursor} if self.cursor is not None else {}
-        self.checkpointer = Checkpointer(self, fault_hooks=False, engine=OneEngine(engine, dist))
+        self.checkpointer = None
+        if plan is not None:
+            self.checkpointer = Checkpointer(OneEngine(engine, self.dist), providers_of(self), plan.run_dir,
+                                             plan.fingerprint, save_interval=self.cfg.save_interval,
+                                             keep_last=self.cfg.keep_last, seed=self.cfg.seed)
+            if plan.resume_path:  # last: the random generators are restored right before training continues
+                self.checkpointer.load(plan.resume_path, force=self.cfg.resume_force)
+                if self.dist.is_main:
+                    log.info("resumed from %s at step %d of %d", plan.resume_path, self.iteration, self.total_steps)
 
     # ---- what a subclass defines ---------------------------------------------------------------------------
     @classmethod
@@ -164,16 +178,16 @@ class SupervisedTrainer:
                          "  ".join(f"{key} {v:.4g}" for key, v in rec.items()
                                    if key.startswith(self.name + "/") and not key.endswith("/lr")
                                    and isinstance(v, float)))
-            ckpt.after_iteration()
+            ckpt.after_iteration(self.iteration)
         if ckpt.save_interval and ckpt.last_saved != self.iteration:
-            ckpt.save()
+            ckpt.save(self.iteration)
         self.export()
         return self.records
 
     def export(self, out_dir: Optional[str] = None) -> str:
         """The trained model as a Hugging Face folder (default `<output_dir>/model`). Collective."""
-        out_dir = out_dir or os.path.join(self.cfg.output_dir, MODEL_DIR)
-        export_engine(self.engine, self.plan.stage, out_dir, self.tokenizer, self.dist.is_main)
+        out_dir = out_dir or self.plan.run_dir.model
+        export_engine(self.engine, self.plan.model.stage, out_dir, self.tokenizer, self.dist.is_main)
         if self.dist.is_main:
             log.info("model written to %s", out_dir)
         return out_dir
@@ -181,51 +195,27 @@ class SupervisedTrainer:
 
 def build_supervised(cfg: Any, trainer_cls: type, argv: Optional[list] = None) -> SupervisedTrainer:
     """The recipe in the module docstring: everything checked, then one engine built; returns the trainer."""
-    cfg.validate()
-    dist = init_distributed(cfg.dist_timeout_minutes)
-    setup_logging(dist.is_main)
-    t = cfg.train
-    plan = plan_model(cfg.model, t.max_prompt_seq_len + t.max_answer_seq_len, name=trainer_cls.role)
-    tokenizer = load_tokenizer(cfg.model.tokenizer_name_or_path or plan.path)
-    data = trainer_cls.load_data(cfg, tokenizer, verbose=dist.is_main)
-    sampler = PromptSampler(len(data.train), t.mini_batch_size, dist.rank, dist.world_size, cfg.seed,
-                            batch_field="per_device_training_batch_size x gradient_accumulation_steps")
-    per_epoch = sampler.batches_per_epoch
-    total = per_epoch * t.num_train_epochs
-    if t.max_steps:
-        total = min(total, t.max_steps)
-    # --resume: the checkpoint found and checked against this run before the run folder changes or a weight loads
-    resume_path, fingerprint = resolve_and_check(cfg, dist, supervised_fingerprint(cfg, dist.world_size,
-                                                                                   len(data.train)))
-    prepare_run_dir(cfg, dist, argv)
-    after_resume_cleanup(cfg, dist, resume_path)  # records logged after the checkpoint are logged again
-    barrier()
+    plan = plan_supervised(cfg, trainer_cls)  # raises before the run directory changes or any weight is read
+    prepare_run_dir(plan, argv)
+    dist, t, data = plan.dist, cfg.train, plan.data
     if dist.is_main:
         n_eval = 0 if data.eval is None else len(data.eval)
         log.info("%s: %d train / %d eval rows; mini-batch %d/rank (%d x %d accumulation) x %d ranks -> %d optimizer "
                  "steps per epoch (%d rows per epoch dropped: short last global batch); %d steps in all",
                  trainer_cls.name, len(data.train), n_eval, t.mini_batch_size, t.per_device_training_batch_size,
-                 t.gradient_accumulation_steps, dist.world_size, per_epoch, sampler.dropped_per_epoch, total)
+                 t.gradient_accumulation_steps, dist.world_size, plan.sampler.batches_per_epoch,
+                 plan.sampler.dropped_per_epoch, plan.total_steps)
     torch.manual_seed(cfg.seed)  # a new score head depends on the seed only (identical on every rank)
-    engine, ds_cfg = build_role_engine(cfg.model, plan.path, kind=trainer_cls.kind, stage=plan.stage,
-                                       dtype=plan.dtype, train=True, batch=t, world_size=dist.world_size,
-                                       eval_micro_batch_size=t.per_device_eval_batch_size, num_training_steps=total,
-                                       pad_token_id=int(tokenizer.pad_token_id))
-    if dist.is_main:
-        write_ds_config(cfg.output_dir, trainer_cls.role, ds_cfg)
-    lg = cfg.logging
-    logger = RunLogger(cfg.output_dir, dist.is_main, flat_dict(cfg), wandb_project=lg.wandb_project,
-                       wandb_entity=lg.wandb_entity, wandb_run_name=lg.wandb_run_name,
-                       wandb_sample_interval=lg.wandb_sample_interval, tensorboard=lg.tensorboard,
-                       total_iterations=total, plot_keys=trainer_cls.plot_keys, bar_desc=trainer_cls.name.upper(),
-                       bar_keys=trainer_cls.bar_keys, resume=bool(cfg.resume))
-    trainer = trainer_cls(cfg, dist, engine, plan, tokenizer, data, sampler, logger, total)
-    trainer.checkpointer.fingerprint = fingerprint
-    if resume_path:  # last: the random generators are restored right before training continues
-        trainer.checkpointer.load(resume_path, force=cfg.resume_force)
-        if dist.is_main:
-            log.info("resumed from %s at step %d of %d", resume_path, trainer.iteration, total)
-    return trainer
+    m = plan.model
+    engine, ds_cfg = build_role_engine(cfg.model, m.path, kind=trainer_cls.kind, stage=m.stage, dtype=m.dtype,
+                                       train=True, batch=t, world_size=dist.world_size,
+                                       eval_micro_batch_size=t.per_device_eval_batch_size,
+                                       num_training_steps=plan.total_steps, pad_token_id=int(plan.tokenizer.pad_token_id))
+    write_ds_configs(plan, {trainer_cls.role: ds_cfg})
+    logger = RunLogger.from_config(cfg, dist.is_main, flat_dict(cfg), total_iterations=plan.total_steps,
+                                   plot_keys=trainer_cls.plot_keys, bar_desc=trainer_cls.name.upper(),
+                                   bar_keys=trainer_cls.bar_keys)
+    return trainer_cls(plan, engine, logger)
 
 
 def run_supervised(cfg: Any, trainer_cls: type, argv: Optional[list] = None) -> SupervisedTrainer:

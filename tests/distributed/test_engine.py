@@ -242,6 +242,7 @@ def test_exports_reload_with_from_pretrained(run):
 def engine_1rank(request, dist_single):
     from rlhf_engine.config import TrainConfig
     from rlhf_engine.engine import RLHFEngine
+    from rlhf_engine.engine.preflight import plan_engine
 
     setup = request.getfixturevalue(request.param)
     cfg = TrainConfig()
@@ -249,7 +250,7 @@ def engine_1rank(request, dist_single):
     cfg.reward.model_name_or_path = setup.reward  # the critic starts from it too: the same head
     cfg.generation.max_prompt_seq_len, cfg.generation.max_answer_seq_len = 8, 8
     cfg.batch.experience_micro_batch_size = 1
-    return request.param, setup, RLHFEngine(cfg, dist_single, num_training_steps=1)
+    return request.param, setup, RLHFEngine(cfg, dist_single, plan_engine(cfg, 1))
 
 
 def test_scores_values_and_logprobs_are_read_at_the_right_positions(engine_1rank):

@@ -6,8 +6,9 @@
   The tests read their metrics.jsonl and exported models.
 * In this process (one rank): the PPO engine's score of a rollout equals the step-2 scorer's score of the same token
   ids, laid out as a step-2 pair batch (other rows, other padding, one forward of chosen + rejected).
-* The README's "Three steps" block, run as written with bash (a tiny model as BASE, PPO cut to two iterations):
-  SFT -> reward model -> PPO through launch/*.py, each loading the previous step's output, on the shipped example data.
+* The "Three steps" block of docs/three-steps.md, run as written with bash (a tiny model as BASE, PPO cut to two
+  iterations): SFT -> reward model -> PPO through launch/*.py, each loading the previous step's output, on the shipped
+  example data.
 
 Tiny GPT-2 models (absolute positions) and a pad == EOS tokenizer made by the test.
 """
@@ -162,6 +163,7 @@ def test_ppo_engine_scores_a_rollout_exactly_as_step_2_does(steps12, dist_single
     from rlhf_engine.config import RewardTrainConfig, RoleConfig, SupervisedConfig
     from rlhf_engine.data.prompts import PromptDataset, collate_prompts, load_prompt_data
     from rlhf_engine.engine import RLHFEngine
+    from rlhf_engine.engine.preflight import plan_engine
     from rlhf_engine.engine.role_engine import build_role_engine, rollout_inputs
     from rlhf_engine.rollout import gather_at
     from rlhf_engine.trainer.reward_model import RewardModelTrainer
@@ -171,7 +173,7 @@ def test_ppo_engine_scores_a_rollout_exactly_as_step_2_does(steps12, dist_single
                             data_path=steps12["setup"].prompts, prompt_template=steps12["prompt_template"],
                             max_prompt_seq_len=64, max_answer_seq_len=12, output_dir=str(tmp_path / "ppo"))
                      + ["--stop_token_ids"] + [str(t) for t in STOP_IDS])
-    engine = RLHFEngine(cfg, dist_single, num_training_steps=1)
+    engine = RLHFEngine(cfg, dist_single, plan_engine(cfg, 1))
     tok = engine.tokenizer
     prompts = load_prompt_data(cfg.data, tok, 64, verbose=False).train
     B = 8
@@ -192,8 +194,7 @@ def test_ppo_engine_scores_a_rollout_exactly_as_step_2_does(steps12, dist_single
     rm_engine, _ = build_role_engine(RoleConfig(), rm_model, kind="scalar", stage=0, dtype="fp32", train=True,
                                      batch=SupervisedConfig(per_device_training_batch_size=B), world_size=1,
                                      eval_micro_batch_size=B, num_training_steps=1, pad_token_id=tok.pad_token_id)
-    step2 = RewardModelTrainer(cfg=RewardTrainConfig(), dist=dist_single, engine=rm_engine, plan=None, tokenizer=tok, data=None,
-                               sampler=None, logger=None, total_steps=0)
+    step2 = RewardModelTrainer(None, rm_engine, cfg=RewardTrainConfig(), dist=dist_single, tokenizer=tok)
     batch = step2.collate(pairs, order)
     assert batch.rollout.prompt_length != rollout.prompt_length or batch.rollout.response_width != \
         rollout.response_width or batch.rollout.batch_size != B
@@ -217,20 +218,20 @@ def test_ppo_engine_scores_a_rollout_exactly_as_step_2_does(steps12, dist_single
     assert (earlier[two] - ppo[two]).abs().max().item() > 1e-3
 
 
-# ---- the README's three steps, as written --------------------------------------------------------------------------
+# ---- the three steps of docs/three-steps.md, as written -----------------------------------------------------------
 def _readme_block() -> str:
-    with open(os.path.join(ROOT, "README.md")) as f:
+    with open(os.path.join(ROOT, "docs", "three-steps.md")) as f:
         text = f.read()
     m = re.search(r"<!-- three-steps:begin -->\n```bash\n(.*?)```\n<!-- three-steps:end -->", text, re.S)
-    assert m, "README.md lost its three-steps block"
+    assert m, "docs/three-steps.md lost its three-steps block"
     return m.group(1)
 
 
 @pytest.mark.distributed
 def test_readme_three_steps_run_end_to_end(tmp_path):
-    """SFT -> reward model -> PPO through launch/*.py exactly as the README writes them, on examples/data, each step
-    loading the previous step's output. Changes: BASE is a tiny model, runs/ lies in tmp, the deepspeed launcher gets
-    a free port, and PPO runs 2 iterations instead of 50."""
+    """SFT -> reward model -> PPO through launch/*.py exactly as docs/three-steps.md writes them, on examples/data,
+    each step loading the previous step's output. Changes: BASE is a tiny model, runs/ lies in tmp, the deepspeed
+    launcher gets a free port, and PPO runs 2 iterations instead of 50."""
     setup = make_tiny_setup(str(tmp_path / "models"), n_prompts=4)
     block = _readme_block()
     assert block.count("deepspeed --num_gpus 2 launch/") == 3

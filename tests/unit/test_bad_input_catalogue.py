@@ -1,4 +1,4 @@
-"""The bad-input catalogue of the README ("Bad input: what you see"): one test per row not covered elsewhere.
+"""The bad-input catalogue of docs/faults.md ("Bad input: what you see"): one test per row not covered elsewhere.
 
 Every case goes through launch/train_ppo.py's `main` in-process (one rank, the `dist_single` group) and checks what
 the user sees: the exit code, one message naming the field / file / row and the fix, and that no file that existed

@@ -5,7 +5,8 @@ import json
 import pytest
 import yaml
 
-from rlhf_engine.cli import build_parser, flat_dict, parse_args
+from rlhf_engine.cli import build_parser, parse_args
+from rlhf_engine.config import flat_dict
 from rlhf_engine.config import TrainConfig
 from rlhf_engine.errors import ConfigError
 

@@ -32,7 +32,7 @@ import torch  # noqa: E402
 
 from rlhf_engine.assets import tiny_prompts  # noqa: E402
 from rlhf_engine.config import TrainConfig  # noqa: E402
-from rlhf_engine.engine import RLHFEngine, init_distributed, load_tokenizer  # noqa: E402
+from rlhf_engine.engine import RLHFEngine, init_distributed, load_tokenizer, plan_engine  # noqa: E402
 from rlhf_engine.rollout import Rollout, pad_prompts, position_ids_from_mask  # noqa: E402
 
 MAX_NEW = 8  # max_answer_seq_len of every placement
@@ -207,7 +207,8 @@ def run_placement(name: str, args, plan: dict, dist, results: dict, start_folder
     t0 = time.time()
     rank, world = dist.rank, dist.world_size
     placement = PLACEMENTS[name]
-    e = RLHFEngine(make_cfg(args, placement, plan["stop_token"]), dist, num_training_steps=10)
+    cfg = make_cfg(args, placement, plan["stop_token"])
+    e = RLHFEngine(cfg, dist, plan_engine(cfg, 10))
     res = {"build_s": time.time() - t0, "stages": {k: p.stage for k, p in e.plans.items()}}
 
     # what was built

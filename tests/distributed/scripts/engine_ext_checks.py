@@ -28,6 +28,7 @@ import torch  # noqa: E402
 
 from rlhf_engine.config import TrainConfig  # noqa: E402
 from rlhf_engine.engine import RLHFEngine, init_distributed  # noqa: E402
+from rlhf_engine.engine.preflight import plan_engine
 from rlhf_engine.rollout import Rollout, pad_prompts  # noqa: E402
 
 LR = 1e-2
@@ -111,7 +112,7 @@ def run_lora(name: str, stage: int, args, dist) -> dict:
         rc.lora_dim, rc.lora_alpha = 4, 8.0
         rc.gradient_checkpointing = stage == 3
     cfg.validate()
-    e = RLHFEngine(cfg, dist, num_training_steps=2)
+    e = RLHFEngine(cfg, dist, plan_engine(cfg, 2))
     rank = dist.rank
     r = fixed_rollout(rank, len(e.tokenizer), int(e.tokenizer.eos_token_id), e.pad_token_id)
     res = {"engines": sorted(e.engines), "stages": {k: p.stage for k, p in e.plans.items()},
@@ -215,7 +216,7 @@ def run_ema_and_gather(args, dist) -> dict:
     torch.distributed.barrier()
     cfg.actor.ds_config = ds_file
     cfg.validate()
-    e = RLHFEngine(cfg, dist, num_training_steps=3)
+    e = RLHFEngine(cfg, dist, plan_engine(cfg, 3))
     rank = dist.rank
     res = {"stages": {k: p.stage for k, p in e.plans.items()}, "ema_wrapper": type(e.ema.optimizer).__name__}
     sizes = [(n, tuple(p.ds_tensor.shape), tuple(q.ds_tensor.shape)) for (n, p), (_, q) in

@@ -47,6 +47,6 @@ def main():
 
 if __name__ == "__main__":
     sys.path.insert(0, ROOT)
-    from rlhf_engine.trainer.run import exit_process
+    from rlhf_engine.cli import exit_process
 
     exit_process(main())  # as the launch scripts do

@@ -118,9 +118,9 @@ def run_one(spec: dict) -> dict | None:
     if "stop_after" in hooks:
         n, orig = int(hooks["stop_after"]), trainer.checkpointer.after_iteration
 
-        def after_iteration():
-            out = orig()
-            if trainer.iteration == n:
+        def after_iteration(it):
+            out = orig(it)
+            if it == n:
                 raise Preempted(f"stopped after iteration {n}")
             return out
 

@@ -120,14 +120,14 @@ def main() -> int:
     torch.distributed.barrier()
     # the real entry point, with the injection from the environment (read when the trainer is built)
     from rlhf_engine.trainer.guards import INJECT_ENV
-    from rlhf_engine.trainer.run import shutdown_distributed
+    from rlhf_engine.comm import shutdown
 
     os.environ[INJECT_ENV] = json.dumps(spec["final"]["inject"])
     entry = importlib.util.spec_from_file_location("train_ppo_entry", os.path.join(ROOT, "launch", "train_ppo.py"))
     mod = importlib.util.module_from_spec(entry)
     entry.loader.exec_module(mod)
     rc = mod.main(spec["final"]["args"])
-    shutdown_distributed(ok=rc == 0)
+    shutdown(ok=rc == 0)
     return rc
 
 

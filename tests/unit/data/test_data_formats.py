@@ -11,7 +11,8 @@ import torch
 from transformers import AutoTokenizer
 
 from rlhf_engine import assets
-from rlhf_engine.cli import flat_dict, parse_args
+from rlhf_engine.cli import parse_args
+from rlhf_engine.config import flat_dict
 from rlhf_engine.config import DataConfig, TrainConfig, parse_data_sources
 from rlhf_engine.data import blend_counts, load_prompt_data, load_prompt_dataset, split_indices
 from rlhf_engine.errors import ConfigError, Problems

@@ -85,11 +85,12 @@ def lora_run(tiny, dist_single, tmp_path_factory):
     """A one-rank ZeRO-0 RLHFEngine with LoRA actor and critic and the reference = actor without its adapter,
     trained 2 steps; its state before and after, and merged exports."""
     from rlhf_engine.engine import RLHFEngine
+    from rlhf_engine.engine.preflight import plan_engine
 
     torch.manual_seed(0)
     cfg = make_cfg(tiny, reference_from_actor_adapter=True, **{"actor.lora_dim": 4, "critic.lora_dim": 4,
                                                                "actor.lora_alpha": 8.0, "critic.lora_alpha": 8.0})
-    e = RLHFEngine(cfg, dist_single, num_training_steps=2)
+    e = RLHFEngine(cfg, dist_single, plan_engine(cfg, 2))
     r = fixed_rollout(len(e.tokenizer), int(e.tokenizer.eos_token_id), e.pad_token_id)
     before = {role: e.full_state_dict(role) for role in ("actor", "critic")}
     ref_before = e.ref_logprobs(r)
@@ -158,10 +159,11 @@ def test_ema_is_the_closed_form_average_of_the_actor(tiny, dist_single, tmp_path
     from transformers import AutoModelForCausalLM
 
     from rlhf_engine.engine import RLHFEngine
+    from rlhf_engine.engine.preflight import plan_engine
 
     beta = 0.6
     cfg = make_cfg(tiny, enable_ema=True, ema_decay=beta)
-    e = RLHFEngine(cfg, dist_single, num_training_steps=3)
+    e = RLHFEngine(cfg, dist_single, plan_engine(cfg, 3))
     assert e.plans["ema"].stage == 0 and e.plans["ema"].dtype == "fp32"
     assert not any(p.requires_grad for p in e.ema.module.parameters())
     r = fixed_rollout(len(e.tokenizer), int(e.tokenizer.eos_token_id), e.pad_token_id, seed=1)
@@ -269,13 +271,13 @@ def test_config_rejects_bad_combinations(tiny):
 
 
 def test_lora_target_modules_are_checked_at_start_up(tiny):
-    from rlhf_engine.engine.preflight import plan_roles
+    from rlhf_engine.engine.preflight import plan_engine
 
     cfg = make_cfg(tiny, **{"actor.lora_dim": 4, "critic.lora_dim": 4})
     cfg.actor.lora_target_modules = "q_proj,v_proj"  # Llama names on a GPT-2
     cfg.critic.lora_target_modules = "c_attn"
     with pytest.raises(ConfigError) as ei:
-        plan_roles(cfg)
+        plan_engine(cfg).roles
     assert [p.field for p in ei.value.problems] == ["actor_lora_target_modules"], str(ei.value)
     assert "c_attn" in str(ei.value)  # names real layers
 
@@ -295,11 +297,11 @@ def test_lora_targets_skip_heads(tiny, tiny_llama):
 
 # ---- Hybrid Engine: refused on CPU, or Hugging Face generation with the fallback ------------------------------
 def test_hybrid_engine_is_refused_on_cpu(tiny):
-    from rlhf_engine.engine.preflight import plan_roles
+    from rlhf_engine.engine.preflight import plan_engine
 
     cfg = make_cfg(tiny, enable_hybrid_engine=True)
     with pytest.raises(ConfigError) as ei:
-        plan_roles(cfg)
+        plan_engine(cfg).roles
     (problem,) = [p for p in ei.value.problems if p.field == "enable_hybrid_engine"]
     assert "no CUDA" in problem.fix and "hybrid_engine_fallback" in problem.fix
 
@@ -325,11 +327,12 @@ def test_hybrid_engine_fallback_generates_with_hugging_face(tiny, dist_single, c
     from deepspeed.runtime.config import HybridEngineConfig
 
     from rlhf_engine.engine import RLHFEngine
+    from rlhf_engine.engine.preflight import plan_engine
 
     cfg = make_cfg(tiny, enable_hybrid_engine=True, hybrid_engine_fallback=True, inference_tp_size=1,
                    release_inference_cache=True, unpin_actor_parameters=True)
     with caplog.at_level("WARNING"):
-        e = RLHFEngine(cfg, dist_single, num_training_steps=1)
+        e = RLHFEngine(cfg, dist_single, plan_engine(cfg, 1))
     assert e.hybrid_engine is False and "hybrid_engine" not in e.ds_configs["actor"]
     assert any("hybrid_engine_fallback is set" in m for m in caplog.messages), caplog.messages
     r = fixed_rollout(len(e.tokenizer), int(e.tokenizer.eos_token_id), e.pad_token_id)

@@ -5,7 +5,7 @@ import os
 import pytest
 
 from rlhf_engine.config import TrainConfig
-from rlhf_engine.engine.preflight import plan_roles, resolve_paths, resolve_stage
+from rlhf_engine.engine.preflight import plan_engine, resolve_paths, resolve_stage
 from rlhf_engine.errors import ConfigError
 
 
@@ -38,7 +38,7 @@ def good_cfg(tiny) -> TrainConfig:
 
 def problems(cfg) -> dict:
     with pytest.raises(ConfigError) as ei:
-        plan_roles(cfg)
+        plan_engine(cfg).roles
     return {p.field: p for p in ei.value.problems}, str(ei.value)
 
 
@@ -46,7 +46,7 @@ def test_good_setup_plans_every_role(folders):
     tiny = folders["tiny"]
     cfg = good_cfg(tiny)
     cfg.actor.zero_stage = 3
-    plans = plan_roles(cfg)
+    plans = plan_engine(cfg).roles
     assert {r: (p.path, p.stage, p.train) for r, p in plans.items()} == {
         "actor": (tiny.actor, 3, True), "critic": (tiny.reward, 0, True),
         "reference": (tiny.actor, 3, False), "reward": (tiny.reward, 0, False)}
@@ -149,7 +149,7 @@ def test_engine_raises_before_any_engine_is_built(folders, monkeypatch):
     import torch
 
     with pytest.raises(ConfigError) as ei:
-        RLHFEngine(cfg, DistInfo(0, 1, 0, torch.device("cpu")), num_training_steps=1)
+        RLHFEngine(cfg, DistInfo(0, 1, 0, torch.device("cpu")), plan_engine(cfg, 1))
     assert len(ei.value.problems) == 3, str(ei.value)
 
 

@@ -22,7 +22,8 @@ def engine1(tiny, other_reference, dist_single, tmp_path_factory):
     """A one-rank RLHFEngine: tiny actor, a different reference, the tiny reward model as reward and critic."""
     from rlhf_engine.cli import parse_args
     from rlhf_engine.engine import RLHFEngine
+    from rlhf_engine.engine.preflight import plan_engine
 
     out = str(tmp_path_factory.mktemp("engine1"))
     cfg = parse_args(train_args(tiny, out, reference_model_name_or_path=other_reference, kl_coef=0.1))
-    return RLHFEngine(cfg, dist_single, num_training_steps=1)
+    return RLHFEngine(cfg, dist_single, plan_engine(cfg, 1))

@@ -9,7 +9,7 @@ from rlhf_engine.config import TrainConfig
 from rlhf_engine.errors import ConfigError
 from rlhf_engine.ppo_math import AdaptiveKLController
 from rlhf_engine.trainer import build_trainer
-from rlhf_engine.trainer.ppo_trainer import total_iterations
+from rlhf_engine.trainer.plan import total_iterations
 from rlhf_engine.trainer.state import providers_of
 
 BASE = dict(per_device_generation_batch_size=4, per_device_training_batch_size=4, ppo_epochs=1, seed=4,

@@ -13,8 +13,9 @@ from rlhf_engine.engine import load_tokenizer
 from rlhf_engine.errors import ConfigError
 from rlhf_engine.ppo_math import logprobs_from_logits
 from rlhf_engine.trainer import build_trainer
-from rlhf_engine.trainer.ptx import PtxData, collate_ptx, load_ptx_data, ptx_loss
-from rlhf_engine.trainer.state import DataCursor
+from rlhf_engine.data.ptx import PtxData, collate_ptx, load_ptx_data
+from rlhf_engine.trainer.ptx import ptx_loss
+from rlhf_engine.data.sampler import DataCursor
 
 VOLATILE = ("time/", "throughput/")
 DOCS = ["the quick brown fox jumps over the lazy dog", "a stitch in time saves nine",
@@ -149,7 +150,7 @@ def test_ptx_position_and_reward_normalizer_are_checkpointed_and_resume_exactly(
                  keep_last=0)
     a = build_trainer(parse_args(train_args(tiny, str(tmp_path / "a"), max_steps=2, **{**PTX, **flags})))
     a.step()
-    a.checkpointer.after_iteration()  # iteration 1's checkpoint
+    a.checkpointer.after_iteration(a.iteration)  # iteration 1's checkpoint
     saved = {"ptx": a.ptx.cursor.state_dict(), "norm": a.shaper.normalizer.state_dict()}
     assert saved["ptx"]["consumed"] == 4 and saved["norm"]["count"] == 4
     straight = a.step()

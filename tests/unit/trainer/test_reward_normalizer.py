@@ -93,7 +93,7 @@ def other_vocab_reward(tiny):
 
 
 def test_reward_model_with_its_own_tokenizer(tiny, dist_single, tmp_path, other_vocab_reward):
-    from rlhf_engine.engine.preflight import plan_roles
+    from rlhf_engine.engine.preflight import plan_engine
     from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
     tok_path, model_path = other_vocab_reward
@@ -101,7 +101,7 @@ def test_reward_model_with_its_own_tokenizer(tiny, dist_single, tmp_path, other_
                 per_device_generation_batch_size=4, per_device_training_batch_size=4, export_final="false")
     with pytest.raises(ConfigError, match=r"reward_model_name_or_path = .*vocabulary size \d+ differs from the "
                                           r"actor's 512.*reward_tokenizer_name_or_path"):
-        plan_roles(parse_args(train_args(tiny, str(tmp_path / "refused"), **base)))
+        plan_engine(parse_args(train_args(tiny, str(tmp_path / "refused"), **base)))
     cfg = parse_args(train_args(tiny, str(tmp_path / "run"), reward_tokenizer_name_or_path=tok_path, **base))
     trainer = build_trainer(cfg)
     assert isinstance(trainer.reward_fn, RetokenizedRewardModel)
@@ -123,4 +123,4 @@ def test_reward_model_with_its_own_tokenizer(tiny, dist_single, tmp_path, other_
     # a reward tokenizer with the actor's vocabulary needs no re-encoding
     same = parse_args(train_args(tiny, str(tmp_path / "same"), reward_tokenizer_name_or_path=tiny.tokenizer,
                                  max_steps=1))
-    plan_roles(same)
+    plan_engine(same).roles

@@ -58,3 +58,23 @@ def test_output_dir_holding_a_run_is_refused_and_nothing_overwritten(tiny, tmp_p
     assert len((out / "metrics.jsonl").read_text().splitlines()) == 1
     cfg = json.loads((out / "config.json").read_text())
     assert cfg["max_steps"] == 1 and cfg["output_dir"] == str(out)
+
+
+def test_overwrite_moves_every_file_of_the_previous_run_aside(tiny, tmp_path, dist_single):
+    """A real run that writes every kind of run file (evaluation, checkpoints, export), then a new run over it with
+    --overwrite_output_dir: each file of the first run is kept as *.bak, none is appended to or left in place (the
+    run directory's one list of run files; before it, eval_samples.jsonl stayed and the new run appended to it)."""
+    out = tmp_path / "run"
+    flags = dict(max_steps=1, eval_interval=1, eval_split=0.25, save_interval=1, tensorboard="true")
+    assert train_ppo.main(train_args(tiny, str(out), **flags)) == 0
+    first = set(os.listdir(out))
+    assert {"eval_samples.jsonl", "metrics.jsonl", "samples.jsonl", "checkpoints", "final", "tensorboard",
+            "ds_config_actor.json", "config.json", "command.txt", "metrics.png"} <= first, first
+    old_eval = (out / "eval_samples.jsonl").read_text()
+    assert train_ppo.main(train_args(tiny, str(out), overwrite_output_dir="true", **flags)) == 0
+    for name in first - {"wandb"}:  # wandb/: every wandb run has its own folder
+        assert [f for f in os.listdir(out) if f.startswith(name + ".") and f.endswith(".bak")], name
+    backup = next(f for f in os.listdir(out) if f.startswith("eval_samples.jsonl.") and f.endswith(".bak"))
+    assert (out / backup).read_text() == old_eval
+    # the new run's records only: evaluation before iteration 0 and after the last, as in the first run
+    assert (out / "eval_samples.jsonl").read_text().count("\n") == old_eval.count("\n")

@@ -9,9 +9,10 @@ import torch
 
 from _trainer_args import train_args
 from rlhf_engine.cli import parse_args
-from rlhf_engine.data.prompts import PromptSampler
+from rlhf_engine.data.sampler import DataCursor, PromptSampler
+from rlhf_engine.engine.preflight import plan_engine, plan_model
 from rlhf_engine.errors import ConfigError
-from rlhf_engine.trainer.state import DataCursor, RNGState, providers_of, run_fingerprint
+from rlhf_engine.trainer.state import RNGState, providers_of, run_fingerprint
 
 
 def _draw():
@@ -72,7 +73,7 @@ def test_providers_order_rng_last():
 
 def test_fingerprint_keys(tiny, tmp_path):
     cfg = parse_args(train_args(tiny, str(tmp_path), seed=3, generation_batches=2))
-    fp = run_fingerprint(cfg, world_size=2, num_prompts=32)
+    fp = run_fingerprint(cfg, plan_engine(cfg).roles, world_size=2, num_prompts=32)
     for key, value in {"world_size": 2, "seed": 3, "num_prompts": 32, "generation_batches": 2, "actor_zero_stage": 0,
                        "per_device_training_batch_size": 4, "gradient_accumulation_steps": 1, "ppo_epochs": 1}.items():
         assert fp[key] == value, key
@@ -80,9 +81,9 @@ def test_fingerprint_keys(tiny, tmp_path):
         assert fp[f"{role}_model_name_or_path"].startswith("/"), role  # absolute: another cwd is the same model
     assert "max_steps" not in fp  # a constant schedule: the run can be extended
     decaying = parse_args(train_args(tiny, str(tmp_path), actor_lr_scheduler_type="cosine"))
-    assert run_fingerprint(decaying, 1, 32)["max_steps"] == decaying.max_steps
+    assert run_fingerprint(decaying, plan_engine(decaying).roles, 1, 32)["max_steps"] == decaying.max_steps
     no_rm = parse_args(train_args(tiny, str(tmp_path), reward_fn="rlhf_engine.rewards.sentiment:vader_positive"))
-    assert "reward_model_name_or_path" not in run_fingerprint(no_rm, 1, 32)
+    assert "reward_model_name_or_path" not in run_fingerprint(no_rm, plan_engine(no_rm).roles, 1, 32)
 
 
 def test_supervised_fingerprint_keys(tiny, tmp_path):
@@ -92,13 +93,13 @@ def test_supervised_fingerprint_keys(tiny, tmp_path):
     argv = ["--model_name_or_path", os.path.relpath(tiny.actor), "--data_path", "d.jsonl", "--zero_stage", "3",
             "--gradient_accumulation_steps", "2", "--seed", "5"]
     cfg = parse_args(argv, config_cls=SFTConfig)
-    fp = supervised_fingerprint(cfg, world_size=2, num_rows=48)
+    fp = supervised_fingerprint(cfg, plan_model(cfg.model, 64)[0], world_size=2, num_rows=48)
     assert {k: fp[k] for k in ("world_size", "seed", "num_rows", "zero_stage", "gradient_accumulation_steps")} == {
         "world_size": 2, "seed": 5, "num_rows": 48, "zero_stage": 3, "gradient_accumulation_steps": 2}
     assert fp["model_name_or_path"] == os.path.realpath(tiny.actor)  # a relative path compares as absolute
     assert "max_steps" not in fp and "num_train_epochs" not in fp  # a constant schedule: the run can be extended
     decaying = parse_args(argv + ["--lr_scheduler_type", "cosine", "--num_train_epochs", "3"], config_cls=SFTConfig)
-    assert supervised_fingerprint(decaying, 2, 48)["num_train_epochs"] == 3
+    assert supervised_fingerprint(decaying, plan_model(decaying.model, 64)[0], 2, 48)["num_train_epochs"] == 3
 
 
 def test_checkpoint_config_fields(tiny, tmp_path):

@@ -1,0 +1,199 @@
+"""Plan, then build: one pass over the configuration produces an immutable run plan; the engines and the trainer take
+it in their constructors, and nothing is planned twice.
+
+`plan_ppo(cfg)` checks and resolves, in this order, everything that is cheap (no weight is read): the config, the
+distributed environment, the model side (`engine.preflight.plan_engine`: roles with paths, ZeRO stages and resolved
+dtypes, the tokenizer, stop tokens, the generation path), the reward function, the prompts (train and held-out), the
+sampler and iteration counts (batch arithmetic), the ptx documents, the run fingerprint and the resume point (a
+checkpoint of another run is refused here), and the run directory's policy. `plan_supervised` does the same for steps
+1 and 2. The recipes (`trainer/run.py`, `trainer/supervised.py`) then prepare the run directory and build.
+"""
+from __future__ import annotations
+
+import dataclasses
+import logging
+import sys
+from dataclasses import dataclass, field
+from typing import Any, Callable, Mapping, Optional
+
+from ..comm import DistInfo
+from ..config import TrainConfig
+from ..data.prompts import PromptData, PromptDataset, load_prompt_data
+from ..data.ptx import PtxDataset, check_fits, load_ptx_data
+from ..data.sampler import PromptSampler
+from ..engine import EnginePlan, RolePlan, init_distributed, plan_engine, plan_model
+from ..errors import ConfigError, Problem, Problems
+from ..outputs.run_dir import RunDir
+from .state import resolve_and_check, run_fingerprint, supervised_fingerprint
+
+log = logging.getLogger("rlhf_engine")
+
+
+@dataclass(frozen=True)
+class RunPlan:
+    """Everything a PPO run is built from (frozen: read it, never change it)."""
+
+    cfg: TrainConfig = field(repr=False)  # validated, builtin names resolved
+    dist: DistInfo
+    engine: EnginePlan  # roles, tokenizer, stop tokens, generation path, LR-schedule length
+    prompts: PromptDataset = field(repr=False)
+    eval_prompts: Optional[PromptDataset] = field(repr=False)  # None: no evaluation in the loop
+    sampler: PromptSampler = field(repr=False)  # this rank's order over `prompts`
+    iterations: int  # PPO iterations of the run
+    updates_per_iteration: int  # optimizer steps per trained engine per iteration
+    ptx: Optional[PtxDataset] = field(repr=False)  # PPO-ptx documents (None: ptx off)
+    reward_fn: Optional[Callable] = field(repr=False)  # the loaded --reward_fn (text level), None: a reward model
+    fingerprint: Mapping[str, Any]  # written into every checkpoint; a resume must match it
+    resume_path: Optional[str]  # the checkpoint this run continues (None: a fresh start)
+    run_dir: RunDir
+
+    @property
+    def tokenizer(self) -> Any:
+        return self.engine.tokenizer
+
+
+@dataclass(frozen=True)
+class SupervisedPlan:
+    """Everything an SFT or reward-model run is built from."""
+
+    cfg: Any = field(repr=False)
+    dist: DistInfo
+    model: RolePlan
+    tokenizer: Any = field(repr=False)
+    data: PromptData = field(repr=False)
+    sampler: PromptSampler = field(repr=False)
+    total_steps: int
+    fingerprint: Mapping[str, Any]
+    resume_path: Optional[str]
+    run_dir: RunDir
+
+
+# ---- iteration counts ------------------------------------------------------------------------------------------------
+def updates_per_iteration(cfg: TrainConfig) -> int:
+    """Optimizer steps per trained engine per iteration (for the LR schedule)."""
+    return cfg.ppo.ppo_epochs * (cfg.batch.rollout_size // cfg.batch.mini_batch_size)
+
+
+def total_iterations(cfg: TrainConfig, batches_per_epoch: int) -> int:
+    """Iterations of the run: max_steps, or with num_train_epochs E > 0
+    min(max_steps, floor(E x batches_per_epoch / generation_batches)), batches_per_epoch being the sampler's global
+    generation batches per epoch (an iteration may straddle two epochs). Raises ConfigError when that is 0."""
+    epochs = getattr(cfg, "num_train_epochs", 0) or 0
+    if not epochs:
+        return cfg.max_steps
+    n = min(cfg.max_steps, epochs * batches_per_epoch // cfg.batch.generation_batches)
+    if n < 1:
+        raise ConfigError([Problem("num_train_epochs", epochs, f"{epochs} epoch(s) of {batches_per_epoch} generation "
+                                   f"batches hold less than one iteration (generation_batches "
+                                   f"{cfg.batch.generation_batches}); raise num_train_epochs or add prompts")],
+                          "invalid configuration")
+    return n
+
+
+# ---- start-up ----------------------------------------------------------------------------------------------------
+def setup_logging(is_main: bool) -> None:
+    logging.basicConfig(level=logging.INFO if is_main else logging.WARNING,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stdout)
+    import transformers
+
+    transformers.utils.logging.disable_progress_bar()  # per-role "Loading weights" bars on every rank are noise
+
+
+def resolve_builtins(cfg: TrainConfig) -> None:
+    """Replace `builtin:` model and data names (the embedded default) by local paths (part of resolving the config,
+    before it is planned)."""
+    from ..config import ROLES
+    from ..pretrained import resolve_builtin
+
+    p = Problems()
+    fields = [(getattr(cfg, r), f, f"{r}_{f}") for r in ROLES for f in ("model_name_or_path", "tokenizer_name_or_path")]
+    fields.append((cfg.data, "data_path", "data_path"))
+    for owner, name, flag in fields:
+        value = getattr(owner, name)
+        if isinstance(value, str) and value.startswith("builtin:"):
+            try:
+                setattr(owner, name, resolve_builtin(value))
+            except (ValueError, FileNotFoundError) as e:
+                p.add(flag, value, str(e))
+    p.raise_if_any("cannot start: builtin assets")
+
+
+def start(cfg: Any) -> DistInfo:
+    """Validate the config, join the process group, set up logging."""
+    cfg.validate()
+    dist = init_distributed(cfg.dist_timeout_minutes)
+    setup_logging(dist.is_main)
+    return dist
+
+
+def _model_side(cfg: TrainConfig) -> tuple[EnginePlan, Optional[Callable]]:
+    """The engine plan and the reward function, every problem of both in one error."""
+    from ..rewards import load_reward_fn
+
+    p = Problems()
+    engine = reward_fn = None
+    try:
+        engine = plan_engine(cfg)
+    except ConfigError as e:
+        p.extend(e.problems)
+    if cfg.reward_fn:
+        try:
+            reward_fn = load_reward_fn(cfg.reward_fn)
+        except ValueError as e:
+            p.add("reward_fn", cfg.reward_fn, str(e))
+    p.raise_if_any("cannot start: model setup")
+    return engine, reward_fn
+
+
+def plan_ppo(cfg: TrainConfig, prompt_data: Optional[PromptData] = None) -> RunPlan:
+    """The plan of a PPO run (module docstring). Every rank calls it; raises one `ConfigError` per stage.
+    `prompt_data`: already tokenized prompts (a benchmark's, a notebook's) instead of loading `cfg.data`."""
+    dist = start(cfg)
+    resolve_builtins(cfg)
+    engine, reward_fn = _model_side(cfg)  # model-side checks before the data is tokenized
+    tok, g = engine.tokenizer, cfg.generation
+    data = prompt_data or load_prompt_data(cfg.data, tok, g.max_prompt_seq_len, seed=cfg.seed, verbose=dist.is_main)
+    eval_prompts = data.eval
+    if cfg.eval_data_path:
+        eval_cfg = dataclasses.replace(cfg.data, data_path=cfg.eval_data_path, eval_split=0.0)
+        eval_prompts = load_prompt_data(eval_cfg, tok, g.max_prompt_seq_len, seed=cfg.seed,
+                                        verbose=dist.is_main).train
+    # too few prompts for one global batch is a batch-arithmetic error: reported before any weight is loaded
+    sampler = PromptSampler(len(data.train), cfg.batch.per_device_generation_batch_size, dist.rank, dist.world_size,
+                            cfg.seed)
+    iterations = total_iterations(cfg, sampler.batches_per_epoch)  # max_steps, or fewer with num_train_epochs
+    updates = updates_per_iteration(cfg)
+    ptx = None
+    if cfg.unsupervised_dataset_name:  # ptx documents: read and checked before any weight too
+        ptx = load_ptx_data(cfg.unsupervised_dataset_name, tok, g.max_prompt_seq_len + g.max_answer_seq_len,
+                            cfg.unsup_text_column, verbose=dist.is_main, data_cache_dir=cfg.data.data_cache_dir)
+        check_fits(ptx, cfg.batch.per_device_training_batch_size, dist.world_size)
+    run_dir = RunDir(cfg.output_dir)
+    run_dir.check(resume=bool(cfg.resume), overwrite=cfg.overwrite_output_dir)
+    # --resume: find the checkpoint, and refuse one of another run (naming every differing key), before any weight
+    fingerprint = run_fingerprint(cfg, engine.roles, dist.world_size, len(data.train))
+    resume_path = resolve_and_check(cfg, dist, fingerprint)
+    return RunPlan(cfg=cfg, dist=dist, engine=dataclasses.replace(engine, num_training_steps=iterations * updates),
+                   prompts=data.train, eval_prompts=eval_prompts if cfg.eval_interval else None, sampler=sampler,
+                   iterations=iterations, updates_per_iteration=updates, ptx=ptx, reward_fn=reward_fn,
+                   fingerprint=fingerprint, resume_path=resume_path, run_dir=run_dir)
+
+
+def plan_supervised(cfg: Any, trainer_cls: type) -> SupervisedPlan:
+    """The plan of an SFT or reward-model run: the same stages as `plan_ppo` for one trained model, its data loaded
+    by `trainer_cls.load_data`."""
+    dist = start(cfg)
+    t = cfg.train
+    model, tokenizer = plan_model(cfg.model, t.max_prompt_seq_len + t.max_answer_seq_len, name=trainer_cls.role)
+    data = trainer_cls.load_data(cfg, tokenizer, verbose=dist.is_main)
+    sampler = PromptSampler(len(data.train), t.mini_batch_size, dist.rank, dist.world_size, cfg.seed,
+                            batch_field="per_device_training_batch_size x gradient_accumulation_steps")
+    total = sampler.batches_per_epoch * t.num_train_epochs
+    if t.max_steps:
+        total = min(total, t.max_steps)
+    run_dir = RunDir(cfg.output_dir)
+    run_dir.check(resume=bool(cfg.resume), overwrite=cfg.overwrite_output_dir)
+    fingerprint = supervised_fingerprint(cfg, model, dist.world_size, len(data.train))
+    resume_path = resolve_and_check(cfg, dist, fingerprint)
+    return SupervisedPlan(cfg=cfg, dist=dist, model=model, tokenizer=tokenizer, data=data, sampler=sampler,
+                          total_steps=total, fingerprint=fingerprint, resume_path=resume_path, run_dir=run_dir)

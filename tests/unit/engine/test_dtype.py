@@ -1,0 +1,41 @@
+"""`--dtype auto` (the default of PPO and of steps 1 and 2): resolved once, in the plan, and stored resolved."""
+import pytest
+import torch
+from _support import ppo_args as train_args
+
+from rlhf_engine.cli import parse_args
+from rlhf_engine.config import SFTConfig, TrainConfig
+from rlhf_engine.engine.preflight import plan_engine, plan_model, resolve_dtype
+from rlhf_engine.trainer.state import run_fingerprint, supervised_fingerprint
+
+
+def test_auto_resolves_by_device(monkeypatch):
+    assert resolve_dtype("auto", cuda=False) == "fp32"
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *a, **k: True)
+    assert resolve_dtype("auto", cuda=True) == "bf16"
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *a, **k: False)  # e.g. a V100
+    assert resolve_dtype("auto", cuda=True) == "fp16"
+    for explicit in ("fp32", "bf16", "fp16"):  # an explicit dtype is never changed
+        assert resolve_dtype(explicit, cuda=True) == resolve_dtype(explicit, cuda=False) == explicit
+
+
+def test_auto_is_the_default_and_the_plan_holds_the_resolved_dtype(tiny, tmp_path):
+    assert TrainConfig().dtype == "auto" and SFTConfig().model.dtype == "auto"
+    cfg = parse_args(train_args(tiny, str(tmp_path)))
+    assert cfg.dtype == "auto"
+    roles = plan_engine(cfg).roles
+    assert {r: p.dtype for r, p in roles.items()} == {r: "fp32" for r in roles}  # this machine has no GPU
+    fp = run_fingerprint(cfg, roles, 1, 32)
+    assert (fp["actor_dtype"], fp["critic_dtype"]) == ("fp32", "fp32")
+    # negative control: an explicit dtype and a per-role override reach the plan and the fingerprint as given
+    bf = parse_args(train_args(tiny, str(tmp_path), dtype="bf16", critic_dtype="fp32"))
+    fp = run_fingerprint(bf, plan_engine(bf).roles, 1, 32)
+    assert (fp["actor_dtype"], fp["critic_dtype"]) == ("bf16", "fp32")
+
+
+@pytest.mark.parametrize("flag, expect", [([], "fp32"), (["--dtype", "bf16"], "bf16")])
+def test_supervised_plan_resolves_auto(tiny, flag, expect):
+    cfg = parse_args(["--model_name_or_path", tiny.actor, "--data_path", "d.jsonl", *flag], config_cls=SFTConfig)
+    model, tok = plan_model(cfg.model, 64)
+    assert model.dtype == expect and tok.padding_side == "left"
+    assert supervised_fingerprint(cfg, model, 1, 8)["dtype"] == expect

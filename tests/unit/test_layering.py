@@ -1,0 +1,90 @@
+"""Which module may import which (docs/architecture.md): arrows point down the table, never back up, and only
+the engine package talks to DeepSpeed. Read from the source (ast), so a lazy import inside a function counts too."""
+import ast
+import os
+
+import pytest
+
+ROOT = os.path.join(os.path.dirname(__file__), "..", "..", "rlhf_engine")
+
+# room -> the rooms it may import (besides the standard library, torch and third-party model/data libraries)
+ALLOWED = {
+    "errors": set(),
+    "comm": set(),
+    "ppo_math": set(),
+    "config": {"errors"},
+    "rollout": {"ppo_math"},
+    "pretrained": {"errors"},
+    "assets": {"pretrained"},
+    "faults": set(),
+    "rewards": {"errors"},
+    "outputs": {"errors"},
+    "data": {"config", "errors", "rollout", "pretrained"},
+    "engine": {"comm", "config", "errors", "ppo_math", "rollout"},
+    "trainer": {"comm", "config", "data", "engine", "errors", "outputs", "ppo_math", "pretrained", "rewards",
+                "rollout", "faults"},
+    "cli": {"comm", "config", "engine", "errors", "rewards"},
+}
+
+
+def _imports():
+    """(importing room, imported module) for every import statement of the package."""
+    out = []
+    for d, _, files in os.walk(ROOT):
+        for f in files:
+            if not f.endswith(".py"):
+                continue
+            path = os.path.join(d, f)
+            rel = os.path.relpath(path, ROOT)[:-3].split(os.sep)
+            pkg = rel if f == "__init__.py" else rel[:-1]
+            pkg = [p for p in pkg if p != "__init__"]
+            room = rel[0]
+            for node in ast.walk(ast.parse(open(path).read())):
+                if isinstance(node, ast.ImportFrom):
+                    if node.level:
+                        base = pkg[:len(pkg) - (node.level - 1)] if node.level > 1 else pkg
+                        names = base + (node.module.split(".") if node.module else [])
+                        if not node.module:  # `from .. import faults`
+                            out += [(room, ".".join(["rlhf_engine", *names, a.name])) for a in node.names]
+                            continue
+                        out.append((room, ".".join(["rlhf_engine", *names])))
+                    else:
+                        out.append((room, node.module or ""))
+                elif isinstance(node, ast.Import):
+                    out += [(room, a.name) for a in node.names]
+    return out
+
+
+def _room(module: str) -> str:
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 else parts[0]
+
+
+def test_no_import_runs_back_up():
+    bad = sorted({(room, target) for room, target in _imports() if target.startswith("rlhf_engine.")
+                  and _room(target) != room and _room(target) not in ALLOWED.get(room, set())})
+    assert not bad, f"imports against the layering (room -> module): {bad}"
+
+
+def test_only_the_engine_imports_deepspeed():
+    bad = sorted({room for room, target in _imports() if target.split(".")[0] == "deepspeed" and room != "engine"})
+    assert not bad, bad
+
+
+@pytest.mark.parametrize("room", ["ppo_math", "comm"])
+def test_the_bottom_rooms_import_torch_only(room):
+    third = {t.split(".")[0] for r, t in _imports() if r == room} - {"__future__", "dataclasses", "typing", "math"}
+    assert third <= {"torch"}, third
+
+
+def test_negative_control_a_trainer_import_in_the_engine_is_caught(tmp_path, monkeypatch):
+    """The check itself can fail: an engine module importing the trainer is reported."""
+    import shutil
+
+    copy = tmp_path / "rlhf_engine"
+    shutil.copytree(ROOT, copy)
+    with open(copy / "engine" / "zero3.py", "a") as f:
+        f.write("\nfrom ..trainer import plan  # noqa\n")
+    monkeypatch.setitem(globals(), "ROOT", str(copy))
+    with pytest.raises(AssertionError, match="engine"):
+        test_no_import_runs_back_up()
