@@ -17,7 +17,6 @@ FLOP formula (stated in every result file and in the generated README):
 """
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import json
 import os
@@ -172,28 +171,13 @@ def synthetic_prompts(n: int, length: int, vocab_size: int, seed: int, fixed: bo
     return out
 
 
-@contextlib.contextmanager
 def synthetic_prompt_data(prompts: list):
-    """Run `build_trainer` on pre-tokenized prompts: `rlhf_engine.trainer.run.load_prompt_data` (the data layer,
-    which needs the `datasets` package and a file) is replaced, for this process and this block only, by one that
-    returns these rows. Everything else of `build_trainer` runs as is."""
+    """Pre-tokenized prompts as the data layer's `PromptData`, for `build_trainer(cfg, prompt_data=...)` (no
+    `datasets` file needed; everything else of `build_trainer` runs as is)."""
     from rlhf_engine.data.prompts import PromptData, PromptDataset
-    from rlhf_engine.trainer import run as run_mod
 
-    orig = run_mod.load_prompt_data
-
-    def fake(data, tokenizer, max_prompt_seq_len, seed=0, verbose=True, **kw):
-        too_long = [i for i, p in enumerate(prompts) if len(p) > max_prompt_seq_len]
-        if too_long:
-            raise ValueError(f"synthetic prompts {too_long[:5]} are longer than {max_prompt_seq_len}")
-        ds = PromptDataset([list(p) for p in prompts], [[1] * len(p) for p in prompts], [""] * len(prompts))
-        return PromptData(train=ds, eval=None, stats=None)
-
-    run_mod.load_prompt_data = fake
-    try:
-        yield
-    finally:
-        run_mod.load_prompt_data = orig
+    ds = PromptDataset([list(p) for p in prompts], [[1] * len(p) for p in prompts], [""] * len(prompts))
+    return PromptData(train=ds, eval=None, stats=None)
 
 
 # ---- device, memory, timing ----------------------------------------------------------------------------------------

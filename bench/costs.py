@@ -142,7 +142,7 @@ def main(argv=None) -> int:
               "setup": {k: getattr(ns, k) for k in ("actor_shape", "critic_shape", "prompt_len", "answer_len",
                                                     "fixed_length", "global_batch", "micro_batch", "dtype")},
               "variants": [v for v in variants], "skipped": skipped, "reps": args.reps,
-              "gather_once": ".".join(x for x in pi.gather_once_field() or () if x) or "not implemented",
+              "gather_once": pi.GATHER_ONCE_FLAG,
               "matmul_params": {"actor": bl.matmul_params(ns.actor_shape, "causal_lm"),
                                 "critic": bl.matmul_params(ns.critic_shape, "score")}}
     if args.check_equivalence:
@@ -191,8 +191,6 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    rc = main()
-    from rlhf_engine.trainer.run import shutdown_distributed
+    from rlhf_engine.cli import exit_process
 
-    shutdown_distributed(ok=rc == 0)
-    sys.exit(rc)
+    exit_process(main())

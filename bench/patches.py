@@ -4,8 +4,7 @@ current code and a patched variant side by side in one process (`ppo_iteration.p
 Two kinds (`KIND[name]`):
 
 * **before**: the fix is applied in rlhf_engine; the patch restores the code BEFORE the fix on one instance, so one
-  run measures before -> current. `APPLIED[name]` = (file, a string the fix introduced) finds the commit that applied
-  it (`applied_in`).
+  run measures before -> current. `APPLIED[name]` is the commit that applied it, recorded when it landed.
 * **candidate**: the fix is not in rlhf_engine; the patch applies it (or bounds what it could save) on one instance.
 
 Each patch is `apply(trainer) -> Optional[context manager factory]`; a returned factory is entered around every step
@@ -31,19 +30,18 @@ wrong result.
 from __future__ import annotations
 
 import contextlib
-import os
-import subprocess
 from typing import Callable
 
 import torch
 
 PATCHES: dict[str, Callable] = {}
 KIND: dict[str, str] = {}  # name -> "before" | "candidate"
-APPLIED: dict[str, tuple[str, str]] = {}  # before patches: name -> (file, a string the fix introduced there)
+APPLIED: dict[str, str] = {}  # before patches: name -> the commit that applied the fix in rlhf_engine
 
 
-def patch(name: str, applied: tuple[str, str] | None = None):
-    """Register a patch; `applied` = (file, marker) makes it a 'before' patch of a fix applied in rlhf_engine."""
+def patch(name: str, applied: str | None = None):
+    """Register a patch; `applied` (the commit of the fix) makes it a 'before' patch of a fix applied in
+    rlhf_engine."""
     def deco(fn):
         PATCHES[name] = fn
         KIND[name] = "before" if applied else "candidate"
@@ -76,26 +74,12 @@ def variant_kind(patch_spec: str) -> str:
 
 
 def applied_in(name: str) -> str:
-    """The short hash of the commit that introduced a before-patch's fix (the first commit adding its marker),
-    'uncommitted' when only the working tree has it, 'not found' when the file does not have it."""
-    path, marker = APPLIED[name]
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    try:
-        out = subprocess.run(["git", "log", "--reverse", "--format=%h", "-S", marker, "--", path], cwd=root,
-                             capture_output=True, text=True, timeout=60).stdout.split()
-    except (OSError, subprocess.SubprocessError):
-        out = []
-    if out:
-        return out[0]
-    try:
-        with open(os.path.join(root, path)) as f:
-            return "uncommitted" if marker in f.read() else "not found"
-    except OSError:
-        return "not found"
+    """The short hash of the commit that applied a before-patch's fix."""
+    return APPLIED[name]
 
 
 # ---- applied fixes: restore the code before them --------------------------------------------------------------------
-@patch("full_lm_head", applied=("rlhf_engine/engine/rlhf_engine.py", "logits_to_keep=R + 1"))
+@patch("full_lm_head", applied="ddd038b")
 def _full_lm_head(trainer) -> Callable:
     """`RLHFEngine._lm_forward`'s fallback branch is the code before the fix (LM head on all positions, then
     `action_slice`): take it for every model. Module-level switch, so a context entered around this variant only."""
@@ -113,7 +97,7 @@ def _full_lm_head(trainer) -> Callable:
     return ctx
 
 
-@patch("top_k_default", applied=("rlhf_engine/engine/rlhf_engine.py", "top_k=0 (not None)"))
+@patch("top_k_default", applied="ddd038b")
 def _top_k_default(trainer) -> None:
     """Before: `top_k=g.top_k or None`; transformers 5 then applies its default top_k=50 for 'top_k 0 = off'."""
     eng = trainer.engine
@@ -128,7 +112,7 @@ def _top_k_default(trainer) -> None:
     eng.generation_kwargs = generation_kwargs
 
 
-@patch("checks_in_hot_loop", applied=("rlhf_engine/trainer/ppo_trainer.py", "check=False"))
+@patch("checks_in_hot_loop", applied="f27805e")
 def _checks_in_hot_loop(trainer) -> Callable:
     """Before: the trainer called the ppo_math functions of a micro-batch with their checks on, and the guards read
     each flag of their tables with its own host sync (plus one per checked tensor before the collective). The current

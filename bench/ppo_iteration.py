@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import argparse
 import copy
-import dataclasses
 import gc
 import json
 import os
@@ -68,41 +67,9 @@ def parse_variant(spec: str) -> dict:
     return v
 
 
-def config_field(match):
-    """(section, field) of the first TrainConfig field whose name satisfies `match`, or None. The benchmark follows
-    whatever switches the config has (features land in rlhf_engine independently of the benchmark)."""
-    from rlhf_engine.config import TrainConfig
-
-    cfg = TrainConfig()
-    for f in dataclasses.fields(cfg):
-        sec = getattr(cfg, f.name)
-        if dataclasses.is_dataclass(sec):
-            for g in dataclasses.fields(sec):
-                if match(g.name, getattr(sec, g.name)):
-                    return f.name, g.name
-        elif match(f.name, sec):
-            return None, f.name
-    return None
-
-
-def gather_once_field():
-    """The 'gather the ZeRO-3 actor once for generation' switch (a bool, or an auto/on/off string), or None."""
-    return config_field(lambda name, default: "gather_once" in name and isinstance(default, (bool, str)))
-
-
-def hybrid_engine_field():
-    """The config switch of DeepSpeed's Hybrid Engine, or None (the benchmark then enables it itself)."""
-    return config_field(lambda name, default: "hybrid_engine" in name and name.startswith("enable")
-                        and isinstance(default, bool))
-
-
-def set_field(cfg, where, value: bool) -> str:
-    sec, name = where
-    owner = getattr(cfg, sec) if sec else cfg
-    current = getattr(owner, name)
-    val = ("on" if value else "off") if isinstance(current, str) else bool(value)
-    setattr(owner, name, val)
-    return f"{sec + '.' if sec else ''}{name}={val}"
+# the config switches the variants set (rlhf_engine's own flags; recorded in the result JSON)
+GATHER_ONCE_FLAG = "engine.generation_gather_once"
+HYBRID_ENGINE_FLAG = "engine.enable_hybrid_engine"
 
 
 def nvcc_available() -> bool:
@@ -154,11 +121,8 @@ def build_config(args, v: dict, world: int, models: dict, out_dir: str):
         cfg.actor.offload = cfg.critic.offload = True
     v["_settings"] = []
     if "gather_once" in v:
-        where = gather_once_field()
-        if where is not None:
-            v["_settings"].append(set_field(cfg, where, v["gather_once"]))
-        elif v["gather_once"]:
-            raise Skip("gather-once is not implemented: TrainConfig has no such field")
+        cfg.engine.generation_gather_once = "on" if v["gather_once"] else "off"
+        v["_settings"].append(f"{GATHER_ONCE_FLAG}={cfg.engine.generation_gather_once}")
     overrides = {"actor": {}, "critic": {}}
     if bl.on_gpu() and args.adam_impl == "torch":  # keep DeepSpeed from JIT-building FusedAdam
         for role in overrides:
@@ -169,14 +133,8 @@ def build_config(args, v: dict, world: int, models: dict, out_dir: str):
         if not nvcc_available():
             raise Skip("the Hybrid Engine's inference kernels are JIT-compiled on first use and need the CUDA "
                        "toolkit (nvcc), which this machine lacks")
-        where = hybrid_engine_field()
-        if where is not None:  # rlhf_engine's own Hybrid Engine support (its generate switches eval/train itself)
-            v["_settings"].append(set_field(cfg, where, True))
-        else:  # not in the config: enable it through the actor's DeepSpeed config (see hybrid_generate)
-            v["_settings"].append("bench: actor ds_config hybrid_engine.enabled=true")
-            overrides["actor"]["hybrid_engine"] = {
-                "enabled": True, "max_out_tokens": args.prompt_len + args.answer_len, "inference_tp_size": 1,
-                "release_inference_cache": False, "pin_parameters": True, "tp_gather_partition_size": 8}
+        cfg.engine.enable_hybrid_engine = True  # rlhf_engine's own support (its generate switches eval/train itself)
+        v["_settings"].append(f"{HYBRID_ENGINE_FLAG}=true")
     os.makedirs(out_dir, exist_ok=True)
     for role, over in overrides.items():
         if over:
@@ -199,34 +157,14 @@ class Built:
         self.iterations: list[dict] = []
 
 
-def hybrid_generate(trainer) -> None:
-    """Our RLHFEngine.generate only switches the HF module to eval mode; the Hybrid Engine swaps in its inference
-    kernels in the DeepSpeed engine's eval(). Wrap this instance's generate in actor.eval() / actor.train(), as
-    DeepSpeed-Chat does around its rollouts."""
-    eng = trainer.engine
-    orig = eng.generate
-
-    def generate(ids, mask):
-        eng.actor.eval()
-        try:
-            return orig(ids, mask)
-        finally:
-            eng.actor.train()
-
-    eng.generate = generate
-
-
 def build_variant(args, v: dict, world: int, models: dict, prompts: list, run_dir: str) -> Built:
     from patches import apply_patches
     from rlhf_engine.trainer import build_trainer
 
     cfg = build_config(args, v, world, models, os.path.join(run_dir, v["name"]))
     t0 = time.perf_counter()
-    with bl.synthetic_prompt_data(prompts):
-        trainer = build_trainer(cfg)
+    trainer = build_trainer(cfg, prompt_data=bl.synthetic_prompt_data(prompts))
     contexts = apply_patches(trainer, [p for p in v.get("patch", "").split("+") if p])
-    if v.get("hybrid_engine") and hybrid_engine_field() is None:
-        hybrid_generate(trainer)
     bl.sync()
     return Built(v, trainer, contexts, time.perf_counter() - t0)
 
@@ -530,7 +468,6 @@ def main(argv=None) -> int:
     variants = [parse_variant(s) for s in args.variant] or [{"name": "default"}]
     # the same folder on every rank (MASTER_PORT is the launch's); a reused one is overwritten (old files kept as .bak)
     run_dir = os.path.join(args.work_dir, "runs", f"{args.label or args.preset}-{world}r-{os.environ['MASTER_PORT']}")
-    where, hwhere = gather_once_field(), hybrid_engine_field()
     result = {
         "kind": "ppo_iteration", "label": args.label, "preset": args.preset,
         "command": bl.command_line([os.path.relpath(sys.argv[0], bl.ROOT)] + sys.argv[1:]),
@@ -542,8 +479,8 @@ def main(argv=None) -> int:
                   "warmup": args.warmup, "iterations": args.iterations, "adam": args.adam_impl,
                   "omp_num_threads": os.environ.get("OMP_NUM_THREADS")},
         "matmul_params": dict(N_PARAMS), "flop_formula": bl.FLOP_FORMULA,
-        "gather_once": ".".join(x for x in where if x) if where else "not implemented",
-        "hybrid_engine_switch": ".".join(x for x in hwhere if x) if hwhere else "bench: actor ds_config override",
+        "gather_once": GATHER_ONCE_FLAG,
+        "hybrid_engine_switch": HYBRID_ENGINE_FLAG,
         "variants": [],
     }
     built: list[Built] = []
@@ -555,8 +492,7 @@ def main(argv=None) -> int:
             entry["ds_optimizer"] = type(b.trainer.engine.actor.optimizer).__name__ if \
                 b.trainer.engine.actor.optimizer is not None else None
             entry["settings"] = v.get("_settings", [])
-            if hasattr(b.trainer.engine, "gather_once_active"):
-                entry["gather_once_active"] = bool(b.trainer.engine.gather_once_active())
+            entry["gather_once_active"] = bool(b.trainer.engine.gather_once_active())
             if v.get("hybrid_engine"):
                 actor = b.trainer.engine.actor
                 entry["actor_engine_class"] = type(actor).__name__
@@ -641,8 +577,8 @@ def main(argv=None) -> int:
 
 if __name__ == "__main__":
     rc = main()
-    if "rlhf_engine.trainer.run" in sys.modules:
-        from rlhf_engine.trainer.run import shutdown_distributed
+    if "rlhf_engine.comm" in sys.modules:  # a rank of the benchmark (not the parent that launches them)
+        from rlhf_engine.cli import exit_process
 
-        shutdown_distributed(ok=rc == 0)
+        exit_process(rc)
     sys.exit(rc)

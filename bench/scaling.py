@@ -34,11 +34,9 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def variants(include_gather_once: bool) -> list[str]:
-    vs = ["zero0:zero=0", "zero2:zero=2", "zero3:zero=3,gather_once=0", "zero2+offload:zero=2,offload=1"]
-    if include_gather_once:
-        vs += ["zero3+gather_once:zero=3,gather_once=1"]
-    return vs
+def variants() -> list[str]:
+    return ["zero0:zero=0", "zero2:zero=2", "zero3:zero=3,gather_once=0", "zero2+offload:zero=2,offload=1",
+            "zero3+gather_once:zero=3,gather_once=1"]
 
 
 def launch(kind: str, args, out: str, variant_specs: list[str]) -> dict:
@@ -110,8 +108,7 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     import ppo_iteration as pi
 
-    where = pi.gather_once_field()
-    specs = variants(where is not None)
+    specs = variants()
     kinds = args.kinds.split(",")
     launches = []
     raw_dir = os.path.join(args.work_dir, "scaling_raw")
@@ -129,7 +126,7 @@ def main(argv=None) -> int:
         "flop_formula": bl.FLOP_FORMULA, "kinds": {k: {"ranks": KINDS[k][0], "threads_per_rank": KINDS[k][1]}
                                                    for k in kinds},
         "launch_order": [k for k, _ in launches], "launch_s": [round(r["launch_s"], 1) for _, r in launches],
-        "gather_once": ".".join(x for x in where if x) if where else "not implemented",
+        "gather_once": pi.GATHER_ONCE_FLAG,
         "variants": specs, "table": merge(launches),
     }
     bl.write_json(args.out, result)
