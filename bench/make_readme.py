@@ -157,7 +157,7 @@ COST_TEXT = {
     "full_lm_head": ("LM head on the prompt positions", "`RLHFEngine._lm_forward` passes `logits_to_keep=R+1` and "
                      "takes `logits[:, :R]`; before, the actor/reference LM head ran on all P+R positions and R were "
                      "kept"),
-    "top_k_default": ("top-k 50 sampling although top_k is 0 (off)", "`RLHFEngine.generation_kwargs` passes "
+    "top_k_default": ("top-k 50 sampling although top_k is 0 (off)", "`HFBackend.generation_kwargs` passes "
                       "`top_k=0`; before, `top_k=None`, which transformers 5 replaces by its default 50 (a correctness "
                       "fix: the sampled tokens change, as they should)"),
     "checks_in_hot_loop": ("host syncs in the training loop", "the trainer calls ppo_math with `check=False` per "

@@ -100,16 +100,16 @@ def _full_lm_head(trainer) -> Callable:
 @patch("top_k_default", applied="ddd038b")
 def _top_k_default(trainer) -> None:
     """Before: `top_k=g.top_k or None`; transformers 5 then applies its default top_k=50 for 'top_k 0 = off'."""
-    eng = trainer.engine
-    orig = eng.generation_kwargs
+    gen = trainer.engine.generator  # the HF generation backend
+    orig = gen.generation_kwargs
 
-    def generation_kwargs():
-        kw = orig()
+    def generation_kwargs(params):
+        kw = orig(params)
         if kw.get("do_sample") and kw.get("top_k") == 0:
             kw["top_k"] = None
         return kw
 
-    eng.generation_kwargs = generation_kwargs
+    gen.generation_kwargs = generation_kwargs
 
 
 @patch("checks_in_hot_loop", applied="f27805e")
@@ -182,9 +182,9 @@ def _gather_once(trainer) -> None:
         return
     orig = eng.generate
 
-    def generate(ids, mask):
+    def generate(ids, mask, params=None):
         with deepspeed.zero.GatheredParameters(list(eng.actor.module.parameters())):
-            return orig(ids, mask)
+            return orig(ids, mask, params)
 
     eng.generate = generate
 
@@ -214,11 +214,11 @@ def _gather_copy(trainer) -> None:
         raise RuntimeError(f"gather_copy: replica parameters {missing[:3]} not in the actor")
 
     @torch.no_grad()
-    def generate(ids, mask):
+    def generate(ids, mask, params=None):
         with deepspeed.zero.GatheredParameters([source[n] for n, _ in targets]):
             for n, q in targets:
                 q.copy_(source[n])
-        kw = eng.generation_kwargs()
+        kw = eng.generator.generation_kwargs(params or eng.sampling)
         kw.pop("synced_gpus")  # the replica runs no collective: every rank may stop at its own length
         gen_config = copy.deepcopy(replica.generation_config)
         gen_config.update(**kw)

@@ -284,7 +284,7 @@ def greedy_check(b: Built, n_prompts: int, new_tokens: int, hybrid: bool) -> dic
     idx = list(range(min(n_prompts, len(b.trainer.dataset))))
     ids, mask = collate_prompts(b.trainer.dataset, idx, eng.pad_token_id)
     ids, mask = ids.to(eng.device), mask.to(eng.device)
-    kw = eng.generation_kwargs()
+    kw = eng.generator.generation_kwargs(eng.sampling)
     kw.pop("synced_gpus")
     kw.update(do_sample=False, temperature=None, top_p=None, top_k=None, max_new_tokens=new_tokens,
               min_new_tokens=new_tokens)
@@ -492,7 +492,7 @@ def main(argv=None) -> int:
             entry["ds_optimizer"] = type(b.trainer.engine.actor.optimizer).__name__ if \
                 b.trainer.engine.actor.optimizer is not None else None
             entry["settings"] = v.get("_settings", [])
-            entry["gather_once_active"] = bool(b.trainer.engine.gather_once_active())
+            entry["gather_once_active"] = bool(b.trainer.engine.generator.gather_once_active())
             if v.get("hybrid_engine"):
                 actor = b.trainer.engine.actor
                 entry["actor_engine_class"] = type(actor).__name__

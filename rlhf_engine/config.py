@@ -15,9 +15,9 @@ from typing import Any, Optional
 from .errors import Problems
 
 DTYPES = ("auto", "fp32", "bf16", "fp16")  # auto: bf16 on GPUs that support it, fp16 on other GPUs, fp32 on CPU
-KL_ESTIMATORS = ("k1", "k2", "k3")
 SCHEDULERS = ("constant", "constant_with_warmup", "linear", "cosine")
-ROLES = ("actor", "critic", "reference", "reward")
+ROLES = ("actor", "critic", "reference", "reward")  # every role a PPO run can have
+TRAINED_ROLES = ("actor", "critic")  # the roles with an optimizer (the others are eval-only)
 
 
 def opt(default: Any, help: str, **kw: Any) -> Any:
@@ -64,6 +64,9 @@ class PPOConfig:
     gamma: float = opt(1.0, "Discount factor of GAE.")
     lam: float = opt(0.95, "GAE lambda.")
     reward_clip: float = opt(5.0, "Scores are clamped to [-reward_clip, reward_clip] before they enter the reward.")
+    advantage_estimator: str = opt("gae", "How advantages are estimated (rlhf_engine/estimators.py, a registry of pure "
+                                   "functions): gae = GAE over the critic's values. An estimator that needs no "
+                                   "critic builds none.")
     whiten_advantages: bool = opt(True, "Whiten advantages (global masked mean/std across ranks) before the update.")
     entropy_coef: float = opt(0.0, "Entropy bonus coefficient on the actor loss (0 = off).")
     critic_warmup_iterations: int = opt(0, "Critic warm-up: the first N iterations train only the critic (the actor "
@@ -90,7 +93,11 @@ class PPOConfig:
             p.add(prefix + "normalize_reward", self.normalize_reward, "must be true or false")
         _positive(p, prefix, self, "kl_coef", "kl_target", "clip_eps", "value_clip", "reward_clip", "entropy_coef",
                   allow_zero=True)
+        from .estimators import ESTIMATORS
+        from .ppo_math import KL_ESTIMATORS
+
         _choice(p, prefix, self, "kl_estimator", KL_ESTIMATORS)
+        _choice(p, prefix, self, "advantage_estimator", tuple(ESTIMATORS))
         for n in ("gamma", "lam"):
             v = getattr(self, n)
             if not _number(v) or not 0.0 <= v <= 1.0:
@@ -387,9 +394,13 @@ class EngineConfig:
                                       "weights fit gather_once_max_bytes.")
     gather_once_max_bytes: int = opt(8 * 2**30, "Largest actor (bytes of its full weights) gathered at once for "
                                      "generation; a larger actor falls back to per-layer fetching (logged once).")
-    enable_hybrid_engine: bool = opt(False, "DeepSpeed Hybrid Engine for the actor's generation (GPU only, "
-                                     "DeepSpeed-inference architectures only, no LoRA; unverified here). Stops at "
-                                     "start-up where it cannot run, unless hybrid_engine_fallback.")
+    generation_backend: str = opt("hf", "What generates the rollouts (rlhf_engine/engine/generation/): hf = Hugging "
+                                  "Face generate on the actor (with gather-once under ZeRO-3, see "
+                                  "generation_gather_once); hybrid = DeepSpeed's Hybrid Engine (GPU only, "
+                                  "DeepSpeed-inference architectures only, no LoRA; unverified here; stops at "
+                                  "start-up where it cannot run, unless hybrid_engine_fallback).")
+    enable_hybrid_engine: bool = opt(False, "DeepSpeed-Chat's flag: true = --generation_backend hybrid (it wins over "
+                                     "generation_backend).")
     hybrid_engine_fallback: bool = opt(False, "Where the Hybrid Engine cannot run (no CUDA, architecture without a "
                                        "DeepSpeed inference container, LoRA), log a warning and generate with "
                                        "Hugging Face instead of stopping.")
@@ -405,6 +416,9 @@ class EngineConfig:
         if self.ema_dtype and self.ema_dtype not in DTYPES:
             p.add(prefix + "ema_dtype", self.ema_dtype, f"must be one of {', '.join(DTYPES)} (or '' for the actor's)")
         _choice(p, prefix, self, "generation_gather_once", GATHER_ONCE_MODES)
+        if not isinstance(self.generation_backend, str) or not self.generation_backend:
+            p.add(prefix + "generation_backend", self.generation_backend, "must name a generation backend (hf, "
+                  "hybrid)")  # the name itself is checked against the registry by engine/preflight.py
         _positive(p, prefix, self, "gather_once_max_bytes", allow_zero=True)
         _positive(p, prefix, self, "inference_tp_size", "tp_gather_partition_size")
         for n in ("gather_once_max_bytes", "inference_tp_size", "tp_gather_partition_size"):
@@ -516,9 +530,25 @@ class TrainConfig:
                 setattr(self, name, cls())
 
     @property
+    def has_critic(self) -> bool:
+        """Whether the advantage estimator needs a critic (rlhf_engine/estimators.py)."""
+        from .estimators import ESTIMATORS
+
+        est = ESTIMATORS.get(self.ppo.advantage_estimator)
+        return est is None or est.needs_critic  # an unknown name is reported by validate()
+
+    @property
     def active_roles(self) -> tuple:
-        """The roles that get an engine: no reward model when a reward function scores the rollouts."""
-        return tuple(r for r in ROLES if not (r == "reward" and self.reward_fn))
+        """The roles the run has (each gets an engine, except a reference that is the actor's disabled adapter): no
+        reward model when a reward function scores the rollouts, no critic when the estimator needs none. The one
+        definition of the run's roles."""
+        return tuple(r for r in ROLES if not (r == "reward" and self.reward_fn)
+                     and not (r == "critic" and not self.has_critic))
+
+    @property
+    def trained_roles(self) -> tuple:
+        """The roles of this run that train (have an optimizer), in step order."""
+        return tuple(r for r in TRAINED_ROLES if r in self.active_roles)
 
     def validate(self) -> "TrainConfig":
         """Raise one `ConfigError` listing every problem; return self when valid."""
@@ -549,6 +579,9 @@ class TrainConfig:
         _positive(p, "", self, "max_steps")
         _positive(p, "", self, "eval_interval", allow_zero=True)
         self._validate_trainer_extensions(p)
+        if not self.has_critic and self.ppo.critic_warmup_iterations:
+            p.add("critic_warmup_iterations", self.ppo.critic_warmup_iterations, f"advantage_estimator "
+                  f"{self.ppo.advantage_estimator!r} builds no critic: drop critic_warmup_iterations")
         if self.eval_interval and not self.eval_data_path and not self.data.eval_split:
             p.add("eval_interval", self.eval_interval, "needs held-out prompts: set eval_data_path or eval_split")
         p.raise_if_any()

@@ -16,10 +16,9 @@ i.e. iterations completed). PHASE:
     checkpoint   inside the save of checkpoint iter_ITERATION: after the DeepSpeed engine files were written,
                  before the per-rank state files and the COMPLETE marker (a save cut short)
 
-Both variables are read here only (`fault_point`). The trainer phases are hooked by `install(trainer)` (called when
-the trainer's Checkpointer is built, trainer/state.py), which wraps the trainer's phase methods and its engine's
-`step` on that instance only when a point is set; `checkpoint` is called directly by `Checkpointer.save`. Used by
-tests/distributed/test_faults.py.
+Both variables are read here only (`fault_point`). The trainer consults its points through its `TestHooks`
+(rlhf_engine/hooks.py) at the start of each phase and after each guarded step; `checkpoint` is called directly by
+`Checkpointer.save`. Used by tests/distributed/test_faults.py.
 """
 from __future__ import annotations
 
@@ -27,7 +26,6 @@ import os
 import signal
 import sys
 import time
-from typing import Any
 
 KILL_VAR = "RLHF_ENGINE_TEST_KILL"
 STALL_VAR = "RLHF_ENGINE_TEST_STALL"
@@ -70,35 +68,3 @@ def fault_point(phase: str, iteration: int, rank: int) -> None:
 def _say(msg: str) -> None:
     sys.stdout.flush()
     print(f"[fault injection] {msg} (unix time {time.time():.3f})", file=sys.stderr, flush=True)
-
-
-def install(trainer: Any) -> None:
-    """Hook the phases of a PPO trainer (this instance only) when a fault point is set; a no-op otherwise."""
-    if not active():
-        return
-
-    def rank() -> int:
-        return int(trainer.engine.dist.rank)
-
-    for phase in ("rollout", "experience", "train"):
-        method = getattr(trainer, f"{phase}_phase")
-
-        def hooked(*args, _method=method, _phase=phase, **kwargs):
-            fault_point(_phase, trainer.iteration, rank())
-            return _method(*args, **kwargs)
-
-        setattr(trainer, f"{phase}_phase", hooked)
-    engine = trainer.engine
-    step = engine.step
-
-    def hooked_step(role, *args, **kwargs):
-        if role != "actor":
-            return step(role, *args, **kwargs)
-        counter = getattr(engine, "optimizer_steps", None)
-        before = counter("actor") if counter else None
-        out = step(role, *args, **kwargs)
-        if counter is None or counter("actor") != before:  # an optimizer step, not a micro-step of accumulation
-            fault_point("train_step", trainer.iteration, rank())
-        return out
-
-    engine.step = hooked_step

@@ -1,7 +1,9 @@
 """PPO math for RLHF: log-probs, KL penalties, rewards, GAE, losses, KL controllers. Pure functions of tensors.
 
-Imports torch only. Everything is computed in fp32 whatever the input dtype (bf16/fp16 inputs are upcast; fp64 inputs
-are computed in fp32 too), and every result is fp32.
+Imports torch only (and ``logit_kernels``, the torch-only chunked fp32 log-prob/entropy kernels behind
+:func:`logprobs_from_logits` and :func:`entropy_from_logits`, which check their arguments here). Everything is
+computed in fp32 whatever the input dtype (bf16/fp16 inputs are upcast; fp64 inputs are computed in fp32 too), and
+every result is fp32.
 
 Conventions
 -----------
@@ -44,14 +46,12 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple, Union
 
 import torch
 
+from .logit_kernels import chunked_entropy, chunked_logprobs
+
 __all__ = [
     "KL_ESTIMATORS",
-    "LOGITS_CHUNK_NUMEL",
     "logprobs_from_logits",
     "entropy_from_logits",
-    "masked_sum",
-    "masked_mean",
-    "masked_var",
     "masked_whiten",
     "kl_penalty",
     "compute_rewards",
@@ -62,16 +62,10 @@ __all__ = [
     "pairwise_loss",
     "FixedKLController",
     "AdaptiveKLController",
-    "explained_variance",
 ]
 
 KL_ESTIMATORS = ("k1", "k2", "k3")
 
-# Upper bound on the number of fp32 elements materialised at once by logprobs_from_logits / entropy_from_logits
-# (2**26 elements = 256 MiB). Rows of the flattened [N, V] logits are processed in chunks of max(1, this // V) rows.
-LOGITS_CHUNK_NUMEL = 1 << 26
-
-Number = Union[int, float]
 _Check = Tuple[torch.Tensor, Callable[[], str]]  # (0-dim bool tensor "input is bad", message builder)
 
 
@@ -192,119 +186,12 @@ def _f32(x: Union[float, torch.Tensor], device: torch.device) -> torch.Tensor:
 
 
 # ----------------------------------------------------------------------------------------------------------------------
-# Log-probs and entropy from logits (chunked, fp32)
+# Log-probs and entropy from logits (checked entry points; the chunked fp32 kernels are in logit_kernels.py)
 # ----------------------------------------------------------------------------------------------------------------------
 
 
-def _row_blocks(x: torch.Tensor) -> List[torch.Tensor]:
-    """2-D views [n_i, V] of `x` [..., V] covering its rows in flattened (C) order, without copying.
-
-    `x.view(-1, V)` fails for e.g. a `logits[:, :-1]` slice; then recurse over the first dim (each `x[i]` usually is
-    viewable), so a non-contiguous slice never triggers a full copy of the logits."""
-    vocab = x.shape[-1]
-    if x.dim() <= 2:
-        return [x.reshape(-1, vocab)] if x.dim() == 1 else [x]
-    try:
-        return [x.view(-1, vocab)]
-    except RuntimeError:
-        return [block for i in range(x.shape[0]) for block in _row_blocks(x[i])]
-
-
-def _chunks(blocks: List[torch.Tensor], chunk_rows: int):
-    """Yield (flat row offset, [n, V] chunk view) over the row blocks, chunks of at most `chunk_rows` rows."""
-    offset = 0
-    for block in blocks:
-        for s in range(0, block.shape[0], chunk_rows):
-            chunk = block[s:s + chunk_rows]
-            yield offset + s, chunk
-        offset += block.shape[0]
-
-
-def _scaled(chunk: torch.Tensor, temperature: float) -> torch.Tensor:
-    x = chunk.float()
-    return x / temperature if temperature != 1.0 else x
-
-
-def _logprobs_forward(blocks, labels, n_rows, temperature, chunk_rows, device):
-    out = torch.empty(n_rows, dtype=torch.float32, device=device)
-    lse = torch.empty(n_rows, dtype=torch.float32, device=device)
-    for off, chunk in _chunks(blocks, chunk_rows):
-        rows = slice(off, off + chunk.shape[0])
-        x = _scaled(chunk, temperature)
-        lse[rows] = torch.logsumexp(x, dim=-1)
-        out[rows] = x.gather(-1, labels[rows, None]).squeeze(-1) - lse[rows]
-    return out, lse
-
-
-def _entropy_forward(blocks, n_rows, temperature, chunk_rows, device):
-    ent = torch.empty(n_rows, dtype=torch.float32, device=device)
-    lse = torch.empty(n_rows, dtype=torch.float32, device=device)
-    for off, chunk in _chunks(blocks, chunk_rows):
-        rows = slice(off, off + chunk.shape[0])
-        x = _scaled(chunk, temperature)  # may be the input itself (fp32, T=1): never modify it in place
-        lse[rows] = torch.logsumexp(x, dim=-1)
-        logp = x - lse[rows, None]
-        p = logp.exp()
-        logp.masked_fill_(logp == -math.inf, 0.0)  # 0 * log 0 = 0 for -inf logits
-        ent[rows] = -(p * logp).sum(-1)
-    return ent, lse
-
-
-class _LogProbsFn(torch.autograd.Function):
-    """Chunked log p(label) whose backward recomputes softmax chunk by chunk: only the input logits (already alive)
-    and an [N] fp32 logsumexp are saved, never a full fp32 copy of the logits."""
-
-    @staticmethod
-    def forward(ctx, logits, labels, temperature, chunk_rows):  # noqa: D102
-        blocks = _row_blocks(logits)
-        out, lse = _logprobs_forward(blocks, labels, labels.shape[0], temperature, chunk_rows, logits.device)
-        ctx.save_for_backward(logits, labels, lse)
-        ctx.temperature, ctx.chunk_rows = temperature, chunk_rows
-        return out
-
-    @staticmethod
-    @torch.autograd.function.once_differentiable
-    def backward(ctx, grad_out):  # noqa: D102
-        logits, labels, lse = ctx.saved_tensors
-        vocab, t = logits.shape[-1], ctx.temperature
-        grad = torch.empty((labels.shape[0], vocab), dtype=logits.dtype, device=logits.device)
-        for off, chunk in _chunks(_row_blocks(logits), ctx.chunk_rows):
-            rows = slice(off, off + chunk.shape[0])
-            g_out = grad_out[rows, None].float()
-            g = (_scaled(chunk, t) - lse[rows, None]).exp_().mul_(-g_out)  # -softmax * grad
-            g.scatter_add_(-1, labels[rows, None], g_out)  # + onehot * grad
-            grad[rows] = g / t if t != 1.0 else g
-        return grad.view(logits.shape), None, None, None
-
-
-class _EntropyFn(torch.autograd.Function):
-    """Chunked softmax entropy; dH/dx_j = -p_j (log p_j + H) / temperature, recomputed chunk by chunk."""
-
-    @staticmethod
-    def forward(ctx, logits, temperature, chunk_rows):  # noqa: D102
-        n_rows = math.prod(logits.shape[:-1])
-        ent, lse = _entropy_forward(_row_blocks(logits), n_rows, temperature, chunk_rows, logits.device)
-        ctx.save_for_backward(logits, lse, ent)
-        ctx.temperature, ctx.chunk_rows = temperature, chunk_rows
-        return ent
-
-    @staticmethod
-    @torch.autograd.function.once_differentiable
-    def backward(ctx, grad_out):  # noqa: D102
-        logits, lse, ent = ctx.saved_tensors
-        vocab, t = logits.shape[-1], ctx.temperature
-        grad = torch.empty((ent.shape[0], vocab), dtype=logits.dtype, device=logits.device)
-        for off, chunk in _chunks(_row_blocks(logits), ctx.chunk_rows):
-            rows = slice(off, off + chunk.shape[0])
-            logp = _scaled(chunk, t) - lse[rows, None]
-            p = logp.exp()
-            logp.masked_fill_(logp == -math.inf, 0.0)
-            g = p.mul_(logp.add_(ent[rows, None])).mul_(-grad_out[rows, None].float())
-            grad[rows] = g / t if t != 1.0 else g
-        return grad.view(logits.shape), None, None
-
-
-def _logits_args(logits: object, temperature: object, chunk_rows: Optional[int]) -> Tuple[torch.Tensor, float, int]:
+def _logits_args(logits: object, temperature: object, chunk_rows: Optional[int]
+                 ) -> Tuple[torch.Tensor, float, Optional[int]]:
     if not isinstance(logits, torch.Tensor) or not logits.is_floating_point() or logits.dim() < 1:
         is_tensor = isinstance(logits, torch.Tensor)
         what = f"dtype {logits.dtype}, shape {_shape(logits)}" if is_tensor else type(logits).__name__
@@ -312,10 +199,9 @@ def _logits_args(logits: object, temperature: object, chunk_rows: Optional[int])
     t = _number("temperature", temperature, gt=0.0)
     if math.isinf(t):
         raise ValueError("temperature: expected a finite value > 0, got inf")
-    if chunk_rows is None:
-        chunk_rows = max(1, LOGITS_CHUNK_NUMEL // max(1, logits.shape[-1]))
-    elif isinstance(chunk_rows, bool) or not isinstance(chunk_rows, int) or chunk_rows < 1:
-        raise ValueError(f"chunk_rows: expected a positive int or None, got {chunk_rows!r}")
+    if chunk_rows is not None:  # None: logit_kernels.default_chunk_rows(V), resolved by the kernels
+        if isinstance(chunk_rows, bool) or not isinstance(chunk_rows, int) or chunk_rows < 1:
+            raise ValueError(f"chunk_rows: expected a positive int or None, got {chunk_rows!r}")
     return logits, t, chunk_rows
 
 
@@ -328,7 +214,7 @@ def logprobs_from_logits(logits: torch.Tensor, labels: torch.Tensor, temperature
         labels: ``[...]`` integer token ids in ``[0, V)`` (same leading shape as ``logits``).
         temperature: > 0; the logits are divided by it (use the sampling temperature).
         chunk_rows: rows of the flattened ``[N, V]`` logits processed at once; default
-            ``max(1, LOGITS_CHUNK_NUMEL // V)`` so one fp32 chunk stays bounded.
+            ``max(1, LOGITS_CHUNK_NUMEL // V)`` (``rlhf_engine.logit_kernels``) so one fp32 chunk stays bounded.
         check: check that every label is in ``[0, V)`` (one host sync). False skips it, for labels already checked
             (the PPO training forward: the same response ids the experience forward checked in this iteration).
             An id out of range then fails inside ``gather`` (an index error on CPU, a device-side assert on CUDA).
@@ -353,11 +239,7 @@ def logprobs_from_logits(logits: torch.Tensor, labels: torch.Tensor, temperature
         out_of_range = (flat < 0) | (flat >= vocab)
         _raise_first([(out_of_range.any(), lambda: f"labels: expected ids in [0, {vocab}), got e.g. "
                                                    f"{flat[out_of_range][0].item()}")])
-    if torch.is_grad_enabled() and logits.requires_grad:
-        out = _LogProbsFn.apply(logits, flat, t, chunk_rows)
-    else:
-        out, _ = _logprobs_forward(_row_blocks(logits), flat, flat.shape[0], t, chunk_rows, logits.device)
-    return out.view(labels.shape)
+    return chunked_logprobs(logits, flat, t, chunk_rows).view(labels.shape)
 
 
 def entropy_from_logits(logits: torch.Tensor, temperature: float = 1.0,
@@ -376,15 +258,11 @@ def entropy_from_logits(logits: torch.Tensor, temperature: float = 1.0,
     lead = _shape(logits)[:-1]
     if math.prod(lead) == 0:
         return torch.zeros(lead, dtype=torch.float32, device=logits.device) + 0.0 * logits.sum()
-    if torch.is_grad_enabled() and logits.requires_grad:
-        ent = _EntropyFn.apply(logits, t, chunk_rows)
-    else:
-        ent, _ = _entropy_forward(_row_blocks(logits), math.prod(lead), t, chunk_rows, logits.device)
-    return ent.view(lead)
+    return chunked_entropy(logits, t, chunk_rows).view(lead)
 
 
 # ----------------------------------------------------------------------------------------------------------------------
-# Masked statistics
+# Masked whitening
 # ----------------------------------------------------------------------------------------------------------------------
 
 
@@ -396,61 +274,13 @@ def _values_and_mask(values: object, mask: object, mask_name: str = "mask") -> T
     return v, m
 
 
-def masked_sum(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """Sum of ``values`` where ``mask == 1``.
-
-    Args:
-        values: ``[...]`` floating; entries where ``mask == 0`` are ignored (even NaN/inf).
-        mask: ``[...]`` same shape, 0/1 (bool, int or float).
-
-    Returns:
-        ``[]`` (0-dim) fp32.
-    """
-    v, m = _values_and_mask(values, mask)
-    return torch.where(m, v, 0.0).sum()
-
-
-def masked_mean(values: torch.Tensor, mask: torch.Tensor, dim: Optional[Union[int, Tuple[int, ...]]] = None
-                ) -> torch.Tensor:
-    """Mean of ``values`` over ``mask == 1``; 0 (never NaN) where the mask is empty.
-
-    Args:
-        values: ``[...]`` floating.
-        mask: ``[...]`` same shape, 0/1.
-        dim: None for the mean over all masked elements, or the dim(s) to reduce.
-
-    Returns:
-        ``[]`` fp32 when ``dim`` is None, else ``values.shape`` without ``dim``.
-    """
-    v, m = _values_and_mask(values, mask)
-    if dim is None:
-        return torch.where(m, v, 0.0).sum() / m.sum().float().clamp_min(1.0)
-    return torch.where(m, v, 0.0).sum(dim) / m.sum(dim).float().clamp_min(1.0)
-
-
-def _mean_var(v: torch.Tensor, m: torch.Tensor, unbiased: bool) -> Tuple[torch.Tensor, torch.Tensor]:
+def _mean_var(v: torch.Tensor, m: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Masked mean and unbiased variance (divided by ``count - 1`` when ``count > 1``, else by ``count``; an empty
+    mask gives 0, 0)."""
     n = m.sum().float()
     mean = torch.where(m, v, 0.0).sum() / n.clamp_min(1.0)
     sq = torch.where(m, (v - mean) ** 2, 0.0).sum()
-    denom = n - 1.0 if unbiased else n
-    denom = torch.where(n > 1.0, denom, n).clamp_min(1.0)
-    return mean, sq / denom
-
-
-def masked_var(values: torch.Tensor, mask: torch.Tensor, unbiased: bool = True) -> torch.Tensor:
-    """Variance of ``values`` over ``mask == 1``.
-
-    Divides by ``count - 1`` when ``unbiased`` and ``count > 1``, else by ``count``; an empty mask gives 0.
-
-    Args:
-        values: ``[...]`` floating.
-        mask: ``[...]`` same shape, 0/1.
-
-    Returns:
-        ``[]`` fp32.
-    """
-    v, m = _values_and_mask(values, mask)
-    return _mean_var(v, m, unbiased)[1]
+    return mean, sq / torch.where(n > 1.0, n - 1.0, n).clamp_min(1.0)
 
 
 def masked_whiten(values: torch.Tensor, mask: torch.Tensor, shift_mean: bool = True, eps: float = 1e-8,
@@ -476,7 +306,7 @@ def masked_whiten(values: torch.Tensor, mask: torch.Tensor, shift_mean: bool = T
         raise ValueError(f"{'var' if var is None else 'mean'}: expected mean and var to be given together, got only "
                          f"{'mean' if var is None else 'var'}")
     if mean is None:
-        mu, sigma2 = _mean_var(v, m, unbiased=True)
+        mu, sigma2 = _mean_var(v, m)
     else:
         for name, s in (("mean", mean), ("var", var)):
             if isinstance(s, torch.Tensor) and s.numel() != 1:
@@ -869,37 +699,3 @@ class AdaptiveKLController(FixedKLController):
         """``{"value", "target", "horizon"}``; ``load_state_dict`` restores ``value`` only (target and horizon come
         from the current configuration)."""
         return {"value": self.value, "target": self.target, "horizon": self.horizon}
-
-
-# ----------------------------------------------------------------------------------------------------------------------
-# Diagnostics
-# ----------------------------------------------------------------------------------------------------------------------
-
-
-def explained_variance(values: torch.Tensor, returns: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """``1 - Var[returns - values] / Var[returns]`` over ``mask == 1`` (unbiased variances), without gradient.
-
-    1 is a perfect critic, 0 is no better than predicting the mean return, < 0 is worse. Never NaN: returns 0 when
-    ``Var[returns]`` is 0 up to fp32 rounding (``Var <= eps_fp32 * mean(returns^2)``), which includes an empty mask
-    and a single real token.
-
-    Args:
-        values: ``[B, R]`` critic values.
-        returns: ``[B, R]`` returns.
-        mask: ``[B, R]`` 0/1.
-
-    Returns:
-        ``[]`` fp32.
-    """
-    v = _tensor("values", values)
-    ret = _tensor("returns", returns, shape=v.shape, shape_of="values")
-    checks: List[_Check] = []
-    m = _mask("mask", mask, v.shape, "values", checks)
-    _raise_first(checks)
-    with torch.no_grad():
-        _, var_y = _mean_var(ret, m, unbiased=True)
-        _, var_diff = _mean_var(ret - v, m, unbiased=True)
-        mean_sq = torch.where(m, ret.square(), 0.0).sum() / m.sum().float().clamp_min(1.0)
-        tiny = torch.finfo(torch.float32).eps * mean_sq
-        ok = var_y > tiny
-        return torch.where(ok, 1.0 - var_diff / torch.where(ok, var_y, 1.0), 0.0)

@@ -243,17 +243,18 @@ class Rollout:
 
 @dataclass
 class Experience:
-    """A rollout with everything PPO needs; every per-action tensor is [B, R] fp32 aligned with `rollout.action_mask`."""
+    """A rollout with everything PPO needs; every per-action tensor is [B, R] fp32 aligned with `rollout.action_mask`.
+    `values` and `returns` are None in a run without a critic (an estimator that needs none)."""
 
     rollout: Rollout
     old_logprobs: torch.Tensor  # [B, R] actor log-probs at rollout time
     ref_logprobs: torch.Tensor  # [B, R] reference log-probs
-    values: torch.Tensor  # [B, R] critic values at rollout time
+    values: Optional[torch.Tensor]  # [B, R] critic values at rollout time (None: no critic)
     scores: torch.Tensor  # [B] reward-model (or reward function) scores
     rewards: torch.Tensor  # [B, R] per-token rewards (KL penalty + clipped score on the last real token)
     kl: torch.Tensor  # [B, R] per-token KL estimate used in the rewards (0 on padding)
     advantages: torch.Tensor  # [B, R]
-    returns: torch.Tensor  # [B, R]
+    returns: Optional[torch.Tensor]  # [B, R] value targets (None: no critic, or an estimator without returns)
 
     _PER_ACTION = ("old_logprobs", "ref_logprobs", "values", "rewards", "kl", "advantages", "returns")
 
@@ -265,7 +266,8 @@ class Experience:
         kw = {f.name: getattr(self, f.name) for f in fields(self)}
         kw["rollout"] = self.rollout.select(index)
         for name in self._PER_ACTION + ("scores",):
-            kw[name] = kw[name][index]
+            if kw[name] is not None:
+                kw[name] = kw[name][index]
         return type(self)(**kw)
 
     def split(self, micro_batch_size: int) -> list["Experience"]:
@@ -279,6 +281,9 @@ class Experience:
         R = rollout.response_width
         kw = {"rollout": rollout, "scores": torch.cat([x.scores for x in xs])}
         for name in cls._PER_ACTION:
+            if getattr(xs[0], name) is None:  # optional (values, returns): absent in every item alike
+                kw[name] = None
+                continue
             kw[name] = torch.cat([torch.nn.functional.pad(getattr(x, name), (0, R - getattr(x, name).shape[1]))
                                   for x in xs])
         return cls(**kw)

@@ -17,14 +17,15 @@ from typing import Any
 
 import torch
 
-TRAINED = ("actor", "critic")
+from ..config import TRAINED_ROLES
+
 WEIGHTS_ONLY = ("ema",)
 EMA_FILE = "model.pt"
 
 
 def checkpoint_roles(engine: Any) -> list[str]:
     """The roles of an RLHFEngine a checkpoint holds: the trained ones, then the EMA when there is one."""
-    return [r for r in TRAINED + WEIGHTS_ONLY if r in engine.engines]
+    return [r for r in TRAINED_ROLES + WEIGHTS_ONLY if r in engine.engines]
 
 
 def _is_zero3(ds_engine: Any) -> bool:
@@ -58,7 +59,7 @@ def save_engines(engine: Any, ckpt_dir: str) -> list[str]:
     roles = checkpoint_roles(engine)
     for role in roles:
         ds = engine.engines[role]
-        if role in TRAINED:
+        if role in TRAINED_ROLES:
             save_trained(ds, ckpt_dir, role)
         else:
             save_weights(ds, os.path.join(ckpt_dir, role))
@@ -71,7 +72,7 @@ def load_engines(engine: Any, ckpt_dir: str, roles: list[str] | None = None) -> 
     roles = checkpoint_roles(engine) if roles is None else roles
     for role in roles:
         ds = engine.engines[role]
-        if role in TRAINED:
+        if role in TRAINED_ROLES:
             load_trained(ds, ckpt_dir, role)
         else:
             load_weights(ds, os.path.join(ckpt_dir, role))

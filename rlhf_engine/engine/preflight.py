@@ -38,7 +38,7 @@ class EnginePlan:
     roles: Mapping[str, RolePlan]
     tokenizer: Any = field(repr=False)
     stop_token_ids: tuple  # generation ends at the first of them: the tokenizer's EOS and --stop_token_ids
-    hybrid_engine: bool  # the actor generates with DeepSpeed's Hybrid Engine (requested and possible)
+    generation_backend: str  # engine/generation BACKENDS name, resolved (hybrid only where it can run)
     num_training_steps: int = 0
 
 
@@ -152,7 +152,7 @@ def plan_engine(cfg: TrainConfig, num_training_steps: int = 0) -> EnginePlan:
     paths = resolve_paths(cfg)
     if not paths["actor"]:
         p.add("actor_model_name_or_path", "", "give the actor's model folder or hub id")
-    if not paths["critic"]:
+    if "critic" in cfg.active_roles and not paths["critic"]:
         p.add("critic_model_name_or_path", "", "give a critic (or reward) model folder, or set critic_init_from=actor")
     configs = {}
     reported = set()  # a path shared by several roles (reference = actor by default) is reported once
@@ -231,29 +231,37 @@ def plan_engine(cfg: TrainConfig, num_training_steps: int = 0) -> EnginePlan:
             seen.add(paths[role])
             p.add("max_prompt_seq_len + max_answer_seq_len", need, f"exceeds the {role} model's maximum positions "
                   f"({limit}); lower max_prompt_seq_len or max_answer_seq_len")
-    for role in ("actor", "critic"):
+    for role in cfg.trained_roles:
         rc = getattr(cfg, role)
         config = configs.get(role) or (configs.get("actor") if role == "critic" and cfg.critic.init_from == "actor"
                                        else None)
         if rc.lora_dim and config is not None:
             check_lora_targets(p, rc, config, scalar=role == "critic", prefix=f"{role}_")
-    if cfg.engine.enable_hybrid_engine is True and "actor" in configs:
+    backend, backend_field = requested_backend(cfg)
+    from .generation import BACKENDS
+
+    if backend not in BACKENDS:
+        p.add(backend_field, backend, f"no such generation backend; choose one of {', '.join(BACKENDS)}")
+    elif backend == "hybrid" and "actor" in configs:
         reasons = hybrid_engine_reasons(cfg, configs["actor"])
         if reasons and not cfg.engine.hybrid_engine_fallback:
-            p.add("enable_hybrid_engine", True, "the DeepSpeed Hybrid Engine cannot run here: " + "; ".join(reasons)
-                  + ". Set enable_hybrid_engine false, or hybrid_engine_fallback true to generate with Hugging Face "
-                  "instead (logged as a warning)")
+            p.add(backend_field, cfg.engine.enable_hybrid_engine if backend_field == "enable_hybrid_engine" else
+                  backend, "the DeepSpeed Hybrid Engine cannot run here: " + "; ".join(reasons) + ". Use "
+                  "--generation_backend hf, or hybrid_engine_fallback true to generate with Hugging Face instead "
+                  "(logged as a warning)")
     plans = {}
     for role in cfg.active_roles:
         stage = resolve_stage(cfg, role)
-        train = role in ("actor", "critic")
+        train = role in cfg.trained_roles
         rc = getattr(cfg, role)
         check_placement(p, rc, stage, train, prefix=f"{role}_", name=role)
         plans[role] = RolePlan(paths[role], stage, resolve_dtype(rc.dtype or cfg.dtype), train)
     p.raise_if_any("cannot start: model setup")
     log_dtypes(plans, {r: getattr(cfg, r).dtype or cfg.dtype for r in plans})
     stop = tuple(sorted({int(tokenizer.eos_token_id), *map(int, cfg.generation.stop_token_ids)}))
-    return EnginePlan(plans, tokenizer, stop, use_hybrid_engine(cfg, configs["actor"]), num_training_steps)
+    if backend == "hybrid" and not use_hybrid_engine(cfg, configs["actor"]):
+        backend = "hf"  # hybrid_engine_fallback (warned)
+    return EnginePlan(plans, tokenizer, stop, backend, num_training_steps)
 
 
 def check_placement(p: Problems, rc: RoleConfig, stage: int, train: bool, prefix: str, name: str) -> None:
@@ -402,18 +410,26 @@ def hybrid_engine_reasons(cfg: TrainConfig, actor_config, on_gpu: bool | None = 
 _warned: set = set()
 
 
+def requested_backend(cfg: TrainConfig) -> tuple[str, str]:
+    """(the generation backend asked for, the flag that asked): enable_hybrid_engine true is DeepSpeed-Chat's way of
+    saying --generation_backend hybrid."""
+    if cfg.engine.enable_hybrid_engine is True:
+        return "hybrid", "enable_hybrid_engine"
+    return cfg.engine.generation_backend, "generation_backend"
+
+
 def use_hybrid_engine(cfg: TrainConfig, actor_config: Any) -> bool:
     """Whether the actor's engine gets the Hybrid Engine: requested and possible. Requested but impossible: with
     `hybrid_engine_fallback` a warning (once per message) and False, else a `ConfigError` (plan_engine reports it
     first, with every other problem)."""
-    if cfg.engine.enable_hybrid_engine is not True:
+    if requested_backend(cfg)[0] != "hybrid":
         return False
     reasons = hybrid_engine_reasons(cfg, actor_config)
     if not reasons:
         return True
     if not cfg.engine.hybrid_engine_fallback:
-        raise ConfigError([Problem("enable_hybrid_engine", True, "; ".join(reasons))], "cannot start: model setup")
-    message = ("enable_hybrid_engine: the DeepSpeed Hybrid Engine cannot run here (" + "; ".join(reasons) + "); "
+        raise ConfigError([Problem(requested_backend(cfg)[1], True, "; ".join(reasons))], "cannot start: model setup")
+    message = ("generation_backend hybrid: the DeepSpeed Hybrid Engine cannot run here (" + "; ".join(reasons) + "); "
                "hybrid_engine_fallback is set, so the actor generates with Hugging Face generate")
     if message not in _warned:
         _warned.add(message)

@@ -7,6 +7,7 @@ steps, so `backward` multiplies by the world size and turns DeepSpeed's accumula
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 from typing import Optional
 
@@ -17,14 +18,14 @@ from ..ppo_math import entropy_from_logits, logprobs_from_logits
 from ..rollout import Rollout
 from .distributed import DistInfo
 from .models import ScalarHeadModel, adapter_disabled
+from .generation import BACKENDS, GenerationContext, Generated, SamplingParams
 from .models import load_tokenizer  # noqa: F401  (re-exported)
 from .preflight import EnginePlan, RolePlan, resolve_dtype
 from .role_engine import (backward_global, build_role_engine, export_engine, full_state_dict, rollout_inputs,
                           sequence_scores)
-from .zero3 import ema_update_, full_param_bytes, gathered_for_generation
+from .zero3 import ema_update_
 
 log = logging.getLogger(__name__)
-TRAINED = ("actor", "critic")
 
 
 class RLHFEngine:
@@ -42,13 +43,14 @@ class RLHFEngine:
                                        or cfg.batch.per_device_generation_batch_size)
         g = cfg.generation
         self.temperature = g.temperature if g.do_sample else 1.0
+        self.sampling = SamplingParams.from_config(g, self.stop_token_ids, self.pad_token_id)
         self.use_position_ids = True  # test hook: False reproduces the trlx left-padding bug
         self.ds_configs: dict[str, dict] = {}
         self.engines = {}
         ext = cfg.engine
         # the reference is the actor with its LoRA adapter disabled: no engine of its own
         self.reference_from_adapter = bool(ext.reference_from_actor_adapter)
-        self.hybrid_engine = plan.hybrid_engine  # False (warned) with the fallback
+        backend = BACKENDS[plan.generation_backend]
         for role, plan in self.plans.items():
             if role == "reference" and self.reference_from_adapter:
                 continue
@@ -57,14 +59,13 @@ class RLHFEngine:
                 getattr(cfg, role), plan.path, kind=kind, stage=plan.stage, dtype=plan.dtype, train=plan.train,
                 batch=cfg.batch, world_size=dist.world_size, eval_micro_batch_size=self.experience_micro_batch,
                 num_training_steps=num_training_steps, pad_token_id=self.pad_token_id,
-                ds_overrides=self._hybrid_engine_section() if role == "actor" and self.hybrid_engine else None)
+                ds_overrides=backend.actor_ds_overrides(cfg) if role == "actor" else None)
             self.ds_configs[role] = ds_cfg
             self.engines[role] = engine
         self._ema_steps = 0  # actor optimizer steps the EMA has seen
         if ext.enable_ema:
             self._build_ema(num_training_steps)
-        self._gather_once_logged = False
-        self._hybrid_engine_checked = False
+        self.generator = backend(GenerationContext(self.actor, dist, self.plans["actor"].stage, cfg))
 
     def _build_ema(self, num_training_steps: int) -> None:
         """The EMA of the actor: an eval-only engine built from the actor's weights, at ZeRO 3 when the actor is at 3
@@ -84,15 +85,6 @@ class RLHFEngine:
         self.engines["ema"] = engine
         self._ema_steps = self.optimizer_steps("actor")
 
-    def _hybrid_engine_section(self) -> dict:
-        """The actor's `hybrid_engine` DeepSpeed section (DeepSpeed-Chat's flags)."""
-        e, g = self.cfg.engine, self.cfg.generation
-        return {"hybrid_engine": {"enabled": True, "max_out_tokens": g.max_prompt_seq_len + g.max_answer_seq_len,
-                                  "inference_tp_size": e.inference_tp_size,
-                                  "release_inference_cache": e.release_inference_cache,
-                                  "pin_parameters": not e.unpin_actor_parameters,
-                                  "tp_gather_partition_size": e.tp_gather_partition_size}}
-
     # ---- roles ---------------------------------------------------------------------------------------------
     @property
     def actor(self):
@@ -101,6 +93,16 @@ class RLHFEngine:
     @property
     def critic(self):
         return self.engines["critic"]
+
+    @property
+    def has_critic(self) -> bool:
+        """Whether the run has a critic (an advantage estimator that needs none builds none)."""
+        return "critic" in self.engines
+
+    @property
+    def trained_roles(self) -> tuple:
+        """The roles with an optimizer, in step order (the plan's; "ema" is eval-only)."""
+        return tuple(r for r, p in self.plan.roles.items() if p.train)
 
     @property
     def reference(self):
@@ -121,114 +123,20 @@ class RLHFEngine:
         return self.dist.device
 
     # ---- generation ----------------------------------------------------------------------------------------
-    def generation_kwargs(self) -> dict:
-        """The resolved `generate` arguments: our flags override the model's generation_config."""
-        g = self.cfg.generation
-        kw = dict(max_new_tokens=g.max_answer_seq_len, do_sample=g.do_sample, eos_token_id=self.stop_token_ids,
-                  pad_token_id=self.pad_token_id, use_cache=True,
-                  # ZeRO-3 ranks must run the same number of forwards (each one gathers layers collectively), unless
-                  # the whole actor is gathered once for the call (gather_once_active)
-                  synced_gpus=self.plans["actor"].stage == 3 and self.dist.world_size > 1
-                  and not self.gather_once_active())
-        if g.min_answer_seq_len:
-            kw["min_new_tokens"] = g.min_answer_seq_len
-        if g.do_sample:
-            # top_k=0 (not None) turns top-k off: None would fall back to transformers' default k=50, sampling from
-            # a truncated distribution while the PPO log-probs assume the full softmax
-            kw.update(temperature=g.temperature, top_p=g.top_p, top_k=g.top_k)
-        else:
-            kw.update(temperature=None, top_p=None, top_k=None)
-        return kw
+    @property
+    def hybrid_engine(self) -> bool:
+        return self.generator.name == "hybrid"
 
-    @torch.no_grad()
-    def generate(self, prompt_ids: torch.Tensor, prompt_attention_mask: torch.Tensor) -> Rollout:
+    def sample(self, prompt_ids: torch.Tensor, prompt_attention_mask: torch.Tensor,
+               params: Optional[SamplingParams] = None) -> Generated:
+        """prompt_ids, prompt_attention_mask [B, P] left-padded -> `Generated` (the Rollout and, when the backend
+        can, generation-time log-probs), sampled with `params` (default: the run's rollout sampling)."""
+        return self.generator.generate(prompt_ids, prompt_attention_mask, params or self.sampling)
+
+    def generate(self, prompt_ids: torch.Tensor, prompt_attention_mask: torch.Tensor,
+                 params: Optional[SamplingParams] = None) -> Rollout:
         """prompt_ids, prompt_attention_mask [B, P] left-padded -> Rollout (canonical layout)."""
-        import copy
-
-        model = self.actor.module
-        was_training = model.training
-        model.eval()
-        kw = self.generation_kwargs()
-        if not getattr(self, "_logged_generation", False):
-            self._logged_generation = True
-            if self.dist.is_main:
-                log.info("generation arguments: %s", kw)
-        synced = kw.pop("synced_gpus")
-        gen_config = copy.deepcopy(model.generation_config)
-        gen_config.update(**kw)
-        ids, mask = prompt_ids.to(self.device), prompt_attention_mask.to(self.device)
-        try:
-            if self.hybrid_engine:
-                out = self._hybrid_engine_generate(ids, mask, gen_config, synced)
-            elif self.gather_once_active():
-                # every rank holds the full actor for the whole call and no collective runs inside, so ranks may
-                # finish at different times: synced_gpus (one all-reduce per token, dummy forwards) is off
-                with gathered_for_generation(model):
-                    out = model.generate(input_ids=ids, attention_mask=mask, generation_config=gen_config,
-                                         synced_gpus=False)
-            else:
-                out = model.generate(input_ids=ids, attention_mask=mask, generation_config=gen_config,
-                                     synced_gpus=synced)
-        finally:
-            if self.hybrid_engine:
-                self.actor.train()  # the Hybrid Engine's eval() swapped its inference kernels in; swap them out
-            model.train(was_training)
-        return Rollout.from_generation(prompt_ids.to(self.device), prompt_attention_mask.to(self.device), out,
-                                       self.stop_token_ids, self.pad_token_id)
-
-    def gather_once_active(self) -> bool:
-        """Whether the next `generate` gathers the ZeRO-3 actor once (`generation_gather_once`: 'on', or 'auto' with
-        CUDA) instead of fetching each layer for every token; never above `gather_once_max_bytes` (logged once)."""
-        mode = self.cfg.engine.generation_gather_once
-        if self.plans["actor"].stage != 3 or self.hybrid_engine or mode == "off":
-            return False
-        if mode == "auto" and not torch.cuda.is_available():
-            return False  # on CPU gathering once was measured not faster (docs/notes: 1.36 s vs 1.43 s)
-        if not hasattr(self, "_actor_bytes"):
-            self._actor_bytes = full_param_bytes(self.actor.module)
-        if self._actor_bytes > self.cfg.engine.gather_once_max_bytes:
-            if not self._gather_once_logged and self.dist.is_main:
-                log.warning("generation_gather_once: the actor's full weights (%.2f GiB) exceed gather_once_max_bytes "
-                            "(%.2f GiB); generating with per-layer ZeRO-3 fetches", self._actor_bytes / 2**30,
-                            self.cfg.engine.gather_once_max_bytes / 2**30)
-            self._gather_once_logged = True
-            return False
-        return True
-
-    def _hybrid_engine_generate(self, ids: torch.Tensor, mask: torch.Tensor, gen_config, synced: bool):
-        """Generation through DeepSpeed's Hybrid Engine (GPU only; UNVERIFIED: this project's machines have no GPU).
-
-        The first call is a self-check: the first batch is decoded greedily by the Hybrid Engine and by plain Hugging
-        Face generate (the engine's training-mode forwards); any differing token on any rank stops the run."""
-        import copy
-
-        engine = self.actor
-        if not self._hybrid_engine_checked:
-            self._hybrid_engine_checked = True
-            greedy = copy.deepcopy(gen_config)
-            greedy.update(do_sample=False, temperature=None, top_p=None, top_k=None)
-            engine.eval()  # the Hybrid Engine swaps its inference containers in
-            he_out = engine.generate(input_ids=ids, attention_mask=mask, generation_config=greedy, synced_gpus=synced)
-            engine.train()  # Hugging Face forwards back
-            engine.module.eval()
-            # the Hybrid Engine replaces module.generate with its own and keeps the original as `_generate`
-            hf_generate = getattr(engine, "_generate", None) or engine.module.generate
-            hf_out = hf_generate(input_ids=ids, attention_mask=mask, generation_config=greedy, synced_gpus=synced)
-            same = he_out.shape == hf_out.shape and bool(torch.equal(he_out.cpu(), hf_out.cpu()))
-            flag = torch.tensor([0.0 if same else 1.0], device=self.device)
-            if torch.distributed.is_initialized():
-                torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX)
-            if flag.item() > 0:
-                detail = (f"shapes {tuple(he_out.shape)} vs {tuple(hf_out.shape)}" if he_out.shape != hf_out.shape
-                          else f"{int((he_out != hf_out).sum())} of {he_out.numel()} tokens differ")
-                raise RuntimeError("enable_hybrid_engine: self-check failed: the Hybrid Engine's greedy generation of "
-                                   f"the first batch differs from Hugging Face generate on some rank (this rank: "
-                                   f"{'equal' if same else detail}). Its inference kernels do not reproduce this "
-                                   "model; set enable_hybrid_engine false")
-            if self.dist.is_main:
-                log.info("enable_hybrid_engine: self-check passed (greedy first batch equals Hugging Face generate)")
-        engine.eval()
-        return engine.generate(input_ids=ids, attention_mask=mask, generation_config=gen_config, synced_gpus=synced)
+        return self.sample(prompt_ids, prompt_attention_mask, params).rollout
 
     # ---- forwards ------------------------------------------------------------------------------------------
     def _inputs(self, r: Rollout) -> dict:
@@ -249,19 +157,24 @@ class RLHFEngine:
             entropy = entropy_from_logits(logits, temperature=self.temperature) * r.action_mask
         return logprobs, entropy
 
-    def _eval_chunks(self, role: str, rollout: Rollout, fn) -> list:
+    @contextlib.contextmanager
+    def _eval_mode(self, role: str):
+        if role == "actor":  # the generation backend knows how (the Hybrid Engine swaps kernels in eval())
+            with self.generator.forward_mode():
+                yield
+            return
         engine = self.engines[role]
         was_training = engine.training
-        if role == "actor" and self.hybrid_engine:
-            engine.train()  # the Hybrid Engine's eval() would run these forwards on its inference kernels
-            engine.module.eval()
-        else:
-            engine.eval()
+        engine.eval()
         try:
-            with torch.no_grad():
-                return [fn(engine, mb) for mb in rollout.split(self.experience_micro_batch)]
+            yield
         finally:
             engine.train(was_training)
+
+    def _eval_chunks(self, role: str, rollout: Rollout, fn) -> list:
+        engine = self.engines[role]
+        with self._eval_mode(role), torch.no_grad():
+            return [fn(engine, mb) for mb in rollout.split(self.experience_micro_batch)]
 
     def actor_logprobs(self, rollout: Rollout, with_entropy: bool = False):
         """[B, R] fp32 actor log-probs (0 on padding), eval mode; with_entropy also returns [B, R] entropy."""

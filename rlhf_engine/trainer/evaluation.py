@@ -5,7 +5,6 @@ are not counted), so every rank makes the same number of `generate` calls, which
 """
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 from typing import Optional
@@ -15,18 +14,6 @@ import torch
 from ..data.prompts import PromptDataset, collate_prompts
 from ..outputs.run_dir import RunDir
 from .experience import decode_rollout
-
-
-@contextlib.contextmanager
-def greedy(engine):
-    """Generation settings switched to greedy decoding for the duration (the run's config is restored after)."""
-    g = engine.cfg.generation
-    saved = g.do_sample
-    g.do_sample = False
-    try:
-        yield
-    finally:
-        g.do_sample = saved
 
 
 class Evaluator:
@@ -47,22 +34,22 @@ class Evaluator:
 
         sums = torch.zeros(4, dtype=torch.float64, device=engine.device)  # count, score, kl, length
         samples = []
-        with greedy(engine):
-            for start in range(0, len(self.indices), self.batch_size):
-                idx = self.indices[start:start + self.batch_size]
-                real = torch.tensor(self.real[start:start + self.batch_size], device=engine.device)
-                ids, mask = collate_prompts(self.dataset, idx, engine.pad_token_id)
-                rollout = engine.generate(ids, mask)
-                scores = (engine.reward_scores(rollout) if reward_fn is None
-                          else reward_fn(rollout.prompts, rollout)).to(engine.device, torch.float64)
-                lp = engine.actor_logprobs(rollout)
-                kl = ((lp - engine.ref_logprobs(rollout)) * rollout.action_mask).sum(-1).double()
-                w = real.double()
-                sums += torch.stack([w.sum(), (scores * w).sum(), (kl * w).sum(),
-                                     (rollout.response_lengths.double() * w).sum()])
-                prompts, responses = decode_rollout(engine.tokenizer, rollout)
-                samples += [{"prompt": p, "response": r, "score": float(s)}
-                            for p, r, s, keep in zip(prompts, responses, scores.tolist(), real.tolist()) if keep]
+        params = engine.sampling.greedy()  # its own sampling parameters: the run's config is never changed
+        for start in range(0, len(self.indices), self.batch_size):
+            idx = self.indices[start:start + self.batch_size]
+            real = torch.tensor(self.real[start:start + self.batch_size], device=engine.device)
+            ids, mask = collate_prompts(self.dataset, idx, engine.pad_token_id)
+            rollout = engine.generate(ids, mask, params)
+            scores = (engine.reward_scores(rollout) if reward_fn is None
+                      else reward_fn(rollout.prompts, rollout)).to(engine.device, torch.float64)
+            lp = engine.actor_logprobs(rollout)
+            kl = ((lp - engine.ref_logprobs(rollout)) * rollout.action_mask).sum(-1).double()
+            w = real.double()
+            sums += torch.stack([w.sum(), (scores * w).sum(), (kl * w).sum(),
+                                 (rollout.response_lengths.double() * w).sum()])
+            prompts, responses = decode_rollout(engine.tokenizer, rollout)
+            samples += [{"prompt": p, "response": r, "score": float(s)}
+                        for p, r, s, keep in zip(prompts, responses, scores.tolist(), real.tolist()) if keep]
         n, score, kl, length = all_reduce(sums).tolist()
         n = max(n, 1.0)
         return {"eval/score": score / n, "eval/kl": kl / n, "eval/response_length": length / n}, samples

@@ -1,4 +1,5 @@
-"""Experience making: rollout -> old/reference log-probs, values, scores -> rewards -> GAE -> (global) whitening."""
+"""Experience making: rollout -> old/reference log-probs, values (with a critic), scores -> rewards -> the advantage
+estimator (rlhf_engine/estimators.py, `ppo.advantage_estimator`; GAE by default) -> (global) whitening."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -8,7 +9,8 @@ import torch
 
 from ..config import PPOConfig
 from ..comm import all_reduce
-from ..ppo_math import compute_gae, compute_rewards, masked_whiten
+from .. import estimators
+from ..ppo_math import compute_rewards, masked_whiten
 from ..rollout import Experience, Rollout
 from .guards import NonFiniteError  # noqa: F401  (re-exported: defined with the other stop reasons)
 
@@ -41,13 +43,13 @@ def text_reward(fn: Callable, tokenizer) -> RewardFn:
 
 @dataclass
 class Forwards:
-    """The experience forwards of one rollout batch: [B, R] old log-probs, entropy, reference log-probs and values,
-    and the [B] scores (None when scoring failed: `error` holds why)."""
+    """The experience forwards of one rollout batch: [B, R] old log-probs, entropy, reference log-probs and values
+    (None without a critic), and the [B] scores (None when scoring failed: `error` holds why)."""
 
     old_logprobs: torch.Tensor
     entropy: torch.Tensor
     ref_logprobs: torch.Tensor
-    values: torch.Tensor
+    values: Optional[torch.Tensor]
     scores: Optional[torch.Tensor]
     error: Optional[Exception] = None
 
@@ -59,7 +61,7 @@ def experience_forwards(engine, rollout: Rollout, reward_fn: Optional[RewardFn] 
     (`StepGuard.agree`). The scoring comes after every (possibly collective) forward."""
     old_logprobs, entropy = engine.actor_logprobs(rollout, with_entropy=True)
     ref_logprobs = engine.ref_logprobs(rollout)
-    values = engine.critic_values(rollout)
+    values = engine.critic_values(rollout) if engine.has_critic else None
     scores, error = None, None
     try:
         scores = score_rollout(engine, rollout, reward_fn, device=old_logprobs.device)
@@ -89,13 +91,15 @@ def score_rollout(engine, rollout: Rollout, reward_fn: Optional[RewardFn] = None
 
 def build_experience(rollout: Rollout, fw: Forwards, scores: torch.Tensor, ppo: PPOConfig,
                      kl_coef: float) -> Experience:
-    """Forwards + the scores that enter the reward -> rewards (KL penalty, clipped score) -> GAE -> Experience."""
+    """Forwards + the scores that enter the reward -> rewards (KL penalty, clipped score) -> the run's advantage
+    estimator (by name from the registry) -> Experience."""
     mask = rollout.action_mask
     rewards, kl = compute_rewards(logprobs=fw.old_logprobs, ref_logprobs=fw.ref_logprobs, scores=scores,
                                   action_mask=mask, kl_coef=kl_coef, reward_clip=ppo.reward_clip,
                                   kl_estimator=ppo.kl_estimator)
-    advantages, returns = compute_gae(rewards=rewards, values=fw.values, action_mask=mask, gamma=ppo.gamma,
-                                      lam=ppo.lam)
+    estimator = estimators.get(ppo.advantage_estimator)
+    advantages, returns = estimator.fn(rewards=rewards, action_mask=mask, values=fw.values, scores=scores,
+                                       gamma=ppo.gamma, lam=ppo.lam)
     return Experience(rollout=rollout, old_logprobs=fw.old_logprobs, ref_logprobs=fw.ref_logprobs, values=fw.values,
                       scores=scores, rewards=rewards, kl=kl, advantages=advantages, returns=returns)
 

@@ -11,8 +11,9 @@ rank stops every rank at the same point.
   neither the weights, the Adam moments (`exp_avg`, `exp_avg_sq`, `step`) nor the schedule move. DeepSpeed's own
   fp16/ZeRO overflow detection may also skip an engine; either way the engine's `skipped_steps` counts it once and
   `RLHFEngine.optimizer_steps` (global minus skipped) counts applied steps only (so the EMA does not move either).
-  Skips are counted (`system/skipped_steps`, the critic engine's skipped steps, saved with its DeepSpeed checkpoint)
-  and warned about; `max_consecutive_skips` skips in a row raise `TooManySkippedSteps` (exit code 3).
+  Skips are counted by the guard itself (`system/skipped_steps`: every boundary at which the trained engines did not
+  update, by this guard's decision or by DeepSpeed's own overflow check; a checkpoint state provider, "step_guard",
+  so a resumed run reports what an uninterrupted one does) and warned about; `max_consecutive_skips` skips in a row raise `TooManySkippedSteps` (exit code 3).
 * **Losses.** `watch(name, loss)` records a non-finite loss of this rank; the same boundary collective sees it and
   every rank raises `NonFiniteError` before anything steps, naming the rank(s), the iteration and the tensor.
 * **Scores and advantages.** `agree(...)` (used by the experience phase) shares this rank's failure (an exception
@@ -27,9 +28,7 @@ anything else). The deepspeed launcher exits with the code of the first rank tha
 """
 from __future__ import annotations
 
-import json
 import logging
-import os
 from typing import Any, Optional
 
 import torch
@@ -39,7 +38,6 @@ from ..errors import EXIT_NON_FINITE, EXIT_SKIPPED_STEPS, TrainingStopped
 
 log = logging.getLogger(__name__)
 
-TRAINED = ("actor", "critic")
 # the losses watched between two boundaries (fixed order: every rank builds the same table)
 LOSSES = ("policy loss", "ptx loss", "value loss")
 
@@ -71,70 +69,22 @@ def _ranks(xs: list[int]) -> str:
     return f"rank {xs[0]}" if len(xs) == 1 else f"ranks {xs}"
 
 
-# ---- test hook ------------------------------------------------------------------------------------------------------
-INJECT_ENV = "RLHF_ENGINE_TEST_INJECT_NONFINITE"
-
-
-def injection_from_env() -> Optional[dict]:
-    """TEST HOOK: `RLHF_ENGINE_TEST_INJECT_NONFINITE` (JSON, see `Injection`) -> the injection spec, or None."""
-    raw = os.environ.get(INJECT_ENV, "").strip()
-    return json.loads(raw) if raw else None
-
-
-class Injection:
-    """TEST HOOK (never set in a real run): inject a non-finite number to exercise the guards.
-
-    spec: {"what": "score" | "advantage" | "loss" | "grad", "role": "actor" | "critic" (loss, grad; default actor),
-           "rank": r (default: every rank), "iteration": first iteration (default 0),
-           "iterations": how many iterations in a row (default 1; 0 = every iteration from then on)}.
-    * score: row 0 of the rank's scores becomes NaN (as if the reward model / function returned it);
-    * advantage: advantage [0, 0] of the rank becomes NaN;
-    * loss: the role's loss of every micro-batch becomes NaN;
-    * grad: a term with value 0 and a NaN gradient is added to the role's loss (the loss stays finite, every
-      gradient of the role becomes NaN: what an fp16 overflow in backward looks like to the guard).
-    Set it as `trainer.inject_nonfinite = spec` or through the environment variable RLHF_ENGINE_TEST_INJECT_NONFINITE
-    (JSON), read when the trainer is built.
-    """
-
-    WHAT = ("score", "advantage", "loss", "grad")
-
-    def __init__(self, spec: dict):
-        self.what = spec["what"]
-        if self.what not in self.WHAT:
-            raise ValueError(f"inject_nonfinite: 'what' must be one of {self.WHAT}, got {self.what!r}")
-        self.role = spec.get("role", "actor")
-        self.rank = spec.get("rank")
-        self.first = int(spec.get("iteration", 0))
-        self.count = int(spec.get("iterations", 1))
-
-    def active(self, what: str, rank: int, iteration: int, role: Optional[str] = None) -> bool:
-        if what != self.what or (self.rank is not None and rank != self.rank):
-            return False
-        if role is not None and role != self.role:
-            return False
-        return iteration >= self.first and (self.count == 0 or iteration < self.first + self.count)
-
-    @staticmethod
-    def nan_gradient_term(x: torch.Tensor) -> torch.Tensor:
-        """0 in value, NaN in gradient w.r.t. x: d sqrt(u)/du = inf at u = 0, times du/dx = 0."""
-        return (x.sum() * 0.0).abs().sqrt()
-
-
 # ---- the guard ------------------------------------------------------------------------------------------------------
 class StepGuard:
-    """Steps the trained engines together (see the module docstring). Call `watch` for every loss, then `step(roles)`
-    after every micro-batch's backwards (all ranks, same order)."""
+    """Steps the trained engines (`roles`, the run's: the critic only when the run has one) together (see the module
+    docstring). Call `watch` for every loss, then `step(roles)` after every micro-batch's backwards (all ranks, same
+    order). Its `state_dict` is the skip count."""
 
-    def __init__(self, engine: Any, max_consecutive_skips: int):
-        self.engine = engine
+    def __init__(self, engine: Any, roles: tuple, max_consecutive_skips: int):
+        self.engine, self.roles = engine, tuple(roles)
         self.max_consecutive_skips = int(max_consecutive_skips)
         self.consecutive = 0  # skipped updates in a row (not saved: a resumed run starts at 0)
-        self.skipped = 0  # skipped updates decided by this guard in this process
+        self.skipped = 0  # skipped updates of the run (saved with checkpoints)
         device = engine.device
         self._loss_bad = {n: torch.zeros((), dtype=torch.bool, device=device) for n in LOSSES}
-        self._grad_bad = {r: torch.zeros((), dtype=torch.bool, device=device) for r in TRAINED}
+        self._grad_bad = {r: torch.zeros((), dtype=torch.bool, device=device) for r in self.roles}
         self._hooks = []
-        for role in TRAINED:
+        for role in self.roles:
             flag = self._grad_bad[role]
             for p in engine.engines[role].module.parameters():
                 if p.requires_grad:
@@ -157,9 +107,17 @@ class StepGuard:
         self._loss_bad[name].logical_or_(~torch.isfinite(loss.detach()).all())
 
     def skipped_steps(self) -> int:
-        """Skipped updates so far, this run and before a resume: the critic engine's DeepSpeed counter (the critic
-        trains in every iteration, critic warm-up included)."""
-        return int(getattr(self.engine.engines["critic"], "skipped_steps", 0))
+        """Skipped updates so far, this run and before a resume."""
+        return self.skipped
+
+    def state_dict(self) -> dict:
+        return {"skipped": int(self.skipped)}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.skipped = int(state["skipped"])
+
+    def _ds_skips(self, roles: tuple) -> int:
+        return sum(int(getattr(self.engine.engines[r], "skipped_steps", 0)) for r in roles)
 
     def step(self, roles: tuple, iteration: int, where: str = "") -> bool:
         """Step `roles` after a micro-batch. At an accumulation boundary: one collective decides; raises
@@ -172,8 +130,8 @@ class StepGuard:
                 engine.step(role)  # DeepSpeed only counts the micro-step here
             return True
         dist = engine.dist
-        names = list(LOSSES) + [f"{r} gradient" for r in TRAINED]
-        local = torch.stack([self._loss_bad[n] for n in LOSSES] + [self._grad_bad[r] for r in TRAINED]).float()
+        names = list(LOSSES) + [f"{r} gradient" for r in self.roles]
+        local = torch.stack([self._loss_bad[n] for n in LOSSES] + [self._grad_bad[r] for r in self.roles]).float()
         table = torch.zeros((dist.world_size, len(names)), dtype=torch.float32, device=engine.device)
         table[dist.rank] = local
         all_reduce(table)
@@ -186,10 +144,13 @@ class StepGuard:
             if bad[n]:
                 raise NonFiniteError(f"rank {dist.rank}, iteration {iteration}: non-finite {n} on {_ranks(bad[n])}"
                                      f"{at}; every rank stops before the update")
-        grads = [f"{r} gradient on {_ranks(bad[f'{r} gradient'])}" for r in TRAINED if bad[f"{r} gradient"]]
+        grads = [f"{r} gradient on {_ranks(bad[f'{r} gradient'])}" for r in self.roles if bad[f"{r} gradient"]]
         if not grads:
+            before = self._ds_skips(roles)
             for role in roles:
                 engine.step(role)
+            if self._ds_skips(roles) != before:  # DeepSpeed's own overflow check skipped (fp16 loss scaling)
+                self.skipped += 1
             self.consecutive = 0
             return True
         for role in roles:

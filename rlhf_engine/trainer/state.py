@@ -105,7 +105,8 @@ def run_fingerprint(cfg: Any, roles: Mapping[str, Any], world_size: int, num_pro
                 "data_path": cfg.data.data_path, "num_prompts": int(num_prompts), "ppo_epochs": cfg.ppo.ppo_epochs}
     for role, plan in roles.items():
         fp[f"{role}_model_name_or_path"] = _norm_path(plan.path)
-    for role in ("actor", "critic"):
+    trained = [r for r, plan in roles.items() if plan.train]
+    for role in trained:
         rc = getattr(cfg, role)
         fp[f"{role}_zero_stage"] = roles[role].stage
         fp[f"{role}_dtype"] = roles[role].dtype
@@ -116,7 +117,7 @@ def run_fingerprint(cfg: Any, roles: Mapping[str, Any], world_size: int, num_pro
         fp["enable_ema"] = True
     for name in FINGERPRINT_BATCH:
         fp[name] = getattr(cfg.batch, name)
-    if any(getattr(cfg, r).lr_scheduler_type in ("linear", "cosine") for r in ("actor", "critic")):
+    if any(getattr(cfg, r).lr_scheduler_type in ("linear", "cosine") for r in trained):
         fp["max_steps"] = cfg.max_steps  # the decaying schedule spans max_steps iterations
     return fp
 
@@ -279,7 +280,7 @@ class Checkpointer:
         """The final actor and critic (and EMA) as Hugging Face folders `<out_dir>/<role>` (ZeRO-3 consolidated, LoRA
         merged by the engine's export, tokenizer saved). Collective."""
         engine = self.engine
-        roles = [r for r in ("actor", "critic", "ema") if r in engine.engines]
+        roles = [r for r in (*engine.trained_roles, "ema") if r in engine.engines]
         for role in roles:
             engine.export(role, os.path.join(out_dir, role))
         if self.dist.is_main:

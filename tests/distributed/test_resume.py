@@ -178,7 +178,8 @@ def test_setup_is_what_the_equivalence_needs(runs):
     state = runs["state_rank1"]
     assert state["providers"]["data"]["epoch"] == 1 and state["providers"]["data"]["batch"] == 3, state["providers"]
     assert state["rank"] == 1 and state["iteration"] == 4
-    assert set(state["providers"]) == {"trainer", "data", "kl_controller", "rng", "ptx_data", "reward_normalizer"}
+    assert set(state["providers"]) == {"trainer", "data", "kl_controller", "step_guard", "rng", "ptx_data",
+                                         "reward_normalizer"}
     assert all("ptx/loss" in r for r in recs)  # ptx is on: its data position must survive the resume too
     assert runs["listing_before"] == ["iter_000004"]
 

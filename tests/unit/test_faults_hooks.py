@@ -3,11 +3,12 @@ multi-rank behaviour they trigger is tests/distributed/test_faults.py."""
 import os
 import subprocess
 import sys
-import types
 
 import pytest
+import torch
 
 from rlhf_engine import faults
+from rlhf_engine.hooks import INJECT_ENV, TestHooks
 from rlhf_engine.engine.distributed import collective_failure, describe_collective_failure
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -16,12 +17,15 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 def test_unset_hooks_do_nothing(monkeypatch):
     monkeypatch.delenv(faults.KILL_VAR, raising=False)
     monkeypatch.delenv(faults.STALL_VAR, raising=False)
+    monkeypatch.delenv(INJECT_ENV, raising=False)
     assert not faults.active()
     faults.fault_point("checkpoint", 4, 1)  # returns
-    trainer = types.SimpleNamespace(rollout_phase=len, experience_phase=len, train_phase=len,
-                                    engine=types.SimpleNamespace(step=len))
-    faults.install(trainer)
-    assert trainer.rollout_phase is len and trainer.engine.step is len  # nothing wrapped
+    hooks = TestHooks.from_env(1, actor_steps=lambda: 0)
+    assert not hooks.faults and hooks.nonfinite is None
+    hooks.at("rollout", 0), hooks.after_step(0)  # return
+    loss, fn = torch.tensor(1.5), object()
+    assert hooks.loss("actor", loss, 0) is loss and hooks.grad("critic", loss, 0) == 0.0
+    assert hooks.scores(fn, 0, default=len) is fn
 
 
 @pytest.mark.parametrize("spec", ["1:3", "a:3:train", "1:3:warmup", "1:3:train,0:x:rollout"])
@@ -31,27 +35,23 @@ def test_a_bad_spec_is_an_error_naming_the_format(monkeypatch, spec):
         faults.fault_point("train", 3, 1)
 
 
-def test_installed_hooks_fire_only_at_their_point(monkeypatch):
+def test_hooks_fire_only_at_their_point(monkeypatch):
     monkeypatch.setenv(faults.KILL_VAR, "1:2:train_step, 0:5:rollout")
     fired = []
     monkeypatch.setattr(faults, "fault_point", lambda phase, it, rank: fired.append((phase, it, rank)))
-    steps = {"actor": 0, "calls": 0}
-
-    def step(role):  # gradient accumulation 2: every second call is an optimizer step
-        steps["calls"] += role == "actor"
-        steps["actor"] += role == "actor" and steps["calls"] % 2 == 0
-        return role
-
-    engine = types.SimpleNamespace(step=step, optimizer_steps=lambda role: steps[role],
-                                   dist=types.SimpleNamespace(rank=1))
-    trainer = types.SimpleNamespace(iteration=2, rollout_phase=lambda: "r", experience_phase=lambda r, s: "e",
-                                    train_phase=lambda e, s: "t", engine=engine)
-    faults.install(trainer)
-    assert trainer.rollout_phase() == "r" and trainer.experience_phase(1, 2) == "e" and trainer.train_phase(1, 2) == "t"
-    assert engine.step("critic") == "critic" and engine.step("actor") == "actor"  # a micro-step: no fault point
+    steps = {"actor": 0}
+    hooks = TestHooks(1, actor_steps=lambda: steps["actor"])
+    for phase in ("rollout", "experience", "train"):
+        hooks.at(phase, 2)
     assert fired == [("rollout", 2, 1), ("experience", 2, 1), ("train", 2, 1)]
-    assert engine.step("actor") == "actor"  # the optimizer step
+    hooks.after_step(2)  # a micro-step of gradient accumulation: the optimizer has not stepped, no point
+    assert fired[-1] == ("train", 2, 1)
+    steps["actor"] += 1
+    hooks.after_step(2)  # the optimizer step
     assert fired[-1] == ("train_step", 2, 1)
+    steps["actor"] += 1
+    hooks.after_step(2)  # only the iteration's first optimizer step is a point
+    assert [f for f in fired if f[0] == "train_step"] == [("train_step", 2, 1)]
 
 
 def test_kill_point_sigkills_the_process():

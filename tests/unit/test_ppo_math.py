@@ -8,19 +8,15 @@ import math
 import pytest
 import torch
 
-from rlhf_engine import ppo_math as pm
+from rlhf_engine import logit_kernels
 from rlhf_engine.ppo_math import (
     AdaptiveKLController,
     FixedKLController,
     compute_gae,
     compute_rewards,
     entropy_from_logits,
-    explained_variance,
     kl_penalty,
     logprobs_from_logits,
-    masked_mean,
-    masked_sum,
-    masked_var,
     masked_whiten,
     policy_loss,
     value_loss,
@@ -86,7 +82,7 @@ class TestLogprobs:
         torch.manual_seed(1)
         logits = torch.randn(4, 5, 7)
         labels = torch.randint(0, 7, (4, 5))
-        monkeypatch.setattr(pm, "LOGITS_CHUNK_NUMEL", 3 * 7)
+        monkeypatch.setattr(logit_kernels, "LOGITS_CHUNK_NUMEL", 3 * 7)
         out = logprobs_from_logits(logits, labels)
         close(out, torch.log_softmax(logits, -1).gather(-1, labels[..., None]).squeeze(-1))
 
@@ -131,23 +127,8 @@ class TestMaskedStats:
     values = torch.tensor([[1.0, 2.0, float("nan")], [4.0, 5.0, 6.0]])
     mask = torch.tensor([[1, 1, 0], [1, 0, 0]])
 
-    def test_sum_mean(self):
-        close(masked_sum(self.values, self.mask), 7.0)  # 1 + 2 + 4
-        close(masked_mean(self.values, self.mask), 2.3333333)  # 7 / 3
-        close(masked_mean(self.values, self.mask, dim=1), [1.5, 4.0])  # (1+2)/2, 4/1
-
-    def test_var(self):
-        # deviations from 7/3: -4/3, -1/3, 5/3 -> squares sum 16/9 + 1/9 + 25/9 = 42/9 = 14/3
-        close(masked_var(self.values, self.mask), 2.3333333)  # unbiased: (14/3) / 2 = 7/3
-        close(masked_var(self.values, self.mask, unbiased=False), 1.5555556)  # biased: (14/3) / 3 = 14/9
-        # one element: no Bessel correction (would divide by 0) -> 0
-        close(masked_var(self.values, torch.tensor([[0, 0, 0], [1, 0, 0]])), 0.0)
-
     def test_empty_mask_gives_zero_not_nan(self):
         empty = torch.zeros(2, 3)
-        close(masked_mean(self.values, empty), 0.0)
-        close(masked_mean(self.values, empty, dim=1), [0.0, 0.0])
-        close(masked_var(self.values, empty), 0.0)
         close(masked_whiten(self.values, empty), torch.zeros(2, 3))
 
     def test_whiten(self):
@@ -491,7 +472,7 @@ class TestShardedAggregation:
 
 
 # ----------------------------------------------------------------------------------------------------------------------
-# KL controllers, explained variance
+# KL controllers
 # ----------------------------------------------------------------------------------------------------------------------
 
 
@@ -521,25 +502,6 @@ class TestKLControllers:
         assert restored.value == 0.05
 
 
-class TestExplainedVariance:
-    returns = torch.tensor([[1.0, 2.0, 3.0, 99.0]])
-    mask = torch.tensor([[1, 1, 1, 0]])
-
-    def test_hand_values(self):
-        close(explained_variance(torch.tensor([[1.0, 2.0, 3.0, -7.0]]), self.returns, self.mask), 1.0)
-        close(explained_variance(torch.zeros(1, 4), self.returns, self.mask), 0.0)
-        # diff = returns - values = [0, 0, -1]: mean -1/3, var = (1/9 + 1/9 + 4/9) / 2 = 1/3; Var[returns] = 1
-        close(explained_variance(torch.tensor([[1.0, 2.0, 4.0, 0.0]]), self.returns, self.mask), 0.6666667)
-
-    def test_constant_or_empty_returns_give_zero(self):
-        # 0.3 repeated 7 times: its fp32 mean is off by rounding, so the computed Var[returns] is ~1e-15, not 0;
-        # dividing by it would give a huge negative number instead of 0.
-        const = torch.full((1, 7), 0.3)
-        values = torch.tensor([[0.0, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6]])
-        close(explained_variance(values, const, torch.ones(1, 7)), 0.0)
-        close(explained_variance(torch.zeros(1, 4), self.returns, torch.zeros(1, 4)), 0.0)
-
-
 # ----------------------------------------------------------------------------------------------------------------------
 # Bad input
 # ----------------------------------------------------------------------------------------------------------------------
@@ -563,14 +525,14 @@ class TestBadInput:
         with pytest.raises(ValueError, match="labels.*integer"):
             logprobs_from_logits(torch.zeros(2, 5), torch.zeros(2))
         with pytest.raises(ValueError, match="values.*floating"):
-            masked_mean(torch.zeros(2, 3, dtype=torch.long), self.m)
+            masked_whiten(torch.zeros(2, 3, dtype=torch.long), self.m)
 
     def test_float_mask_with_half(self):
         mask = torch.tensor([[1.0, 0.5, 0.0], [1.0, 1.0, 1.0]])
         with pytest.raises(ValueError, match="action_mask.*0/1.*0.5"):
             policy_loss(self.z, self.z, self.z, mask, clip_eps=0.2)
         with pytest.raises(ValueError, match="mask.*0/1"):
-            masked_mean(self.z, mask)
+            masked_whiten(self.z, mask)
 
     def test_mask_not_right_padded(self):
         mask = torch.tensor([[1, 1, 1], [0, 1, 1]])

@@ -15,6 +15,7 @@ Three RLHFEngines are built one after the other:
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import gc
 import json
 import os
@@ -269,21 +270,20 @@ def run_ema_and_gather(args, dist) -> dict:
     for mode in ("off", "on"):
         for new in (2, 8):
             cfg.engine.generation_gather_once = mode
-            cfg.generation.max_answer_seq_len = new
+            params = dataclasses.replace(e.sampling, max_new_tokens=new)
             torch.distributed.barrier()
             t = time.time()
-            g, counts = counter.measure(lambda: e.generate(ids, mask))
+            g, counts = counter.measure(lambda: e.generate(ids, mask, params))
             gen[f"{mode}_{new}"] = {"counts": counts, "responses": g.responses.tolist(), "s": time.time() - t,
-                                    "active": e.gather_once_active()}
+                                    "active": e.generator.gather_once_active()}
     res["generation"] = gather(gen)
     # ranks stop at different lengths (rank 0 after 1 token, rank 1 after 8) with gather-once: no synced_gpus
     cfg.engine.generation_gather_once = "on"
-    cfg.generation.max_answer_seq_len = 1 if rank == 0 else 8
+    params = dataclasses.replace(e.sampling, max_new_tokens=1 if rank == 0 else 8)
     torch.distributed.barrier()
-    g, counts = counter.measure(lambda: e.generate(ids, mask))
+    g, counts = counter.measure(lambda: e.generate(ids, mask, params))
     res["uneven"] = gather({"width": g.response_width, "counts": counts, "responses": g.responses.tolist(),
-                            "max_new": cfg.generation.max_answer_seq_len})
-    cfg.generation.max_answer_seq_len = 8
+                            "max_new": params.max_new_tokens})
     res["layers"] = len(e.actor.module.transformer.h)
     res["actor_params"] = len(list(e.actor.module.parameters()))
     res["total_s"] = time.time() - t0

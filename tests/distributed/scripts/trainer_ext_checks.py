@@ -119,7 +119,7 @@ def main() -> int:
             json.dump({"runs": results}, f)
     torch.distributed.barrier()
     # the real entry point, with the injection from the environment (read when the trainer is built)
-    from rlhf_engine.trainer.guards import INJECT_ENV
+    from rlhf_engine.hooks import INJECT_ENV
     from rlhf_engine.comm import shutdown
 
     os.environ[INJECT_ENV] = json.dumps(spec["final"]["inject"])

@@ -339,7 +339,9 @@ def test_hybrid_engine_fallback_generates_with_hugging_face(tiny, dist_single, c
     g = e.generate(r.prompts, r.attention_mask[:, : r.prompt_length])
     assert g.batch_size == 2
     # what a GPU run would hand DeepSpeed is a valid hybrid_engine section
-    section = e._hybrid_engine_section()["hybrid_engine"]
+    from rlhf_engine.engine.generation.hybrid import HybridEngineBackend
+
+    section = HybridEngineBackend.actor_ds_overrides(cfg)["hybrid_engine"]
     parsed = HybridEngineConfig(**section)
     assert parsed.enabled and parsed.max_out_tokens == 14 and parsed.pin_parameters is False
     assert parsed.release_inference_cache is True

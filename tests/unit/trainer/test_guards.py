@@ -15,7 +15,8 @@ from rlhf_engine.cli import parse_args
 from rlhf_engine.rewards import RewardFunctionError, load_reward_fn
 from rlhf_engine.trainer import build_trainer
 from rlhf_engine.trainer.experience import text_reward
-from rlhf_engine.trainer.guards import (EXIT_NON_FINITE, EXIT_SKIPPED_STEPS, Injection, NonFiniteError,
+from rlhf_engine.hooks import Injection
+from rlhf_engine.trainer.guards import (EXIT_NON_FINITE, EXIT_SKIPPED_STEPS, NonFiniteError,
                                         TooManySkippedSteps, base_optimizer)
 
 # one rank, 4 rollouts per iteration, micro-batch 2 x accumulation 2 = one optimizer step per engine per iteration;

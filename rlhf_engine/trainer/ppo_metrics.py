@@ -1,0 +1,108 @@
+"""The PPO iteration's metrics beside the math they describe: what each phase adds to the iteration's `MetricSums`
+(on device, no host sync), and the record built from the all-reduced sums (the keys of docs/metrics.md).
+
+Per-token means are token-weighted over every rank; losses are each micro-batch's share of its mini-batch's global
+token mean, so their sum over an iteration divided by the mini-batches is the per-mini-batch mean.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from ..rollout import Experience
+from .experience import global_moments
+from .metric_sums import MetricSums
+
+
+def add_experience_stats(stats: MetricSums, exp: Experience, entropy: torch.Tensor, raw_scores: torch.Tensor,
+                         shaped: bool) -> None:
+    """objective/*, rollout/*: one rollout buffer."""
+    mask = exp.rollout.action_mask
+    stats.add("entropy_sum", (entropy * mask).sum())
+    stats.add("tokens", mask.sum())
+    mask = mask.float()
+    stats.add("sequences", torch.tensor(float(exp.batch_size)))
+    stats.add("score_sum", raw_scores.sum())
+    if shaped:
+        stats.add("shaped_score_sum", exp.scores.sum())
+    k1 = ((exp.old_logprobs - exp.ref_logprobs) * mask).sum(-1)  # objective/kl is always the k1 sequence sum
+    stats.add("kl_sum", k1.sum())
+    stats.add("rlhf_reward_sum", (exp.rewards * mask).sum())
+    stats.add("response_length_sum", exp.rollout.response_lengths.sum())
+    stats.add("eos_sum", exp.rollout.ended_with_eos.sum())
+
+
+def explained_var(exp: Experience) -> Optional[float]:
+    """value/explained_var: 1 - Var[returns - values] / Var[returns], from global moments (None when Var[returns]
+    is 0)."""
+    mask = exp.rollout.action_mask.float()
+    _, _, var_ret = global_moments(exp.returns, mask)
+    _, _, var_res = global_moments(exp.returns - exp.values, mask)
+    return (1.0 - var_res / var_ret).item() if var_ret.item() > 0 else None
+
+
+def add_policy_stats(stats: MetricSums, loss: torch.Tensor, ps: dict) -> None:
+    """policy/*: one actor micro-batch (`ps`: policy_loss's stats)."""
+    t = ps["tokens"]
+    stats.add("policy_loss", loss.detach())
+    stats.add("approx_kl_sum", ps["approx_kl"] * t)
+    stats.add("clipfrac_sum", ps["clipfrac"] * t)
+    stats.add("ratio_sum", ps["ratio_mean"] * t)
+    stats.add("train_tokens", t)
+    # a micro-batch without real tokens must not contribute its neutral ratio 1
+    stats.max("ratio_max", torch.where(t > 0, ps["ratio_max"], -torch.inf))
+    stats.min("ratio_min", torch.where(t > 0, ps["ratio_min"], torch.inf))
+
+
+def add_value_stats(stats: MetricSums, vloss: torch.Tensor, vs: dict) -> None:
+    """value/*: one critic micro-batch (`vs`: value_loss's stats)."""
+    stats.add("value_loss", vloss.detach())
+    stats.add("value_clipfrac_sum", vs["clipfrac"] * vs["tokens"])
+    stats.add("value_tokens", vs["tokens"])
+
+
+@torch.no_grad()
+def max_abs_diff(logprobs: torch.Tensor, old_logprobs: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """max |log-ratio| over real tokens, fp64 (the ratio trace the tests and guards read)."""
+    return ((logprobs.detach() - old_logprobs) * mask).abs().max().double()
+
+
+def iteration_record(s: dict, world_size: int, explained_variance: Optional[float]) -> dict:
+    """The objective/, policy/, ptx/, value/ and rollout/ keys from the reduced sums `s` of one iteration."""
+    n_seq, tokens = s["sequences"], s["tokens"]
+    train_tokens = s.get("train_tokens", 0.0)
+    minibatches = s["minibatches"] / world_size  # every rank counted each mini-batch
+    rec = {
+        "objective/score": s["score_sum"] / n_seq,
+        "objective/kl": s["kl_sum"] / n_seq,
+        "objective/rlhf_reward": s["rlhf_reward_sum"] / n_seq,
+        "objective/entropy": s["entropy_sum"] / tokens if tokens else None,
+    }
+    if "shaped_score_sum" in s:
+        rec["objective/shaped_score"] = s["shaped_score_sum"] / n_seq
+    if "policy_loss" in s:  # the actor trained (not a critic warm-up iteration)
+        rec.update({
+            "policy/loss": s["policy_loss"] / minibatches,
+            "policy/approx_kl": s["approx_kl_sum"] / train_tokens if train_tokens else None,
+            "policy/clipfrac": s["clipfrac_sum"] / train_tokens if train_tokens else None,
+            "policy/ratio_mean": s["ratio_sum"] / train_tokens if train_tokens else None,
+            "policy/ratio_max": s.get("ratio_max"),
+            "policy/ratio_min": s.get("ratio_min"),
+        })
+    if "ptx_loss" in s:
+        rec["ptx/loss"] = s["ptx_loss"] / minibatches  # token mean per mini-batch, without unsup_coef
+        rec["ptx/tokens"] = s["ptx_tokens"]
+    if "value_loss" in s:  # a run with a critic
+        value_tokens = s["value_tokens"]
+        rec.update({
+            "value/loss": s["value_loss"] / minibatches,
+            "value/clipfrac": s["value_clipfrac_sum"] / value_tokens if value_tokens else None,
+            "value/explained_var": explained_variance,
+        })
+    rec.update({
+        "rollout/response_length": s["response_length_sum"] / n_seq,
+        "rollout/eos_rate": s["eos_sum"] / n_seq,
+        "rollout/truncated_rate": 1.0 - s["eos_sum"] / n_seq,
+    })
+    return rec

@@ -1,0 +1,69 @@
+"""Unit tests for rlhf_engine.logit_kernels internals: what the chunking promises about memory (no full copy of the
+logits, no full fp32 tensor saved for the backward) and the default chunk size. The numbers themselves are tested
+through the public entry points in test_ppo_math.py."""
+import torch
+
+from rlhf_engine import logit_kernels as lk
+
+
+def test_row_blocks_are_views_in_row_order_for_a_non_contiguous_slice():
+    full = torch.arange(3 * 6 * 11, dtype=torch.float32).reshape(3, 6, 11)
+    logits = full[:, :-1]  # not viewable as [15, 11]
+    blocks = lk._row_blocks(logits)
+    assert len(blocks) == 3  # fell back to one view per batch row (negative control: a contiguous input gives 1)
+    assert all(b.data_ptr() >= full.data_ptr() and b._base is not None for b in blocks)  # views, no copy
+    torch.testing.assert_close(torch.cat(blocks), logits.reshape(-1, 11), atol=0.0, rtol=0.0)
+    assert len(lk._row_blocks(full)) == 1
+
+
+def test_chunks_cover_every_row_once_with_block_offsets():
+    blocks = [torch.zeros(5, 2), torch.zeros(3, 2)]
+    got = [(off, c.shape[0]) for off, c in lk._chunks(blocks, 2)]
+    assert got == [(0, 2), (2, 2), (4, 1), (5, 2), (7, 1)]
+
+
+def test_default_chunk_rows_reads_the_module_constant_at_call_time(monkeypatch):
+    assert lk.default_chunk_rows(1000) == (1 << 26) // 1000
+    monkeypatch.setattr(lk, "LOGITS_CHUNK_NUMEL", 21)
+    assert lk.default_chunk_rows(7) == 3
+    assert lk.default_chunk_rows(100) == 1  # never 0 rows, even when one row exceeds the bound
+
+
+def test_backward_saves_no_full_fp32_copy_of_the_logits():
+    """Saved for backward: the bf16 logits, the labels and [N] fp32 statistics only. Negative control: plain autograd
+    through an fp32 log_softmax saves an fp32 [N, V] tensor, which the same hook sees."""
+    n, v = 6, 50
+    logits = torch.randn(n, v, dtype=torch.bfloat16, requires_grad=True)
+    labels = torch.randint(0, v, (n,))
+
+    def big_fp32_saved(fn):
+        seen = []
+
+        def pack(t):
+            seen.append((t.dtype, t.numel()))
+            return t
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            fn()
+        return [s for s in seen if s[0] == torch.float32 and s[1] >= n * v], seen
+
+    big, seen = big_fp32_saved(lambda: lk.chunked_logprobs(logits, labels, 0.7, 2))
+    assert not big and seen, seen
+    big, seen = big_fp32_saved(lambda: lk.chunked_entropy(logits, 0.7, 2))
+    assert not big and seen, seen
+    big, _ = big_fp32_saved(lambda: torch.log_softmax(logits.float() / 0.7, -1).gather(-1, labels[:, None]))
+    assert big  # the counter does see a full fp32 copy where one is saved
+
+
+def test_no_grad_path_and_grad_path_agree():
+    torch.manual_seed(0)
+    logits = torch.randn(2, 4, 9)
+    labels = torch.randint(0, 9, (8,))
+    plain = lk.chunked_logprobs(logits, labels, 1.3, 3)
+    graded = lk.chunked_logprobs(logits.clone().requires_grad_(), labels, 1.3, 3)
+    assert graded.requires_grad and not plain.requires_grad
+    torch.testing.assert_close(graded.detach(), plain, atol=0.0, rtol=0.0)
+    ent_plain = lk.chunked_entropy(logits, 1.3, 3)
+    ent_graded = lk.chunked_entropy(logits.clone().requires_grad_(), 1.3, 3)
+    assert ent_plain.shape == (8,)
+    torch.testing.assert_close(ent_graded.detach(), ent_plain, atol=0.0, rtol=0.0)
