@@ -243,7 +243,7 @@ class PhaseTimer:
     touched). On GPU each timed call is bracketed by torch.cuda.synchronize(), so a key holds the device time of
     its work; the syncs are the benchmark's own and are absent from normal training."""
 
-    ENGINE_METHODS = ("generate", "actor_logprobs", "ref_logprobs", "critic_values", "reward_scores",
+    ENGINE_METHODS = ("sample", "actor_logprobs", "ref_logprobs", "critic_values", "reward_scores",
                       "actor_forward", "critic_forward")
     ROLE_METHODS = ("backward", "step")
 

@@ -180,13 +180,13 @@ def _gather_once(trainer) -> None:
     eng = trainer.engine
     if eng.plans["actor"].stage != 3:
         return
-    orig = eng.generate
+    orig = eng.sample  # what the trainer's rollouts call
 
-    def generate(ids, mask, params=None):
+    def sample(ids, mask, params=None):
         with deepspeed.zero.GatheredParameters(list(eng.actor.module.parameters())):
             return orig(ids, mask, params)
 
-    eng.generate = generate
+    eng.sample = sample
 
 
 @patch("gather_copy")
@@ -194,12 +194,12 @@ def _gather_copy(trainer) -> None:
     """ZeRO-3 prototype of 'gather once' without ZeRO-3's per-module hooks: once per generate() call the actor's
     parameters are gathered and copied into a plain (unpartitioned) replica of the model, which then generates.
     Costs one full copy of the actor's weights per rank (no-op for other stages)."""
-    import copy
-
     import deepspeed
+    from transformers import GenerationConfig
 
     from rlhf_engine.engine.ds_config import torch_dtype
     from rlhf_engine.engine.models import load_causal_lm
+    from rlhf_engine.engine.generation import Generated
     from rlhf_engine.rollout import Rollout
 
     eng = trainer.engine
@@ -214,19 +214,18 @@ def _gather_copy(trainer) -> None:
         raise RuntimeError(f"gather_copy: replica parameters {missing[:3]} not in the actor")
 
     @torch.no_grad()
-    def generate(ids, mask, params=None):
+    def sample(ids, mask, params=None):
         with deepspeed.zero.GatheredParameters([source[n] for n, _ in targets]):
             for n, q in targets:
                 q.copy_(source[n])
         kw = eng.generator.generation_kwargs(params or eng.sampling)
         kw.pop("synced_gpus")  # the replica runs no collective: every rank may stop at its own length
-        gen_config = copy.deepcopy(replica.generation_config)
-        gen_config.update(**kw)
+        gen_config = GenerationConfig(**kw)  # the sampling parameters alone, as the HF backend builds it
         ids, mask = ids.to(eng.device), mask.to(eng.device)
         out = replica.generate(input_ids=ids, attention_mask=mask, generation_config=gen_config)
-        return Rollout.from_generation(ids, mask, out, eng.stop_token_ids, eng.pad_token_id)
+        return Generated(Rollout.from_generation(ids, mask, out, eng.stop_token_ids, eng.pad_token_id))
 
-    eng.generate = generate
+    eng.sample = sample  # what the trainer's rollouts call
 
 
 # ---- host-sync audit -------------------------------------------------------------------------------------------------

@@ -24,7 +24,6 @@ process's peak RSS over the iteration on CPU); FLOPs by `benchlib.FLOP_FORMULA`.
 from __future__ import annotations
 
 import argparse
-import copy
 import gc
 import json
 import os
@@ -288,8 +287,9 @@ def greedy_check(b: Built, n_prompts: int, new_tokens: int, hybrid: bool) -> dic
     kw.pop("synced_gpus")
     kw.update(do_sample=False, temperature=None, top_p=None, top_k=None, max_new_tokens=new_tokens,
               min_new_tokens=new_tokens)
-    gen_config = copy.deepcopy(model.generation_config)
-    gen_config.update(**kw)
+    from transformers import GenerationConfig
+
+    gen_config = GenerationConfig(**kw)  # the sampling parameters alone, as the HF backend builds it
     out = {"prompts": len(idx), "new_tokens": new_tokens, "hybrid": hybrid,
            "inference_containers": len(getattr(actor, "_inference_containers", []) or [])}
 

@@ -67,6 +67,12 @@ class PPOConfig:
     advantage_estimator: str = opt("gae", "How advantages are estimated (rlhf_engine/estimators.py, a registry of pure "
                                    "functions): gae = GAE over the critic's values. An estimator that needs no "
                                    "critic builds none.")
+    rollout_correction: str = opt("none", "Importance correction for a generation backend that does not sample exactly "
+                                  "from the actor (see rollout/logprob_diff_*): none; tis = each token's advantage "
+                                  "weighted by min(pi_old / pi_rollout, rollout_correction_cap); mis = a response "
+                                  "whose sequence ratio pi_old / pi_rollout is above the cap or below 1/cap leaves "
+                                  "the policy loss (the critic still trains on it).")
+    rollout_correction_cap: float = opt(2.0, "The cap C of rollout_correction (> 1).")
     whiten_advantages: bool = opt(True, "Whiten advantages (global masked mean/std across ranks) before the update.")
     entropy_coef: float = opt(0.0, "Entropy bonus coefficient on the actor loss (0 = off).")
     critic_warmup_iterations: int = opt(0, "Critic warm-up: the first N iterations train only the critic (the actor "
@@ -94,8 +100,11 @@ class PPOConfig:
         _positive(p, prefix, self, "kl_coef", "kl_target", "clip_eps", "value_clip", "reward_clip", "entropy_coef",
                   allow_zero=True)
         from .estimators import ESTIMATORS
-        from .ppo_math import KL_ESTIMATORS
+        from .ppo_math import KL_ESTIMATORS, ROLLOUT_CORRECTIONS
 
+        _choice(p, prefix, self, "rollout_correction", ROLLOUT_CORRECTIONS)
+        if not (_number(self.rollout_correction_cap) and self.rollout_correction_cap > 1.0):
+            p.add(prefix + "rollout_correction_cap", self.rollout_correction_cap, "must be > 1")
         _choice(p, prefix, self, "kl_estimator", KL_ESTIMATORS)
         _choice(p, prefix, self, "advantage_estimator", tuple(ESTIMATORS))
         for n in ("gamma", "lam"):
@@ -110,22 +119,36 @@ class PPOConfig:
 
 @dataclass
 class GenerationConfig:
-    """Rollout sampling controls. Explicit values here override the model's own generation_config."""
+    """Rollout sampling controls: rollouts are sampled from exactly the distribution PPO's log-probs describe. The
+    model's own generation_config is not used (its sampling fields are named in a start-up warning)."""
 
     max_prompt_seq_len: int = opt(256, "Longest prompt in tokens; longer prompts are rejected by the data layer.")
     max_answer_seq_len: int = opt(256, "Maximum number of generated tokens per response.")
-    min_answer_seq_len: int = opt(0, "Minimum number of generated tokens before EOS may be sampled.")
-    temperature: float = opt(1.0, "Sampling temperature; the same temperature divides the logits in training.")
-    top_p: float = opt(1.0, "Nucleus sampling mass (1.0 = off).")
-    top_k: int = opt(0, "Top-k sampling (0 = off).")
+    min_answer_seq_len: int = opt(0, "Minimum number of generated tokens before a stop token may be sampled; every "
+                                  "log-prob the trainer computes masks the stop tokens at those positions too.")
+    temperature: float = opt(1.0, "Sampling temperature; the same temperature divides the logits in every log-prob "
+                             "(old, reference, training).")
+    top_p: float = opt(1.0, "Nucleus sampling mass: must stay 1.0 when sampling (a truncated distribution is not "
+                       "the full softmax PPO's log-probs describe); used only with do_sample false, where it "
+                       "does nothing.")
+    top_k: int = opt(0, "Top-k sampling: must stay 0 (off) when sampling, for the same reason as top_p.")
     do_sample: bool = opt(True, "Sample (True) or decode greedily (False).")
-    stop_token_ids: list = opt([], "Extra token ids that end a response (the tokenizer's EOS always does).")
+    stop_token_ids: list = opt([], "Extra token ids that end a response. A response ends at the first of: these, the "
+                               "tokenizer's EOS, the model generation_config's eos_token_id(s), and with "
+                               "use_chat_template the template's end-of-turn token.")
 
     def validate(self, p: Problems, prefix: str = "") -> None:
         _positive(p, prefix, self, "max_prompt_seq_len", "max_answer_seq_len", "temperature")
         _positive(p, prefix, self, "min_answer_seq_len", "top_k", allow_zero=True)
         if not (_number(self.top_p) and 0.0 < self.top_p <= 1.0):
             p.add(prefix + "top_p", self.top_p, "must lie in (0, 1]")
+        elif self.do_sample is True and self.top_p < 1.0:
+            p.add(prefix + "top_p", self.top_p, "must be 1.0 when sampling: nucleus sampling draws from a truncated "
+                  "distribution while PPO's log-probs describe the full softmax (every rollout would be off-policy); "
+                  "lower temperature instead")
+        if self.do_sample is True and isinstance(self.top_k, int) and self.top_k > 0:
+            p.add(prefix + "top_k", self.top_k, "must be 0 when sampling: top-k sampling draws from a truncated "
+                  "distribution while PPO's log-probs describe the full softmax; lower temperature instead")
         if not isinstance(self.stop_token_ids, list) or not all(
                 isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in self.stop_token_ids):
             p.add(prefix + "stop_token_ids", self.stop_token_ids, "must be a list of token ids (integers >= 0)")
@@ -490,7 +513,7 @@ class TrainConfig:
                                 "batches_per_epoch = floor(prompts / (per_device_generation_batch_size x world size)) "
                                 "(0 = max_steps only). Raise max_steps to let the epochs decide.")
     seed: int = opt(1234, "Seed: data order depends on it; sampling uses seed + rank.")
-    eval_interval: int = opt(0, "Evaluate (greedy generation on held-out prompts: eval/score, eval/kl, "
+    eval_interval: int = opt(0, "Evaluate (greedy generation on held-out prompts: eval/score, eval/eos_rate, "
                              "eval/response_length) before iteration 0, every N iterations, and after the last (0 = off).")
     eval_data_path: str = opt("", "Held-out prompts for evaluation (.jsonl etc.); '' = the eval_split of data_path.")
     reward_fn: str = opt("", "'module:function' scoring (prompts, responses) as text, one float each; replaces the "

@@ -52,11 +52,14 @@ __all__ = [
     "KL_ESTIMATORS",
     "logprobs_from_logits",
     "entropy_from_logits",
+    "mask_stop_tokens_",
     "masked_whiten",
     "kl_penalty",
     "compute_rewards",
     "compute_gae",
     "policy_loss",
+    "ROLLOUT_CORRECTIONS",
+    "rollout_correction",
     "value_loss",
     "sft_loss",
     "pairwise_loss",
@@ -334,6 +337,28 @@ def _kl(lp: torch.Tensor, ref: torch.Tensor, estimator: str) -> torch.Tensor:
     return torch.expm1(-log_ratio) + log_ratio  # k3: exp(ref - lp) - 1 - (ref - lp)
 
 
+STOP_MASK_VALUE = -1e4  # exp(-1e4 - max) is exactly 0 in fp32; finite, so entropy's p * log p stays 0 (never NaN)
+
+
+def mask_stop_tokens_(logits: torch.Tensor, stop_token_ids: torch.Tensor, min_new_tokens: int) -> torch.Tensor:
+    """The distribution sampling used under `min_new_tokens`: stop tokens cannot end a response before it.
+
+    Args:
+        logits: ``[B, R, V]`` the logits predicting response tokens 0..R-1 (modified IN PLACE: a masked copy of the
+            whole tensor would cost what the chunked log-prob kernels save; autograd handles the in-place write,
+            and the masked entries get gradient 0).
+        stop_token_ids: ``[K]`` long, the stop tokens.
+        min_new_tokens: positions ``t < min_new_tokens`` get ``STOP_MASK_VALUE`` at the stop tokens.
+
+    Returns:
+        ``logits`` (the same tensor).
+    """
+    n = min(int(min_new_tokens), logits.shape[1])
+    if n > 0 and stop_token_ids.numel():
+        logits[:, :n].index_fill_(-1, stop_token_ids.to(logits.device), STOP_MASK_VALUE)
+    return logits
+
+
 def kl_penalty(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, estimator: str = "k1") -> torch.Tensor:
     """Per-token sample estimate of KL(actor || ref) from tokens sampled by the actor; ``log r = logprobs - ref``.
 
@@ -448,6 +473,53 @@ def compute_gae(rewards: torch.Tensor, values: torch.Tensor, action_mask: torch.
 # ----------------------------------------------------------------------------------------------------------------------
 # Losses
 # ----------------------------------------------------------------------------------------------------------------------
+
+
+ROLLOUT_CORRECTIONS = ("none", "tis", "mis")
+
+
+def rollout_correction(old_logprobs: torch.Tensor, rollout_logprobs: torch.Tensor, action_mask: torch.Tensor,
+                       mode: str, cap: float) -> Tuple[torch.Tensor, torch.Tensor, Dict[str, torch.Tensor]]:
+    """Importance correction for a generation backend that does not sample exactly from pi_old.
+
+    With ``d = old_logprobs - rollout_logprobs`` (0 on padding):
+
+    * ``tis`` (truncated importance sampling): every token's advantage is weighted by ``min(exp(d), cap)``;
+    * ``mis`` (masked importance sampling): a response whose sequence ratio ``exp(sum_t d)`` lies above ``cap`` or
+      below ``1 / cap`` leaves the policy loss (its tokens leave the policy mask; the critic still trains on them);
+    * ``none``: weights 1, mask unchanged.
+
+    Args:
+        old_logprobs, rollout_logprobs: ``[B, R]`` recomputed and generation-time log-probs of the sampled tokens.
+        action_mask: ``[B, R]`` 0/1.
+        mode: one of ``ROLLOUT_CORRECTIONS``.
+        cap: > 1.
+
+    Returns:
+        ``(advantage weights [B, R] fp32 (0 on padding), policy mask [B, R] (action_mask, minus masked responses),
+        stats)``, all detached; stats: ``capped`` (tis: real tokens whose ratio exceeded the cap), ``masked``
+        (mis: responses masked out), both counts (0-dim fp32).
+    """
+    old = _tensor("old_logprobs", old_logprobs, ndim=2).detach()
+    roll = _tensor("rollout_logprobs", rollout_logprobs, shape=old.shape, shape_of="old_logprobs").detach()
+    m = _mask("action_mask", action_mask, old.shape, "old_logprobs", None)
+    if mode not in ROLLOUT_CORRECTIONS:
+        raise ValueError(f"mode: expected one of {', '.join(ROLLOUT_CORRECTIONS)}, got {mode!r}")
+    c = _number("cap", cap, gt=1.0)
+    d = torch.where(m, old.float() - roll.float(), 0.0)
+    zero = torch.zeros((), device=d.device)
+    weights, keep = m.float(), m
+    capped = masked = zero
+    if mode == "tis":
+        ratio = d.exp()
+        capped = ((ratio > c) & m).sum().float()
+        weights = torch.where(m, ratio.clamp(max=c), 0.0)
+    elif mode == "mis":
+        seq = d.sum(-1)  # log of the sequence ratio
+        ok = (seq <= math.log(c)) & (seq >= -math.log(c))
+        keep = m & ok[:, None]
+        masked = ((~ok) & m.any(-1)).sum().float()
+    return weights, keep.to(action_mask.dtype), {"capped": capped, "masked": masked}
 
 
 def policy_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: torch.Tensor,

@@ -255,8 +255,15 @@ class Experience:
     kl: torch.Tensor  # [B, R] per-token KL estimate used in the rewards (0 on padding)
     advantages: torch.Tensor  # [B, R]
     returns: Optional[torch.Tensor]  # [B, R] value targets (None: no critic, or an estimator without returns)
+    # [B, R] generation-time log-probs of the sampled tokens (None: the generation backend gives none)
+    rollout_logprobs: Optional[torch.Tensor] = None
+    # --rollout_correction: [B, R] weights of the advantages in the policy loss (tis), and the policy loss's own mask
+    # (mis: responses masked out); None: no correction
+    advantage_weights: Optional[torch.Tensor] = None
+    policy_mask: Optional[torch.Tensor] = None
 
-    _PER_ACTION = ("old_logprobs", "ref_logprobs", "values", "rewards", "kl", "advantages", "returns")
+    _PER_ACTION = ("old_logprobs", "ref_logprobs", "values", "rewards", "kl", "advantages", "returns",
+                   "rollout_logprobs", "advantage_weights", "policy_mask")
 
     @property
     def batch_size(self) -> int:
@@ -281,7 +288,7 @@ class Experience:
         R = rollout.response_width
         kw = {"rollout": rollout, "scores": torch.cat([x.scores for x in xs])}
         for name in cls._PER_ACTION:
-            if getattr(xs[0], name) is None:  # optional (values, returns): absent in every item alike
+            if getattr(xs[0], name) is None:  # optional (values, returns, ...): absent in every item alike
                 kw[name] = None
                 continue
             kw[name] = torch.cat([torch.nn.functional.pad(getattr(x, name), (0, R - getattr(x, name).shape[1]))

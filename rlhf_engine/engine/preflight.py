@@ -249,6 +249,9 @@ def plan_engine(cfg: TrainConfig, num_training_steps: int = 0) -> EnginePlan:
                   backend, "the DeepSpeed Hybrid Engine cannot run here: " + "; ".join(reasons) + ". Use "
                   "--generation_backend hf, or hybrid_engine_fallback true to generate with Hugging Face instead "
                   "(logged as a warning)")
+    stop = None
+    if tokenizer is not None and "actor" in configs:
+        stop = stop_tokens(cfg, paths["actor"], tokenizer, configs["actor"].vocab_size, p)
     plans = {}
     for role in cfg.active_roles:
         stage = resolve_stage(cfg, role)
@@ -258,10 +261,62 @@ def plan_engine(cfg: TrainConfig, num_training_steps: int = 0) -> EnginePlan:
         plans[role] = RolePlan(paths[role], stage, resolve_dtype(rc.dtype or cfg.dtype), train)
     p.raise_if_any("cannot start: model setup")
     log_dtypes(plans, {r: getattr(cfg, r).dtype or cfg.dtype for r in plans})
-    stop = tuple(sorted({int(tokenizer.eos_token_id), *map(int, cfg.generation.stop_token_ids)}))
     if backend == "hybrid" and not use_hybrid_engine(cfg, configs["actor"]):
         backend = "hf"  # hybrid_engine_fallback (warned)
     return EnginePlan(plans, tokenizer, stop, backend, num_training_steps)
+
+
+def end_of_turn_token(tokenizer) -> int | None:
+    """The token the chat template closes an assistant turn with (rendering a one-word turn: the first special token
+    after the word), or None when the template has none."""
+    word = "Paris"
+    try:
+        text = tokenizer.apply_chat_template([{"role": "user", "content": "Capital of France?"},
+                                              {"role": "assistant", "content": word}], tokenize=False)
+    except Exception:  # noqa: BLE001  (no template, or one that needs other fields)
+        return None
+    tail = text[text.rfind(word) + len(word):]
+    special = set(tokenizer.all_special_ids) | {int(i) for i in getattr(tokenizer, "added_tokens_decoder", {})}
+    for tid in tokenizer(tail, add_special_tokens=False)["input_ids"]:
+        if tid in special:
+            return int(tid)
+    return None
+
+
+def model_eos_ids(path: str) -> list[int]:
+    """`eos_token_id` of the model's generation_config (an int or a list), [] when it has none."""
+    from transformers import GenerationConfig
+
+    try:
+        eos = GenerationConfig.from_pretrained(path).eos_token_id
+    except (OSError, ValueError):
+        return []
+    if eos is None:
+        return []
+    return [int(e) for e in (eos if isinstance(eos, (list, tuple)) else [eos])]
+
+
+_logged_stops: set = set()
+
+
+def stop_tokens(cfg: TrainConfig, actor_path: str, tokenizer, vocab_size: int, p: Problems) -> tuple:
+    """The tokens that end a response (sorted): the tokenizer's EOS, the model's generation_config eos_token_id(s),
+    the chat template's end-of-turn token (with use_chat_template) and --stop_token_ids; logged once. An id outside
+    the actor's vocabulary is a problem naming stop_token_ids."""
+    sources = {"tokenizer EOS": [int(tokenizer.eos_token_id)], "model generation_config": model_eos_ids(actor_path),
+               "stop_token_ids": [int(t) for t in cfg.generation.stop_token_ids]}
+    if cfg.data.use_chat_template:
+        eot = end_of_turn_token(tokenizer)
+        sources["chat template end of turn"] = [] if eot is None else [eot]
+    bad = [t for t in sources["stop_token_ids"] if t >= vocab_size]
+    if bad:
+        p.add("stop_token_ids", bad, f"outside the actor's vocabulary (size {vocab_size}); give token ids below it")
+    stop = tuple(sorted({t for ids in sources.values() for t in ids if t < vocab_size}))
+    line = "; ".join(f"{k} {v}" for k, v in sources.items() if v)
+    if line not in _logged_stops:
+        _logged_stops.add(line)
+        log.info("stop tokens: %s -> %d ids", line if len(line) < 300 else line[:300] + " ...", len(stop))
+    return stop
 
 
 def check_placement(p: Problems, rc: RoleConfig, stage: int, train: bool, prefix: str, name: str) -> None:

@@ -14,7 +14,7 @@ from typing import Optional
 import torch
 
 from ..config import TrainConfig
-from ..ppo_math import entropy_from_logits, logprobs_from_logits
+from ..ppo_math import entropy_from_logits, logprobs_from_logits, mask_stop_tokens_
 from ..rollout import Rollout
 from .distributed import DistInfo
 from .models import ScalarHeadModel, adapter_disabled
@@ -44,6 +44,7 @@ class RLHFEngine:
         g = cfg.generation
         self.temperature = g.temperature if g.do_sample else 1.0
         self.sampling = SamplingParams.from_config(g, self.stop_token_ids, self.pad_token_id)
+        self._stop_ids = torch.tensor(self.stop_token_ids, dtype=torch.long, device=dist.device)
         self.use_position_ids = True  # test hook: False reproduces the trlx left-padding bug
         self.ds_configs: dict[str, dict] = {}
         self.engines = {}
@@ -150,7 +151,9 @@ class RLHFEngine:
             logits = engine(**self._inputs(r), use_cache=False, logits_to_keep=R + 1).logits[:, :R]
         else:
             logits = r.action_slice(engine(**self._inputs(r), use_cache=False).logits)
-        # logits [B, R, V]: the logits that predict each response token
+        # logits [B, R, V]: the logits that predict each response token; under min_answer_seq_len the stop tokens are
+        # masked before it, as they were when sampling (the sampled distribution is the scored distribution)
+        mask_stop_tokens_(logits, self._stop_ids, self.sampling.min_new_tokens)
         logprobs = logprobs_from_logits(logits, r.responses, temperature=self.temperature, check=check) * r.action_mask
         entropy = None
         if with_entropy:

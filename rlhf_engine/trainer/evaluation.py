@@ -2,6 +2,10 @@
 
 Every rank takes an equal share of the eval prompts (the last share is filled by repeating prompts, and repeated rows
 are not counted), so every rank makes the same number of `generate` calls, which ZeRO-3 needs.
+
+Metrics: eval/score, eval/response_length, eval/eos_rate. No eval/kl: the actor-reference log-ratio summed along a
+GREEDY response is not an estimate of KL(actor || reference) (that needs responses sampled from the actor), so it is
+not reported; the training rollouts' objective/kl is the KL of the sampled responses.
 """
 from __future__ import annotations
 
@@ -29,10 +33,10 @@ class Evaluator:
         self.batch_size = batch_size
 
     def run(self, engine, reward_fn) -> tuple[dict, list[dict]]:
-        """-> (metrics eval/score, eval/kl, eval/response_length over all ranks; this rank's samples)."""
+        """-> (metrics eval/score, eval/response_length, eval/eos_rate over all ranks; this rank's samples)."""
         from ..comm import all_reduce
 
-        sums = torch.zeros(4, dtype=torch.float64, device=engine.device)  # count, score, kl, length
+        sums = torch.zeros(4, dtype=torch.float64, device=engine.device)  # count, score, length, ended with a stop
         samples = []
         params = engine.sampling.greedy()  # its own sampling parameters: the run's config is never changed
         for start in range(0, len(self.indices), self.batch_size):
@@ -42,17 +46,15 @@ class Evaluator:
             rollout = engine.generate(ids, mask, params)
             scores = (engine.reward_scores(rollout) if reward_fn is None
                       else reward_fn(rollout.prompts, rollout)).to(engine.device, torch.float64)
-            lp = engine.actor_logprobs(rollout)
-            kl = ((lp - engine.ref_logprobs(rollout)) * rollout.action_mask).sum(-1).double()
             w = real.double()
-            sums += torch.stack([w.sum(), (scores * w).sum(), (kl * w).sum(),
-                                 (rollout.response_lengths.double() * w).sum()])
+            sums += torch.stack([w.sum(), (scores * w).sum(), (rollout.response_lengths.double() * w).sum(),
+                                 (rollout.ended_with_eos.double() * w).sum()])
             prompts, responses = decode_rollout(engine.tokenizer, rollout)
             samples += [{"prompt": p, "response": r, "score": float(s)}
                         for p, r, s, keep in zip(prompts, responses, scores.tolist(), real.tolist()) if keep]
-        n, score, kl, length = all_reduce(sums).tolist()
+        n, score, length, eos = all_reduce(sums).tolist()
         n = max(n, 1.0)
-        return {"eval/score": score / n, "eval/kl": kl / n, "eval/response_length": length / n}, samples
+        return {"eval/score": score / n, "eval/response_length": length / n, "eval/eos_rate": eos / n}, samples
 
 
 def write_eval_samples(output_dir: str, iteration: int, samples: list[dict], limit: Optional[int] = 8) -> None:

@@ -42,6 +42,22 @@ def explained_var(exp: Experience) -> Optional[float]:
     return (1.0 - var_res / var_ret).item() if var_ret.item() > 0 else None
 
 
+def add_rollout_check(stats: MetricSums, rollout_logprobs: torch.Tensor, old_logprobs: torch.Tensor,
+                      mask: torch.Tensor) -> None:
+    """rollout/logprob_diff_*, rollout/seq_logratio_max: generation-time vs recomputed old log-probs over real
+    tokens (about 0 for an exact backend in fp32; the alarm for a fast or approximate one)."""
+    d = (old_logprobs - rollout_logprobs) * mask
+    stats.add("gen_lp_absdiff_sum", d.abs().sum())
+    stats.max("gen_lp_absdiff_max", d.abs().max())
+    stats.max("seq_logratio_max", d.sum(-1).abs().max())
+
+
+def add_correction_stats(stats: MetricSums, mode: str, cs: dict) -> None:
+    """rollout/correction_capped_frac (tis: share of real tokens at the cap), rollout/correction_masked_frac (mis:
+    share of responses masked out of the policy loss)."""
+    stats.add("correction_capped" if mode == "tis" else "correction_masked", cs["capped" if mode == "tis" else "masked"])
+
+
 def add_policy_stats(stats: MetricSums, loss: torch.Tensor, ps: dict) -> None:
     """policy/*: one actor micro-batch (`ps`: policy_loss's stats)."""
     t = ps["tokens"]
@@ -100,6 +116,14 @@ def iteration_record(s: dict, world_size: int, explained_variance: Optional[floa
             "value/clipfrac": s["value_clipfrac_sum"] / value_tokens if value_tokens else None,
             "value/explained_var": explained_variance,
         })
+    if "gen_lp_absdiff_sum" in s:
+        rec.update({"rollout/logprob_diff_mean": s["gen_lp_absdiff_sum"] / tokens if tokens else None,
+                    "rollout/logprob_diff_max": s["gen_lp_absdiff_max"],
+                    "rollout/seq_logratio_max": s["seq_logratio_max"]})
+    if "correction_capped" in s:
+        rec["rollout/correction_capped_frac"] = s["correction_capped"] / tokens if tokens else None
+    if "correction_masked" in s:
+        rec["rollout/correction_masked_frac"] = s["correction_masked"] / n_seq
     rec.update({
         "rollout/response_length": s["response_length_sum"] / n_seq,
         "rollout/eos_rate": s["eos_sum"] / n_seq,

@@ -37,21 +37,40 @@ from ..hooks import TestHooks
 from ..data.sampler import DataCursor
 from ..comm import all_reduce
 from ..outputs.metrics import MetricsWriter
-from ..ppo_math import AdaptiveKLController, FixedKLController, policy_loss, value_loss
+from ..errors import ConfigError, Problem
+from ..ppo_math import AdaptiveKLController, FixedKLController, policy_loss, rollout_correction, value_loss
 from ..rollout import Experience, Rollout
 from .evaluation import Evaluator
 from .experience import (NonFiniteError, RewardFn, build_experience, decode_rollout, experience_forwards,
                          text_reward, whiten_advantages)
 from .guards import StepGuard
 from .metric_sums import MetricSums
-from .ppo_metrics import (add_experience_stats, add_policy_stats, add_value_stats, explained_var, iteration_record,
-                          max_abs_diff)
+from .ppo_metrics import (add_correction_stats, add_experience_stats, add_policy_stats, add_rollout_check,
+                          add_value_stats, explained_var, iteration_record, max_abs_diff)
 from .ptx import build_ptx, ptx_loss
 from .reward_shaping import ScoreShaper, reward_model_scorer
 from .plan import RunPlan
 from .state import Checkpointer, providers_of
 
 log = logging.getLogger(__name__)
+
+
+def corrected_advantages(micro: Experience) -> torch.Tensor:
+    """The advantages the policy loss sees: weighted by --rollout_correction tis (w > 0 scales both PPO terms alike,
+    i.e. each token's loss term), else as they are."""
+    return micro.advantages if micro.advantage_weights is None else micro.advantages * micro.advantage_weights
+
+
+def cat_generated(gens: list, pad_token_id: int) -> tuple[Rollout, Optional[torch.Tensor]]:
+    """The generation batches of an iteration as one rollout buffer (re-padded to one width) and their
+    generation-time log-probs [B, R] (right-padded with 0; None when the backend gives none)."""
+    if len(gens) == 1:
+        return gens[0].rollout, gens[0].logprobs
+    rollout = Rollout.cat([g.rollout for g in gens], pad_token_id)
+    if any(g.logprobs is None for g in gens):
+        return rollout, None
+    R = rollout.response_width
+    return rollout, torch.cat([torch.nn.functional.pad(g.logprobs, (0, R - g.logprobs.shape[1])) for g in gens])
 
 
 class PPOTrainer:
@@ -129,7 +148,7 @@ class PPOTrainer:
         for _ in range(self.cfg.batch.generation_batches):
             _, _, idx = next(self._batches)
             ids, mask = collate_prompts(self.dataset, idx, self.engine.pad_token_id)
-            rollouts.append(self.engine.generate(ids, mask))
+            rollouts.append(self.engine.sample(ids, mask))  # Generated: the rollout and its generation log-probs
         return rollouts
 
     def experience_phase(self, rollouts, stats: MetricSums) -> Experience:
@@ -139,7 +158,7 @@ class PPOTrainer:
         # Position ids already make the result independent of the padding mathematically; computing both on one
         # layout also removes the fp32 kernel noise of a different row width (a few ulps, ~1e-6 in log-prob), so at
         # lr = 0 every PPO ratio is exactly 1.
-        rollout = rollouts[0] if len(rollouts) == 1 else Rollout.cat(rollouts, self.engine.pad_token_id)
+        rollout, rollout_logprobs = cat_generated(rollouts, self.engine.pad_token_id)
         reward_fn = self.hooks.scores(self.reward_fn, self.iteration, lambda p, r: self.engine.reward_scores(r))
         fw = experience_forwards(self.engine, rollout, reward_fn)
         # every rank learns whether any rank's scoring failed before the next collective (normalizer, whitening)
@@ -147,6 +166,18 @@ class PPOTrainer:
         raw_scores = fw.scores
         scores = self.shaper(raw_scores, rollout) if self.shaper.active else raw_scores
         exp = build_experience(rollout, fw, scores, self.cfg.ppo, self.kl_ctl.value)
+        exp.rollout_logprobs = rollout_logprobs
+        if rollout_logprobs is not None:  # the live check: does the backend sample what PPO scores?
+            add_rollout_check(stats, rollout_logprobs, exp.old_logprobs, rollout.action_mask)
+        ppo = self.cfg.ppo
+        if ppo.rollout_correction != "none":
+            if rollout_logprobs is None:
+                raise ConfigError([Problem("rollout_correction", ppo.rollout_correction, "the generation backend "
+                                           "gives no generation-time log-probs to correct with; set none")])
+            exp.advantage_weights, exp.policy_mask, cs = rollout_correction(
+                exp.old_logprobs, rollout_logprobs, rollout.action_mask, ppo.rollout_correction,
+                ppo.rollout_correction_cap)
+            add_correction_stats(stats, ppo.rollout_correction, cs)
         self.hooks.advantages(exp.advantages, self.iteration)
         self.guard.agree(self.iteration, tensors={"advantage": (exp.advantages, rollout.action_mask)})
         add_experience_stats(stats, exp, fw.entropy, raw_scores, shaped=self.shaper.active)
@@ -155,18 +186,23 @@ class PPOTrainer:
             exp = whiten_advantages(exp)
         return exp
 
-    def _token_counts(self, mini: Experience, ptx_batches) -> tuple[torch.Tensor, torch.Tensor]:
-        """(policy/value tokens, ptx tokens) of the mini-batch on ALL ranks: what every micro-batch's loss is divided
-        by (one all-reduce)."""
+    def _token_counts(self, mini: Experience, ptx_batches) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(tokens, policy tokens, ptx tokens) of the mini-batch on ALL ranks: what every micro-batch's loss is
+        divided by (one all-reduce). Policy tokens differ from tokens only with --rollout_correction mis (at least
+        1: a mini-batch with every response masked has policy loss 0)."""
         device = self.engine.device
-        local = torch.stack([mini.rollout.action_mask.sum().double(),
+        mask = mini.rollout.action_mask
+        local = torch.stack([mask.sum().double(),
+                             (mini.policy_mask if mini.policy_mask is not None else mask).sum().double(),
                              sum(x.num_tokens for x in ptx_batches).double() if ptx_batches
                              else torch.zeros((), dtype=torch.float64, device=device)])
         if self.loss_token_mean == "global":
-            return all_reduce(local.clone()).float().unbind()
-        if self.loss_token_mean == "local":  # test hook only: the naive per-rank mean
-            return (local * self.engine.dist.world_size).float().unbind()
-        raise ValueError(f"loss_token_mean must be 'global' or 'local', got {self.loss_token_mean!r}")
+            tokens, policy, ptx = all_reduce(local.clone()).float().unbind()
+        elif self.loss_token_mean == "local":  # test hook only: the naive per-rank mean
+            tokens, policy, ptx = (local * self.engine.dist.world_size).float().unbind()
+        else:
+            raise ValueError(f"loss_token_mean must be 'global' or 'local', got {self.loss_token_mean!r}")
+        return tokens, policy.clamp(min=1.0), ptx
 
     def train_phase(self, exp: Experience, stats: MetricSums) -> None:
         b, ppo, engine, hooks, it = self.cfg.batch, self.cfg.ppo, self.engine, self.hooks, self.iteration
@@ -181,7 +217,7 @@ class PPOTrainer:
             for m, mini in enumerate(exp.split(b.mini_batch_size)):
                 micros = mini.split(b.per_device_training_batch_size)
                 ptx_batches = ptx.next_batches(len(micros), engine.device) if ptx is not None else None
-                tokens, ptx_tokens = self._token_counts(mini, ptx_batches)
+                tokens, policy_tokens, ptx_tokens = self._token_counts(mini, ptx_batches)
                 max_abs_log_ratio = torch.zeros((), dtype=torch.float64, device=engine.device)
                 for k, micro in enumerate(micros):
                     r = micro.rollout
@@ -191,9 +227,11 @@ class PPOTrainer:
                     if train_actor:
                         logprobs, entropy = engine.actor_forward(r, with_entropy=with_entropy, check=False)
                         loss, ps = policy_loss(logprobs=logprobs, old_logprobs=micro.old_logprobs,
-                                               advantages=micro.advantages, action_mask=r.action_mask,
+                                               advantages=corrected_advantages(micro),
+                                               action_mask=r.action_mask if micro.policy_mask is None
+                                               else micro.policy_mask,
                                                clip_eps=ppo.clip_eps, dual_clip=ppo.dual_clip,
-                                               num_tokens=tokens, check=False)
+                                               num_tokens=policy_tokens, check=False)
                         if with_entropy:
                             loss = loss - ppo.entropy_coef * (entropy * r.action_mask).sum() / tokens
                         loss = hooks.loss("actor", loss, it)

@@ -74,6 +74,8 @@ def two_rank(tiny, tmp_path_factory):
         {"name": "local_token_mean_2r", "args": args_for(tiny, d("local_2r"), per_device_generation_batch_size=2,
                                                           per_device_training_batch_size=2, **INV),
          "hooks": {"loss_token_mean": "local"}},
+        {"name": "eval", "args": args_for(tiny, d("eval"), eval_interval=1, eval_split=0.25, max_steps=2,
+                                           per_device_generation_batch_size=4, seed=2)},
     ]
     return run_harness(tmp, "two_rank", runs, 2, "deepspeed")
 
@@ -299,3 +301,24 @@ def test_batch_arithmetic_error_exits_2_before_anything_is_built(tiny, tmp_path)
         assert text in proc.stderr, (text, proc.stderr[-3000:])
     assert not out.exists()  # nothing was written: the error came before the output dir, tokenizer or models
     assert "Loading weights" not in proc.stdout + proc.stderr
+
+
+# ---- evaluation in the loop ---------------------------------------------------------------------------------------
+@pytest.mark.distributed
+def test_evaluation_in_a_two_rank_run(two_rank):
+    """eval_interval 1 over 2 iterations: greedy evaluation before iteration 0, at iteration 1 and after the last, on
+    the 8 held-out prompts shared by both ranks; eval/* metrics and eval_samples.jsonl; and the live check of the
+    rollouts' generation-time log-probs on 2 ranks."""
+    run = two_rank["eval"]
+    evals = [r for r in run["records"] if "eval/score" in r]
+    assert [r["iteration"] for r in evals] == [0, 1, 2], run["records"]
+    for r in evals:
+        assert 1 <= r["eval/response_length"] <= 8 and 0.0 <= r["eval/eos_rate"] <= 1.0, r
+        assert "eval/kl" not in r
+    with open(os.path.join(run["output_dir"], "eval_samples.jsonl")) as f:
+        rows = [json.loads(line) for line in f]
+    assert sorted({r["iteration"] for r in rows}) == [0, 1, 2] and all(r["response"] is not None for r in rows)
+    # 8 held-out prompts (a quarter of 32), 4 per rank; rank 0 writes its own samples of each evaluation
+    assert [sum(r["iteration"] == it for r in rows) for it in (0, 1, 2)] == [4, 4, 4]
+    for rec in run["records"][:2]:  # sampled training rollouts on both ranks: the HF backend samples what PPO scores
+        assert rec["rollout/logprob_diff_max"] <= 1e-5 and rec["rollout/seq_logratio_max"] <= 1e-5, rec

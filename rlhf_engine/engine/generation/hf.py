@@ -1,5 +1,13 @@
 """The Hugging Face backend: `model.generate` on the actor's module, the reference every other backend is held to.
 
+Exact sampling: the `transformers.GenerationConfig` is built from our `SamplingParams` alone, never from a copy of the
+model's `generation_config` (a checkpoint's repetition penalty, n-gram ban, bad words, min-p, ... would silently
+change the sampled distribution; the ones a model sets are named once in a warning). transformers 5 fills every field
+a passed config leaves unset from `model.generation_config`, so for the call the model holds a neutral one. Tokens are drawn from
+softmax(logits / temperature), with the stop tokens masked before `min_new_tokens`: exactly what the trainer's log-probs
+compute. The generation-time log-prob of every sampled token is recorded by a logits processor (Hugging Face applies
+temperature after custom processors, so the recorder divides by it itself).
+
 ZeRO-3: by default each layer is fetched for every new token and the ranks run in lockstep (`synced_gpus`: a rank
 that finished keeps running dummy forwards while another still generates). With `generation_gather_once` ('on', or
 'auto' with CUDA) the whole actor is gathered once for the call and kept resident (engine/zero3.py): no collective
@@ -7,16 +15,71 @@ runs inside, so ranks may finish at different times; never above `gather_once_ma
 """
 from __future__ import annotations
 
-import copy
+import contextlib
 import logging
 
 import torch
+from transformers import GenerationConfig
 
 from ...rollout import Rollout
 from ..zero3 import full_param_bytes, gathered_for_generation
 from . import GenerationBackend, Generated, SamplingParams
 
 log = logging.getLogger("rlhf_engine.engine.rlhf_engine")
+
+# generation_config fields that change which token is drawn (compared with transformers' defaults)
+SAMPLING_FIELDS = ("do_sample", "temperature", "top_k", "top_p", "min_p", "top_h", "typical_p", "epsilon_cutoff",
+                   "eta_cutoff",
+                   "repetition_penalty", "encoder_repetition_penalty", "no_repeat_ngram_size", "bad_words_ids",
+                   "sequence_bias", "suppress_tokens", "begin_suppress_tokens", "forced_bos_token_id",
+                   "forced_eos_token_id", "min_length", "min_new_tokens", "exponential_decay_length_penalty",
+                   "renormalize_logits", "penalty_alpha", "num_beams", "guidance_scale", "watermarking_config")
+
+
+def unused_sampling_fields(model_config) -> dict:
+    """The sampling fields a model's generation_config sets to a non-default value (none of them is used)."""
+    defaults = GenerationConfig()._get_default_generation_params()
+    out = {}
+    for name in SAMPLING_FIELDS:
+        value = getattr(model_config, name, None)
+        if value is not None and value != defaults.get(name):
+            out[name] = value
+    return out
+
+
+@contextlib.contextmanager
+def neutral_generation_config(model):
+    """`model.generation_config` (of the Hugging Face model inside a peft or DeepSpeed wrapper) replaced by a default
+    one for the duration: transformers 5 would otherwise fill our config's unset fields from the model's."""
+    hf = model.get_base_model() if hasattr(model, "get_base_model") else model
+    saved = hf.generation_config
+    hf.generation_config = GenerationConfig()
+    try:
+        yield
+    finally:
+        hf.generation_config = saved
+
+
+class SampledLogprobs:
+    """A logits processor recording log p(sampled token) under softmax(scores / temperature): at each step the
+    token appended since the previous call is looked up in the previous step's log-softmax; `finish` adds the last.
+    Holds one [B, V] fp32 row set at a time."""
+
+    def __init__(self, temperature: float):
+        self.temperature = temperature
+        self.prev = None
+        self.out: list = []
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        if self.prev is not None:
+            self.out.append(self.prev.gather(1, input_ids[:, -1:]).squeeze(1))
+        self.prev = torch.log_softmax(scores.float() / self.temperature, dim=-1)
+        return scores
+
+    def finish(self, sequences: torch.Tensor) -> torch.Tensor:
+        """[B, G] log-probs of the G generated tokens (padding after a stop token included; the rollout masks it)."""
+        self.out.append(self.prev.gather(1, sequences[:, -1:]).squeeze(1))
+        return torch.stack(self.out, dim=1)
 
 
 class HFBackend(GenerationBackend):
@@ -27,6 +90,11 @@ class HFBackend(GenerationBackend):
         self._actor_bytes = None
         self._gather_once_logged = False
         self._logged_kwargs = False
+        unused = unused_sampling_fields(self.actor.module.generation_config)
+        if unused and self.dist.is_main:
+            log.warning("the model's generation_config sets %s; not used: rollouts sample from softmax(logits / "
+                        "temperature) with the run's own sampling flags (so that PPO's log-probs describe them)",
+                        ", ".join(f"{k}={v!r}" for k, v in unused.items()))
 
     def gather_once_active(self) -> bool:
         """Whether the next `generate` gathers the ZeRO-3 actor once (`generation_gather_once`: 'on', or 'auto' with
@@ -68,16 +136,14 @@ class HFBackend(GenerationBackend):
         return kw
 
     def generation_config(self, params: SamplingParams):
-        """(the model's generation_config updated with `params`, synced_gpus)."""
+        """(a GenerationConfig of `params` alone, synced_gpus)."""
         kw = self.generation_kwargs(params)
         if not self._logged_kwargs:
             self._logged_kwargs = True
             if self.dist.is_main:
                 log.info("generation arguments: %s", kw)
         synced = kw.pop("synced_gpus")
-        gen_config = copy.deepcopy(self.actor.module.generation_config)
-        gen_config.update(**kw)
-        return gen_config, synced
+        return GenerationConfig(**kw), synced
 
     @torch.no_grad()
     def generate(self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, params: SamplingParams) -> Generated:
@@ -86,16 +152,25 @@ class HFBackend(GenerationBackend):
         model.eval()
         gen_config, synced = self.generation_config(params)
         ids, mask = prompt_ids.to(self.device), prompt_mask.to(self.device)
+        recorder = SampledLogprobs(params.temperature if params.do_sample else 1.0)
+        kw = dict(input_ids=ids, attention_mask=mask, generation_config=gen_config, logits_processor=[recorder])
         try:
             if self.gather_once_active():
                 # every rank holds the full actor for the whole call and no collective runs inside, so ranks may
                 # finish at different times: synced_gpus (one all-reduce per token, dummy forwards) is off
-                with gathered_for_generation(model):
-                    out = model.generate(input_ids=ids, attention_mask=mask, generation_config=gen_config,
-                                         synced_gpus=False)
+                with gathered_for_generation(model), neutral_generation_config(model):
+                    out = model.generate(**kw, synced_gpus=False)
             else:
-                out = model.generate(input_ids=ids, attention_mask=mask, generation_config=gen_config,
-                                     synced_gpus=synced)
+                with neutral_generation_config(model):
+                    out = model.generate(**kw, synced_gpus=synced)
         finally:
             model.train(was_training)
-        return Generated(Rollout.from_generation(ids, mask, out, params.stop_token_ids, params.pad_token_id))
+        return generated(ids, mask, out, params, recorder)
+
+
+def generated(ids: torch.Tensor, mask: torch.Tensor, out: torch.Tensor, params: SamplingParams,
+              recorder: SampledLogprobs) -> Generated:
+    """The rollout of a generate call and its generation-time log-probs, aligned with its action mask."""
+    rollout = Rollout.from_generation(ids, mask, out, params.stop_token_ids, params.pad_token_id)
+    lp = recorder.finish(out)[:, :rollout.response_width]
+    return Generated(rollout, lp * rollout.action_mask)

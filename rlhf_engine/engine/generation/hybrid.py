@@ -15,9 +15,8 @@ from typing import Any, Iterator, Optional
 
 import torch
 
-from ...rollout import Rollout
 from . import Generated, SamplingParams
-from .hf import HFBackend
+from .hf import HFBackend, SampledLogprobs, generated, neutral_generation_config
 
 log = logging.getLogger("rlhf_engine.engine.rlhf_engine")
 
@@ -62,14 +61,17 @@ class HybridEngineBackend(HFBackend):
         try:
             if not self._checked:
                 self._checked = True
-                self._self_check(ids, mask, gen_config, synced)
+                with neutral_generation_config(engine.module):
+                    self._self_check(ids, mask, gen_config, synced)
             engine.eval()  # the Hybrid Engine swaps its inference containers in
-            out = engine.generate(input_ids=ids, attention_mask=mask, generation_config=gen_config,
-                                  synced_gpus=synced)
+            recorder = SampledLogprobs(params.temperature if params.do_sample else 1.0)
+            with neutral_generation_config(engine.module):
+                out = engine.generate(input_ids=ids, attention_mask=mask, generation_config=gen_config,
+                                      synced_gpus=synced, logits_processor=[recorder])
         finally:
             engine.train()  # its eval() swapped the inference kernels in: swap them out
             engine.module.train(was_training)
-        return Generated(Rollout.from_generation(ids, mask, out, params.stop_token_ids, params.pad_token_id))
+        return generated(ids, mask, out, params, recorder)
 
     def _self_check(self, ids: torch.Tensor, mask: torch.Tensor, gen_config, synced: bool) -> None:
         engine = self.actor

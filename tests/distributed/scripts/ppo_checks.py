@@ -96,14 +96,15 @@ def run_one(spec: dict) -> dict | None:
     orig_rollout_phase = trainer.rollout_phase
 
     def rollout_phase():
-        rs = orig_rollout_phase()
+        gens = orig_rollout_phase()
+        rs = [g.rollout for g in gens]
         rollouts.append({
             "prompt_lengths": [r.prompt_length for r in rs],
             "response_lengths": [r.response_lengths.tolist() for r in rs],
             "sequences": rs[0].sequences.tolist(),
             "attention_mask": rs[0].attention_mask.tolist(),
         })
-        return rs
+        return gens
 
     trainer.rollout_phase = rollout_phase
     minibatch_tokens = []
