@@ -289,6 +289,26 @@ def section_tokenize(res: str) -> list[str]:
     return out + [""]
 
 
+def section_critic_free(res: str) -> list[str]:
+    """Memory of a critic-free run (bench/critic_free_memory.py), side by side with GAE."""
+    r = load(os.path.join(res, "cpu", "critic_free_memory.json"))
+    out = ["### Memory without a critic (GRPO against GAE)", ""]
+    if not r:
+        return out + ["Not measured yet: `python bench/critic_free_memory.py --out "
+                      "bench/results/cpu/critic_free_memory.json`.", ""]
+    s = r["setup"]
+    out += [f"`{r['command']}` — GPT-2-shaped actor and reward/critic, hidden {s['hidden']}, {s['layers']} layers, "
+            "fp32, 1 rank, 2 iterations of 8 rollouts (GAE: 8 prompts; GRPO: 4 prompts x 2 samples); "
+            f"{s['repeats']} repeats, the two variants alternating, each in its own process; {provenance(r)}. Engine "
+            "bytes are counted from the live engines (parameters + Adam state); peak RSS is the process's maximum "
+            "resident memory.", "",
+            "| variant | engines built | engine bytes (MiB) | peak RSS per rank (MiB, per repeat) |", "|---|---|---|---|"]
+    for name, v in r["variants"].items():
+        out.append(f"| {name} | {', '.join(v['roles'])} | {fmt(v['engine_mib'])} | "
+                   f"{', '.join(fmt(x) for x in v['peak_rss_mib'])} |")
+    return out + ["", f"Peak RSS GRPO / GAE (medians): x{fmt(r['peak_rss_ratio_grpo_over_gae'])}.", ""]
+
+
 def section_gpu(res: str) -> list[str]:
     out = ["## 4. GPU: OPT-1.3B actor + OPT-350M critic/reward (`bench/gpu.sh`)", ""]
     g = load(os.path.join(res, "gpu", "gpu.json"))
@@ -377,7 +397,7 @@ def render(res: str) -> str:
              "number on this page is read from the JSON files in `bench/results/`, written by the scripts named "
              "with each table.", ""]
     for sec in (section_method(res), section_phases(res), section_scaling(res), section_costs(res),
-                section_gpu(res), section_reproduce()):
+                section_critic_free(res), section_gpu(res), section_reproduce()):
         parts += sec
     return "\n".join(parts).rstrip() + "\n"
 

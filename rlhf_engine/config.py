@@ -65,15 +65,42 @@ class PPOConfig:
     lam: float = opt(0.95, "GAE lambda.")
     reward_clip: float = opt(5.0, "Scores are clamped to [-reward_clip, reward_clip] before they enter the reward.")
     advantage_estimator: str = opt("gae", "How advantages are estimated (rlhf_engine/estimators.py, a registry of pure "
-                                   "functions): gae = GAE over the critic's values. An estimator that needs no "
-                                   "critic builds none.")
+                                   "functions): gae = GAE over the critic's values; critic-free (no critic is "
+                                   "built): grpo = (return - group mean) / (group std + 1e-6), dr_grpo = return - "
+                                   "group mean, rloo = return - mean of the group's other responses, "
+                                   "reinforce_pp_baseline = return - group mean, then token-level whitening over the "
+                                   "batch (these four need n_samples_per_prompt >= 2; a response's return = shaped "
+                                   "score - kl_coef x its summed KL); reinforce_pp = discounted per-token returns, "
+                                   "token-level whitening.")
+    kl_loss_coef: float = opt(0.0, "Weight of a KL(actor || reference) term in the actor loss (0 = off), aggregated "
+                              "like the policy loss; usable with any estimator and alongside kl_coef (the KL "
+                              "penalty in the reward). Logged policy/kl_loss.")
+    kl_loss_estimator: str = opt("k2", "Per-token estimator of the KL loss, with d = log pi - log pi_ref: k1 = d "
+                                 "(gradient: grad log pi, zero in expectation), k2 = d^2/2 (gradient: d grad log pi, "
+                                 "the reverse-KL gradient), k3 = exp(-d) - 1 + d (an unbiased KL value, but its "
+                                 "gradient (1 - exp(-d)) grad log pi is not the reverse-KL gradient).")
+    loss_agg_mode: str = opt("token_mean", "How the policy loss's per-token terms are aggregated over the mini-batch "
+                             "on all ranks: token_mean = sum / tokens; seq_mean_token_mean = mean over responses of "
+                             "each response's token mean; seq_mean_token_sum_norm = mean over responses of each "
+                             "response's token sum / max_answer_seq_len (Dr. GRPO).")
+    clip_eps_high: Optional[float] = opt(None, "Upper clip bound of the ratio (DAPO's clip-higher): the ratio is "
+                                         "clipped to [1 - clip_eps, 1 + clip_eps_high]; None = clip_eps.")
+    filter_uniform_groups: bool = opt(False, "With a group estimator: a group whose responses' returns are all equal "
+                                      "carries no signal; its responses leave the policy loss (weight 0, out of the "
+                                      "token count; never dropped). Logged rollout/uniform_group_rate.")
+    overlong_buffer_len: int = opt(0, "DAPO's soft overlong penalty: a response longer than max_answer_seq_len - L "
+                                   "gets a linear penalty reaching -overlong_penalty_factor at the limit, added to "
+                                   "its shaped score before missing_eos_penalty (0 = off).")
+    overlong_penalty_factor: float = opt(1.0, "The penalty of overlong_buffer_len at max_answer_seq_len.")
     rollout_correction: str = opt("none", "Importance correction for a generation backend that does not sample exactly "
                                   "from the actor (see rollout/logprob_diff_*): none; tis = each token's advantage "
                                   "weighted by min(pi_old / pi_rollout, rollout_correction_cap); mis = a response "
                                   "whose sequence ratio pi_old / pi_rollout is above the cap or below 1/cap leaves "
                                   "the policy loss (the critic still trains on it).")
     rollout_correction_cap: float = opt(2.0, "The cap C of rollout_correction (> 1).")
-    whiten_advantages: bool = opt(True, "Whiten advantages (global masked mean/std across ranks) before the update.")
+    whiten_advantages: Optional[bool] = opt(None, "Whiten GAE advantages (global masked mean/std across ranks) before "
+                                            "the update; None = on with gae. Only for gae (the other estimators "
+                                            "normalize themselves): set with another one, it is an error.")
     entropy_coef: float = opt(0.0, "Entropy bonus coefficient on the actor loss (0 = off).")
     critic_warmup_iterations: int = opt(0, "Critic warm-up: the first N iterations train only the critic (the actor "
                                         "and its ptx term take no step; rollouts and experience as usual); 0 = off.")
@@ -100,9 +127,17 @@ class PPOConfig:
         _positive(p, prefix, self, "kl_coef", "kl_target", "clip_eps", "value_clip", "reward_clip", "entropy_coef",
                   allow_zero=True)
         from .estimators import ESTIMATORS
-        from .ppo_math import KL_ESTIMATORS, ROLLOUT_CORRECTIONS
+        from .ppo_math import KL_ESTIMATORS, LOSS_AGG_MODES, ROLLOUT_CORRECTIONS
 
         _choice(p, prefix, self, "rollout_correction", ROLLOUT_CORRECTIONS)
+        _choice(p, prefix, self, "kl_loss_estimator", KL_ESTIMATORS)
+        _choice(p, prefix, self, "loss_agg_mode", LOSS_AGG_MODES)
+        _positive(p, prefix, self, "kl_loss_coef", "overlong_buffer_len", "overlong_penalty_factor", allow_zero=True)
+        if self.clip_eps_high is not None and not (_number(self.clip_eps_high) and self.clip_eps_high >= 0):
+            p.add(prefix + "clip_eps_high", self.clip_eps_high, "must be >= 0 (or None for clip_eps)")
+        if self.advantage_estimator != "gae" and self.whiten_advantages is not None:
+            p.add(prefix + "whiten_advantages", self.whiten_advantages, f"applies to gae only; "
+                  f"{self.advantage_estimator} normalizes its own advantages: drop it")
         if not (_number(self.rollout_correction_cap) and self.rollout_correction_cap > 1.0):
             p.add(prefix + "rollout_correction_cap", self.rollout_correction_cap, "must be > 1")
         _choice(p, prefix, self, "kl_estimator", KL_ESTIMATORS)
@@ -115,6 +150,16 @@ class PPOConfig:
             p.add(prefix + "dual_clip", self.dual_clip, "must be > 1 (or None to disable dual clipping)")
         if self.adaptive_kl is True and _number(self.kl_target) and self.kl_target <= 0:
             p.add(prefix + "kl_target", self.kl_target, "must be > 0 with adaptive_kl (the controller divides by it)")
+
+
+    @property
+    def whitens(self) -> bool:
+        """Whether GAE advantages are whitened (whiten_advantages; None = on for gae)."""
+        return self.advantage_estimator == "gae" and self.whiten_advantages is not False
+
+    @property
+    def upper_clip(self) -> float:
+        return self.clip_eps if self.clip_eps_high is None else self.clip_eps_high
 
 
 @dataclass
@@ -166,11 +211,16 @@ class BatchConfig:
     generation_batches: int = opt(1, "Rollout batches buffered per iteration before training on them.")
     per_device_training_batch_size: int = opt(4, "Micro-batch size of each actor/critic forward/backward.")
     gradient_accumulation_steps: int = opt(1, "Micro-batches per optimizer step (one mini-batch).")
-    experience_micro_batch_size: int = opt(0, "Micro-batch of the experience forwards (0 = the generation batch).")
+    experience_micro_batch_size: int = opt(0, "Micro-batch of the experience forwards (0 = the rollouts of one "
+                                           "generation batch).")
+    n_samples_per_prompt: int = opt(1, "Responses sampled per prompt, on the same rank, one after another (a group). "
+                                    "per_device_generation_batch_size keeps counting prompts; every rollout count "
+                                    "(rollout_size, mini-batches) counts rollouts = prompts x n_samples_per_prompt. "
+                                    "The group estimators need >= 2.")
 
     def validate(self, p: Problems, prefix: str = "") -> None:
         names = ("per_device_generation_batch_size", "generation_batches", "per_device_training_batch_size",
-                 "gradient_accumulation_steps")
+                 "gradient_accumulation_steps", "n_samples_per_prompt")
         _positive(p, prefix, self, *names)
         _positive(p, prefix, self, "experience_micro_batch_size", allow_zero=True)
         for n in names + ("experience_micro_batch_size",):  # 2.5 passes `> 0` but is no batch size
@@ -179,18 +229,24 @@ class BatchConfig:
         if any(not isinstance(getattr(self, n), int) or getattr(self, n) <= 0 for n in names):
             return
         rollout, mini = self.rollout_size, self.mini_batch_size
+        samples = f" x n_samples_per_prompt ({self.n_samples_per_prompt})" if self.n_samples_per_prompt > 1 else ""
         if rollout % mini:
             p.add(prefix + "per_device_training_batch_size", self.per_device_training_batch_size,
                   f"per_device_generation_batch_size ({self.per_device_generation_batch_size}) x generation_batches "
-                  f"({self.generation_batches}) = {rollout} rollouts per rank must be a multiple of "
+                  f"({self.generation_batches}){samples} = {rollout} rollouts per rank must be a multiple of "
                   f"per_device_training_batch_size ({self.per_device_training_batch_size}) x "
                   f"gradient_accumulation_steps ({self.gradient_accumulation_steps}) = {mini}; e.g. set "
-                  f"generation_batches to a multiple of {mini // math.gcd(mini, self.per_device_generation_batch_size)}")
+                  f"generation_batches to a multiple of {mini // math.gcd(mini, self.generation_rollouts)}")
 
     @property
     def rollout_size(self) -> int:
-        """Samples per rank per iteration."""
-        return self.per_device_generation_batch_size * self.generation_batches
+        """Rollouts per rank per iteration (prompts x n_samples_per_prompt)."""
+        return self.generation_rollouts * self.generation_batches
+
+    @property
+    def generation_rollouts(self) -> int:
+        """Rollouts per rank of one generate() call: prompts x n_samples_per_prompt."""
+        return self.per_device_generation_batch_size * self.n_samples_per_prompt
 
     @property
     def mini_batch_size(self) -> int:
@@ -602,13 +658,36 @@ class TrainConfig:
         _positive(p, "", self, "max_steps")
         _positive(p, "", self, "eval_interval", allow_zero=True)
         self._validate_trainer_extensions(p)
-        if not self.has_critic and self.ppo.critic_warmup_iterations:
-            p.add("critic_warmup_iterations", self.ppo.critic_warmup_iterations, f"advantage_estimator "
-                  f"{self.ppo.advantage_estimator!r} builds no critic: drop critic_warmup_iterations")
+        self._validate_estimator(p)
         if self.eval_interval and not self.eval_data_path and not self.data.eval_split:
             p.add("eval_interval", self.eval_interval, "needs held-out prompts: set eval_data_path or eval_split")
         p.raise_if_any()
         return self
+
+    def _validate_estimator(self, p: Problems) -> None:
+        """Group sizes, and no critic setting in a run without a critic (it would be silently ignored)."""
+        from .estimators import ESTIMATORS, GROUP_ESTIMATORS
+
+        ppo, est = self.ppo, self.ppo.advantage_estimator
+        if est not in ESTIMATORS:
+            return  # reported by PPOConfig.validate
+        n = self.batch.n_samples_per_prompt
+        if est in GROUP_ESTIMATORS and isinstance(n, int) and n < 2:
+            p.add("n_samples_per_prompt", n, f"advantage_estimator {est} compares the responses of one prompt: "
+                  "give 2 or more")
+        if ppo.filter_uniform_groups is True and est not in GROUP_ESTIMATORS:
+            p.add("filter_uniform_groups", True, f"needs a group estimator ({', '.join(GROUP_ESTIMATORS)}); "
+                  f"advantage_estimator is {est}")
+        if self.has_critic:
+            return
+        why = f"advantage_estimator {est} builds no critic: drop it"
+        default_role = RoleConfig()
+        for f in dataclasses.fields(RoleConfig):
+            if getattr(self.critic, f.name) != getattr(default_role, f.name):
+                p.add(f"critic_{f.name}", getattr(self.critic, f.name), why)
+        for name in ("critic_warmup_iterations", "value_clip"):
+            if getattr(ppo, name) != getattr(PPOConfig(), name):
+                p.add(name, getattr(ppo, name), why)
 
     def _validate_trainer_extensions(self, p: Problems) -> None:
         """ptx, epochs (the guards, reward shaping and critic warm-up fields are checked by PPOConfig)."""

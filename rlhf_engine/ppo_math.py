@@ -58,6 +58,9 @@ __all__ = [
     "compute_rewards",
     "compute_gae",
     "policy_loss",
+    "LOSS_AGG_MODES",
+    "loss_token_weights",
+    "kl_loss",
     "ROLLOUT_CORRECTIONS",
     "rollout_correction",
     "value_loss",
@@ -524,13 +527,16 @@ def rollout_correction(old_logprobs: torch.Tensor, rollout_logprobs: torch.Tenso
 
 def policy_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: torch.Tensor,
                 action_mask: torch.Tensor, clip_eps: float, dual_clip: Optional[float] = None,
-                num_tokens: Optional[Union[int, float, torch.Tensor]] = None, *, check: bool = True
+                num_tokens: Optional[Union[int, float, torch.Tensor]] = None, *, check: bool = True,
+                clip_eps_high: Optional[float] = None, token_weights: Optional[torch.Tensor] = None
                 ) -> Tuple[torch.Tensor, Dict[str, torch.Tensor]]:
-    """PPO clipped surrogate loss (optionally dual-clipped), token-level aggregation.
+    """PPO clipped surrogate loss (optionally dual-clipped, optionally clip-higher), token-level terms.
 
     ``ratio = exp(logprobs - old_logprobs)`` (log-ratio set to 0 at padding first: ratio 1, no overflow);
-    per token ``max(-A * ratio, -A * clamp(ratio, 1 - eps, 1 + eps))``; with ``dual_clip = c`` tokens with ``A < 0``
-    take ``min(that, -c * A)``. ``loss = sum over real tokens / num_tokens`` (see the module docstring).
+    per token ``max(-A * ratio, -A * clamp(ratio, 1 - eps, 1 + eps_high))`` (``eps_high = clip_eps_high``, default
+    ``clip_eps``: DAPO's clip-higher when larger); with ``dual_clip = c`` tokens with ``A < 0`` take
+    ``min(that, -c * A)``. ``loss = sum over real tokens / num_tokens`` (see the module docstring), or with
+    ``token_weights`` ``sum over real tokens of term * weight`` (``loss_token_weights``: the other aggregation modes).
     ``old_logprobs`` and ``advantages`` are treated as constants (detached).
 
     Args:
@@ -542,6 +548,8 @@ def policy_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: 
         dual_clip: None or a constant > 1.
         num_tokens: global real-token count of the mini-batch (int or 1-element tensor, e.g. all-reduced);
             None uses ``action_mask.sum()``.
+        clip_eps_high: >= 0, the upper clip bound; None = ``clip_eps``.
+        token_weights: ``[B, R]`` weight of each token's term (replaces ``1 / num_tokens``), or None.
         check: run the data-dependent checks (``action_mask`` holds only 0/1, ``num_tokens`` >= the local token
             count), one host sync per call. False skips them (shape, dtype and hyperparameter checks still run): for
             micro-batches sliced from a batch validated once, like the PPO trainer's (its mask was checked by
@@ -558,6 +566,7 @@ def policy_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: 
     old = _tensor("old_logprobs", old_logprobs, shape=lp.shape, shape_of="logprobs").detach()
     adv = _tensor("advantages", advantages, shape=lp.shape, shape_of="logprobs").detach()
     eps = _number("clip_eps", clip_eps, ge=0.0)
+    eps_high = eps if clip_eps_high is None else _number("clip_eps_high", clip_eps_high, ge=0.0)
     c = None if dual_clip is None else _number("dual_clip", dual_clip, gt=1.0)
     checks: Optional[List[_Check]] = [] if check else None
     m = _mask("action_mask", action_mask, lp.shape, "logprobs", checks)
@@ -569,11 +578,15 @@ def policy_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: 
     log_ratio = torch.where(m, lp - old, 0.0)
     ratio = log_ratio.exp()
     pg1 = -adv * ratio
-    pg2 = -adv * ratio.clamp(1.0 - eps, 1.0 + eps)
+    pg2 = -adv * ratio.clamp(1.0 - eps, 1.0 + eps_high)
     per_token = torch.maximum(pg1, pg2)
     if c is not None:
         per_token = torch.where(adv < 0, torch.minimum(per_token, -c * adv), per_token)
-    loss = torch.where(m, per_token, 0.0).sum() / denom
+    if token_weights is None:
+        loss = torch.where(m, per_token, 0.0).sum() / denom
+    else:
+        w = _tensor("token_weights", token_weights, shape=lp.shape, shape_of="logprobs").detach()
+        loss = torch.where(m, per_token * w, 0.0).sum()
 
     with torch.no_grad():
         n = tokens.clamp_min(1.0)
@@ -595,6 +608,61 @@ def policy_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: 
             "tokens": tokens,
         }
     return loss, stats
+
+
+LOSS_AGG_MODES = ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm")
+
+
+def loss_token_weights(action_mask: torch.Tensor, mode: str, num_tokens: Union[float, torch.Tensor],
+                       num_seqs: Union[float, torch.Tensor], max_len: int) -> torch.Tensor:
+    """The weight of each token's loss term under an aggregation mode, normalised over the WHOLE mini-batch (all
+    ranks: ``num_tokens`` / ``num_seqs`` are its global real-token and response counts), so any micro-batch split and
+    rank count give the same loss.
+
+    Args:
+        action_mask: ``[B, R]`` 0/1 (the policy loss's mask).
+        mode: ``token_mean`` = 1 / num_tokens; ``seq_mean_token_mean`` = 1 / (response length x num_seqs);
+            ``seq_mean_token_sum_norm`` = 1 / (max_len x num_seqs) (Dr. GRPO).
+        max_len: ``max_answer_seq_len``.
+
+    Returns:
+        ``[B, R]`` fp32, 0 on padding.
+    """
+    m = _mask("action_mask", action_mask, _shape(action_mask), "action_mask", None).float()
+    if mode == "token_mean":
+        return m / _f32(num_tokens, m.device).clamp(min=1.0)
+    seqs = _f32(num_seqs, m.device).clamp(min=1.0)
+    if mode == "seq_mean_token_mean":
+        return m / (m.sum(-1, keepdim=True).clamp(min=1.0) * seqs)
+    if mode == "seq_mean_token_sum_norm":
+        return m / (float(max_len) * seqs)
+    raise ValueError(f"mode: expected one of {', '.join(LOSS_AGG_MODES)}, got {mode!r}")
+
+
+def kl_loss(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, action_mask: torch.Tensor, estimator: str,
+            token_weights: torch.Tensor) -> Tuple[torch.Tensor, Dict[str, torch.Tensor]]:
+    """A KL(actor || reference) term of the actor loss, aggregated like the policy loss.
+
+    Per token, ``d = logprobs - ref_logprobs``: k1 = d (gradient ``grad log pi``: 0 in expectation under pi), k2 =
+    d^2 / 2 (gradient ``d grad log pi``, the gradient of the reverse KL), k3 = exp(-d) - 1 + d (an unbiased estimate
+    of the KL's value, but gradient ``(1 - exp(-d)) grad log pi``, not the reverse-KL gradient).
+
+    Args:
+        logprobs: ``[B, R]`` actor log-probs (with grad). ref_logprobs: ``[B, R]`` (constant).
+        action_mask: ``[B, R]`` 0/1. estimator: one of ``KL_ESTIMATORS``.
+        token_weights: ``[B, R]`` (``loss_token_weights``).
+
+    Returns:
+        ``(loss [], {"kl": local masked token mean of the estimate, detached})``.
+    """
+    lp = _tensor("logprobs", logprobs, ndim=2)
+    ref = _tensor("ref_logprobs", ref_logprobs, shape=lp.shape, shape_of="logprobs").detach()
+    m = _mask("action_mask", action_mask, lp.shape, "logprobs", None)
+    k = _kl(lp.float(), ref.float(), _estimator("estimator", estimator))
+    loss = torch.where(m, k * token_weights.detach(), 0.0).sum()
+    with torch.no_grad():
+        kl = torch.where(m, k, 0.0).sum() / m.sum().clamp(min=1)
+    return loss, {"kl": kl.detach().float()}
 
 
 def value_loss(values: torch.Tensor, old_values: torch.Tensor, returns: torch.Tensor, action_mask: torch.Tensor,

@@ -40,7 +40,7 @@ class RLHFEngine:
         self.stop_token_ids = list(plan.stop_token_ids)
         num_training_steps = plan.num_training_steps
         self.experience_micro_batch = (cfg.batch.experience_micro_batch_size
-                                       or cfg.batch.per_device_generation_batch_size)
+                                       or cfg.batch.generation_rollouts)
         g = cfg.generation
         self.temperature = g.temperature if g.do_sample else 1.0
         self.sampling = SamplingParams.from_config(g, self.stop_token_ids, self.pad_token_id)

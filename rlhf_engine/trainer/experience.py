@@ -89,17 +89,20 @@ def score_rollout(engine, rollout: Rollout, reward_fn: Optional[RewardFn] = None
     return scores
 
 
-def build_experience(rollout: Rollout, fw: Forwards, scores: torch.Tensor, ppo: PPOConfig,
-                     kl_coef: float) -> Experience:
+def build_experience(rollout: Rollout, fw: Forwards, scores: torch.Tensor, ppo: PPOConfig, kl_coef: float,
+                     group_ids: Optional[torch.Tensor] = None, moments: Optional[Callable] = None) -> Experience:
     """Forwards + the scores that enter the reward -> rewards (KL penalty, clipped score) -> the run's advantage
-    estimator (by name from the registry) -> Experience."""
+    estimator (by name from the registry) -> Experience. `group_ids` [B]: the prompt of each response (None: one
+    response per prompt); `moments(x, mask) -> (mean, var)`: global statistics, for the estimators that whiten."""
     mask = rollout.action_mask
     rewards, kl = compute_rewards(logprobs=fw.old_logprobs, ref_logprobs=fw.ref_logprobs, scores=scores,
                                   action_mask=mask, kl_coef=kl_coef, reward_clip=ppo.reward_clip,
                                   kl_estimator=ppo.kl_estimator)
     estimator = estimators.get(ppo.advantage_estimator)
+    if group_ids is None:
+        group_ids = torch.arange(rollout.batch_size, device=mask.device)
     advantages, returns = estimator.fn(rewards=rewards, action_mask=mask, values=fw.values, scores=scores,
-                                       gamma=ppo.gamma, lam=ppo.lam)
+                                       group_ids=group_ids, gamma=ppo.gamma, lam=ppo.lam, moments=moments)
     return Experience(rollout=rollout, old_logprobs=fw.old_logprobs, ref_logprobs=fw.ref_logprobs, values=fw.values,
                       scores=scores, rewards=rewards, kl=kl, advantages=advantages, returns=returns)
 
@@ -117,6 +120,12 @@ def make_experience(engine, rollout: Rollout, ppo: PPOConfig, kl_coef: float,
     if fw.error is not None:
         raise fw.error
     return build_experience(rollout, fw, fw.scores, ppo, kl_coef), fw.entropy
+
+
+def global_mean_var(x: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(mean, unbiased var) of the masked elements of x over every rank: the `moments` the estimators whiten with."""
+    _, mean, var = global_moments(x, mask)
+    return mean, var
 
 
 def global_moments(x: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

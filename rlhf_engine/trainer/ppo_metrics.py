@@ -106,6 +106,10 @@ def iteration_record(s: dict, world_size: int, explained_variance: Optional[floa
             "policy/ratio_max": s.get("ratio_max"),
             "policy/ratio_min": s.get("ratio_min"),
         })
+    if "kl_loss" in s:
+        rec["policy/kl_loss"] = s["kl_loss"] / minibatches  # per mini-batch, without kl_loss_coef
+    if "uniform_rows" in s:
+        rec["rollout/uniform_group_rate"] = s["uniform_rows"] / n_seq  # groups of equal size: rows = groups share
     if "ptx_loss" in s:
         rec["ptx/loss"] = s["ptx_loss"] / minibatches  # token mean per mini-batch, without unsup_coef
         rec["ptx/tokens"] = s["ptx_tokens"]

@@ -38,11 +38,13 @@ from ..data.sampler import DataCursor
 from ..comm import all_reduce
 from ..outputs.metrics import MetricsWriter
 from ..errors import ConfigError, Problem
-from ..ppo_math import AdaptiveKLController, FixedKLController, policy_loss, rollout_correction, value_loss
+from ..estimators import uniform_groups
+from ..ppo_math import (AdaptiveKLController, FixedKLController, kl_loss, loss_token_weights, policy_loss,
+                        rollout_correction, value_loss)
 from ..rollout import Experience, Rollout
 from .evaluation import Evaluator
 from .experience import (NonFiniteError, RewardFn, build_experience, decode_rollout, experience_forwards,
-                         text_reward, whiten_advantages)
+                         global_mean_var, text_reward, whiten_advantages)
 from .guards import StepGuard
 from .metric_sums import MetricSums
 from .ppo_metrics import (add_correction_stats, add_experience_stats, add_policy_stats, add_rollout_check,
@@ -96,7 +98,8 @@ class PPOTrainer:
         if self.ptx is not None:
             self.state_providers["ptx_data"] = self.ptx.cursor
         # scores -> (normalized, missing-EOS penalty) -> reward (trainer/reward_shaping.py)
-        self.shaper = ScoreShaper(ppo.normalize_reward, ppo.missing_eos_penalty)
+        self.shaper = ScoreShaper(ppo.normalize_reward, ppo.missing_eos_penalty, ppo.overlong_buffer_len,
+                                  ppo.overlong_penalty_factor, cfg.generation.max_answer_seq_len)
         if self.shaper.normalizer is not None:
             self.state_providers["reward_normalizer"] = self.shaper.normalizer
         # the trained engines step together or neither; non-finite losses stop every rank (trainer/guards.py)
@@ -144,10 +147,13 @@ class PPOTrainer:
     # ---- phases ----------------------------------------------------------------------------------------------
     def rollout_phase(self):
         self.hooks.at("rollout", self.iteration)
+        n = self.cfg.batch.n_samples_per_prompt
         rollouts = []
         for _ in range(self.cfg.batch.generation_batches):
             _, _, idx = next(self._batches)
             ids, mask = collate_prompts(self.dataset, idx, self.engine.pad_token_id)
+            if n > 1:  # each prompt n times in a row: a group is contiguous, on this rank (no collective for it)
+                ids, mask = ids.repeat_interleave(n, 0), mask.repeat_interleave(n, 0)
             rollouts.append(self.engine.sample(ids, mask))  # Generated: the rollout and its generation log-probs
         return rollouts
 
@@ -165,7 +171,11 @@ class PPOTrainer:
         self.guard.agree(self.iteration, errors={"score": fw.error})
         raw_scores = fw.scores
         scores = self.shaper(raw_scores, rollout) if self.shaper.active else raw_scores
-        exp = build_experience(rollout, fw, scores, self.cfg.ppo, self.kl_ctl.value)
+        # the n samples of a prompt are consecutive rows of every generation batch, so row // n names its prompt
+        n = self.cfg.batch.n_samples_per_prompt
+        group_ids = torch.arange(rollout.batch_size, device=rollout.sequences.device) // n
+        exp = build_experience(rollout, fw, scores, self.cfg.ppo, self.kl_ctl.value, group_ids=group_ids,
+                               moments=global_mean_var)
         exp.rollout_logprobs = rollout_logprobs
         if rollout_logprobs is not None:  # the live check: does the backend sample what PPO scores?
             add_rollout_check(stats, rollout_logprobs, exp.old_logprobs, rollout.action_mask)
@@ -178,31 +188,38 @@ class PPOTrainer:
                 exp.old_logprobs, rollout_logprobs, rollout.action_mask, ppo.rollout_correction,
                 ppo.rollout_correction_cap)
             add_correction_stats(stats, ppo.rollout_correction, cs)
+        if ppo.filter_uniform_groups:  # groups without signal leave the policy loss (never dropped: shapes stay)
+            mask = rollout.action_mask
+            uniform = uniform_groups((exp.rewards * mask).sum(-1), group_ids)
+            keep = exp.policy_mask if exp.policy_mask is not None else mask
+            exp.policy_mask = keep * (~uniform)[:, None].to(keep.dtype)
+            stats.add("uniform_rows", uniform.sum())
         self.hooks.advantages(exp.advantages, self.iteration)
         self.guard.agree(self.iteration, tensors={"advantage": (exp.advantages, rollout.action_mask)})
         add_experience_stats(stats, exp, fw.entropy, raw_scores, shaped=self.shaper.active)
         self._explained_var = explained_var(exp) if exp.values is not None else None
-        if self.cfg.ppo.whiten_advantages:
+        if self.cfg.ppo.whitens:
             exp = whiten_advantages(exp)
         return exp
 
-    def _token_counts(self, mini: Experience, ptx_batches) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """(tokens, policy tokens, ptx tokens) of the mini-batch on ALL ranks: what every micro-batch's loss is
-        divided by (one all-reduce). Policy tokens differ from tokens only with --rollout_correction mis (at least
-        1: a mini-batch with every response masked has policy loss 0)."""
+    def _token_counts(self, mini: Experience, ptx_batches) -> tuple[torch.Tensor, ...]:
+        """(tokens, policy tokens, policy responses, ptx tokens) of the mini-batch on ALL ranks: what every
+        micro-batch's loss is normalised by (one all-reduce). The policy counts differ from the others only where a
+        response leaves the policy loss (--rollout_correction mis, --filter_uniform_groups); they are at least 1: a
+        mini-batch with every response out has policy loss 0."""
         device = self.engine.device
         mask = mini.rollout.action_mask
-        local = torch.stack([mask.sum().double(),
-                             (mini.policy_mask if mini.policy_mask is not None else mask).sum().double(),
+        pmask = mini.policy_mask if mini.policy_mask is not None else mask
+        local = torch.stack([mask.sum().double(), pmask.sum().double(), (pmask.sum(-1) > 0).sum().double(),
                              sum(x.num_tokens for x in ptx_batches).double() if ptx_batches
                              else torch.zeros((), dtype=torch.float64, device=device)])
         if self.loss_token_mean == "global":
-            tokens, policy, ptx = all_reduce(local.clone()).float().unbind()
+            tokens, policy, seqs, ptx = all_reduce(local.clone()).float().unbind()
         elif self.loss_token_mean == "local":  # test hook only: the naive per-rank mean
-            tokens, policy, ptx = (local * self.engine.dist.world_size).float().unbind()
+            tokens, policy, seqs, ptx = (local * self.engine.dist.world_size).float().unbind()
         else:
             raise ValueError(f"loss_token_mean must be 'global' or 'local', got {self.loss_token_mean!r}")
-        return tokens, policy.clamp(min=1.0), ptx
+        return tokens, policy.clamp(min=1.0), seqs.clamp(min=1.0), ptx
 
     def train_phase(self, exp: Experience, stats: MetricSums) -> None:
         b, ppo, engine, hooks, it = self.cfg.batch, self.cfg.ppo, self.engine, self.hooks, self.iteration
@@ -217,7 +234,7 @@ class PPOTrainer:
             for m, mini in enumerate(exp.split(b.mini_batch_size)):
                 micros = mini.split(b.per_device_training_batch_size)
                 ptx_batches = ptx.next_batches(len(micros), engine.device) if ptx is not None else None
-                tokens, policy_tokens, ptx_tokens = self._token_counts(mini, ptx_batches)
+                tokens, policy_tokens, policy_seqs, ptx_tokens = self._token_counts(mini, ptx_batches)
                 max_abs_log_ratio = torch.zeros((), dtype=torch.float64, device=engine.device)
                 for k, micro in enumerate(micros):
                     r = micro.rollout
@@ -226,12 +243,19 @@ class PPOTrainer:
                     # iteration; `tokens` is an all-reduced sum that includes its tokens. (ptx batches keep theirs.)
                     if train_actor:
                         logprobs, entropy = engine.actor_forward(r, with_entropy=with_entropy, check=False)
+                        pmask = r.action_mask if micro.policy_mask is None else micro.policy_mask
+                        weights = loss_token_weights(pmask, ppo.loss_agg_mode, policy_tokens, policy_seqs,
+                                                     self.cfg.generation.max_answer_seq_len)
                         loss, ps = policy_loss(logprobs=logprobs, old_logprobs=micro.old_logprobs,
-                                               advantages=corrected_advantages(micro),
-                                               action_mask=r.action_mask if micro.policy_mask is None
-                                               else micro.policy_mask,
-                                               clip_eps=ppo.clip_eps, dual_clip=ppo.dual_clip,
-                                               num_tokens=policy_tokens, check=False)
+                                               advantages=corrected_advantages(micro), action_mask=pmask,
+                                               clip_eps=ppo.clip_eps, clip_eps_high=ppo.upper_clip,
+                                               dual_clip=ppo.dual_clip, num_tokens=policy_tokens, check=False,
+                                               # token_mean: sum / tokens, as ever (the weights are 1 / tokens)
+                                               token_weights=None if ppo.loss_agg_mode == "token_mean" else weights)
+                        if ppo.kl_loss_coef:
+                            kloss, ks = kl_loss(logprobs, micro.ref_logprobs, pmask, ppo.kl_loss_estimator, weights)
+                            loss = loss + ppo.kl_loss_coef * kloss
+                            stats.add("kl_loss", kloss.detach())
                         if with_entropy:
                             loss = loss - ppo.entropy_coef * (entropy * r.action_mask).sum() / tokens
                         loss = hooks.loss("actor", loss, it)

@@ -6,11 +6,14 @@ Order, per iteration (every rank):
   2. `normalize_reward`: the running statistics are updated with this iteration's scores of EVERY rank (one
      all-reduce of count, sum and sum of squares in float64, merged with Chan's formula), then
      score = (score - mean) / (std + 1e-8) with the updated mean and (population) std of every score seen so far;
+  3a. DAPO's soft overlong penalty (`overlong_buffer_len` L > 0, `overlong_penalty_factor` F): a response of length
+     n > max_answer_seq_len - L gets -F x (n - (max_answer_seq_len - L)) / L (reaching -F at the limit);
   3. `missing_eos_penalty` p >= 0: score -= p for every response that did not end with a stop token (it hit
      max_answer_seq_len), in the units of step 2's output;
   4. `ppo_math.compute_rewards` clamps the score to [-reward_clip, reward_clip] and adds it to the reward of the last
      real action.
-`objective/score` logs the raw scores of step 1; `objective/shaped_score` the scores after step 3 (when 2 or 3 is on).
+`objective/score` logs the raw scores of step 1; `objective/shaped_score` the scores after step 3 (when 2, 3a or 3 is
+on).
 The normalizer's state (count, mean, M2) is a checkpoint state provider ("reward_normalizer"); it is identical on every
 rank.
 
@@ -88,20 +91,34 @@ def apply_missing_eos_penalty(scores: torch.Tensor, ended_with_eos: torch.Tensor
     return scores - penalty * (~ended_with_eos.bool()).to(scores.device, scores.dtype)
 
 
-class ScoreShaper:
-    """Steps 2 and 3 of the module docstring for one trainer; `active` is False when both are off."""
+def overlong_penalty(response_lengths: torch.Tensor, max_len: int, buffer_len: int, factor: float) -> torch.Tensor:
+    """[B] DAPO's soft overlong penalty (<= 0): -factor x (n - (max_len - buffer_len)) / buffer_len for a response of
+    n > max_len - buffer_len tokens, else 0 (buffer_len 0: off)."""
+    n = response_lengths.float()
+    if not buffer_len:
+        return torch.zeros_like(n)
+    return -float(factor) * (n - (max_len - buffer_len)).clamp(min=0) / float(buffer_len)
 
-    def __init__(self, normalize: bool, missing_eos_penalty: float):
+
+class ScoreShaper:
+    """Steps 2, 3a and 3 of the module docstring for one trainer; `active` is False when all are off."""
+
+    def __init__(self, normalize: bool, missing_eos_penalty: float, overlong_buffer_len: int = 0,
+                 overlong_penalty_factor: float = 1.0, max_answer_seq_len: int = 0):
         self.normalizer = RewardNormalizer() if normalize else None
         self.missing_eos_penalty = float(missing_eos_penalty or 0.0)
+        self.overlong = (int(overlong_buffer_len or 0), float(overlong_penalty_factor), int(max_answer_seq_len))
 
     @property
     def active(self) -> bool:
-        return self.normalizer is not None or self.missing_eos_penalty != 0.0
+        return self.normalizer is not None or self.missing_eos_penalty != 0.0 or self.overlong[0] > 0
 
     def __call__(self, scores: torch.Tensor, rollout: Rollout) -> torch.Tensor:
         if self.normalizer is not None:
             scores = self.normalizer(scores)
+        buffer_len, factor, max_len = self.overlong
+        if buffer_len:
+            scores = scores + overlong_penalty(rollout.response_lengths, max_len, buffer_len, factor).to(scores.device)
         return apply_missing_eos_penalty(scores, rollout.ended_with_eos, self.missing_eos_penalty)
 
 

@@ -93,7 +93,7 @@ def providers_of(trainer: Any) -> dict:
 
 # ---- run identity ------------------------------------------------------------------------------------------------
 FINGERPRINT_BATCH = ("per_device_generation_batch_size", "generation_batches", "per_device_training_batch_size",
-                     "gradient_accumulation_steps")
+                     "gradient_accumulation_steps", "n_samples_per_prompt")
 
 
 def run_fingerprint(cfg: Any, roles: Mapping[str, Any], world_size: int, num_prompts: int) -> dict:
@@ -102,7 +102,8 @@ def run_fingerprint(cfg: Any, roles: Mapping[str, Any], world_size: int, num_pro
     function, the seed, the data (path and usable prompts), the batch arithmetic and PPO epochs (the LR schedule's
     length depends on them, and on max_steps when a role's schedule decays)."""
     fp: dict = {"world_size": int(world_size), "seed": cfg.seed, "reward_fn": cfg.reward_fn,
-                "data_path": cfg.data.data_path, "num_prompts": int(num_prompts), "ppo_epochs": cfg.ppo.ppo_epochs}
+                "data_path": cfg.data.data_path, "num_prompts": int(num_prompts), "ppo_epochs": cfg.ppo.ppo_epochs,
+                "advantage_estimator": cfg.ppo.advantage_estimator, "loss_agg_mode": cfg.ppo.loss_agg_mode}
     for role, plan in roles.items():
         fp[f"{role}_model_name_or_path"] = _norm_path(plan.path)
     trained = [r for r, plan in roles.items() if plan.train]

@@ -52,6 +52,11 @@ LR0 = dict(per_device_generation_batch_size=4, generation_batches=2, experience_
 # batch-invariance runs: greedy, lr > 0, 3 iterations x 2 epochs, ONE mini-batch per epoch on every setup, so the
 # global mini-batch holds the same 4 samples whether 1 rank has all 4 or each of 2 ranks has 2 (the sampler gives
 # rank r the slice r*B:(r+1)*B of each global batch of prompts).
+# critic-free runs: 2 prompts x 2 samples x 2 generation batches = 8 rollouts per rank, 2 mini-batches, 2 epochs
+CRITIC_FREE = ("grpo", "dr_grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline")
+CF = dict(per_device_generation_batch_size=2, n_samples_per_prompt=2, generation_batches=2,
+          per_device_training_batch_size=2, gradient_accumulation_steps=2, ppo_epochs=2, max_steps=1, seed=1,
+          actor_learning_rate=0.0)
 INV = dict(do_sample="false", max_steps=3, ppo_epochs=2, seed=3, actor_learning_rate=2e-4, critic_learning_rate=2e-4)
 
 
@@ -76,6 +81,10 @@ def two_rank(tiny, tmp_path_factory):
          "hooks": {"loss_token_mean": "local"}},
         {"name": "eval", "args": args_for(tiny, d("eval"), eval_interval=1, eval_split=0.25, max_steps=2,
                                            per_device_generation_batch_size=4, seed=2)},
+        *[{"name": f"cf_{est}", "args": args_for(tiny, d(f"cf_{est}"), advantage_estimator=est, **CF)}
+          for est in CRITIC_FREE],
+        {"name": "cf_grpo_lr", "args": args_for(tiny, d("cf_grpo_lr"), advantage_estimator="grpo",
+                                                 **{**CF, "actor_learning_rate": 1e-3})},
     ]
     return run_harness(tmp, "two_rank", runs, 2, "deepspeed")
 
@@ -322,3 +331,25 @@ def test_evaluation_in_a_two_rank_run(two_rank):
     assert [sum(r["iteration"] == it for r in rows) for it in (0, 1, 2)] == [4, 4, 4]
     for rec in run["records"][:2]:  # sampled training rollouts on both ranks: the HF backend samples what PPO scores
         assert rec["rollout/logprob_diff_max"] <= 1e-5 and rec["rollout/seq_logratio_max"] <= 1e-5, rec
+
+
+# ---- critic-free estimators -----------------------------------------------------------------------------------------
+@pytest.mark.distributed
+@pytest.mark.parametrize("est", CRITIC_FREE)
+def test_critic_free_estimators_at_lr0_every_ratio_is_one_and_no_critic(two_rank, est):
+    run = two_rank[f"cf_{est}"]
+    assert run["world_size"] == 2 and run["engines"] == ["actor", "reference", "reward"]  # no critic built
+    assert len(run["ratio_trace"]) == 4 and max(run["ratio_trace"]) == 0.0, run["ratio_trace"]  # 2 epochs x 2
+    rec = run["records"][0]
+    assert rec["policy/ratio_max"] == rec["policy/ratio_min"] == 1.0 and rec["policy/clipfrac"] == 0.0, rec
+    assert not [k for k in rec if k.startswith("value/")] and run["max_param_change"] == {"actor": 0.0}
+    assert run["optimizer_steps"] == {"actor": [0, 4]}
+    for rank in run["ranks"]:  # each prompt sampled twice in a row on the same rank
+        seqs, p = rank["rollouts"][0]["sequences"], rank["rollouts"][0]["prompt_lengths"][0]
+        assert len(seqs) == 4 and seqs[0][:p] == seqs[1][:p] and seqs[2][:p] == seqs[3][:p]
+
+
+@pytest.mark.distributed
+def test_critic_free_with_a_learning_rate_the_policy_moves(two_rank):
+    run = two_rank["cf_grpo_lr"]
+    assert run["max_param_change"]["actor"] > 0 and max(run["ratio_trace"]) > 1e-4, run["ratio_trace"]

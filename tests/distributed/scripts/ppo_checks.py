@@ -88,7 +88,7 @@ def run_one(spec: dict) -> dict | None:
         assert kind == "fraction", kind
         trainer.reward_fn = fraction_reward(int(lo), int(hi))
 
-    roles = ("actor", "critic")
+    roles = engine.trained_roles  # ("actor",) in a critic-free run
     before = {role: engine.full_state_dict(role) for role in roles}
     steps_before = {role: engine.optimizer_steps(role) for role in roles}
 
@@ -139,6 +139,7 @@ def run_one(spec: dict) -> dict | None:
             "name": spec["name"],
             "output_dir": cfg.output_dir,
             "world_size": engine.dist.world_size,
+            "engines": sorted(engine.engines),
             "records": records,
             "ratio_trace": list(trainer.ratio_trace),
             "optimizer_steps": {role: [steps_before[role], steps_after[role]] for role in roles},

@@ -51,7 +51,7 @@ def score_estimator():
 # ---- no critic ----------------------------------------------------------------------------------------------------
 def test_a_run_without_a_critic_builds_none_and_trains_the_actor(tiny, dist_single, tmp_path, score_estimator):
     out = tmp_path / "run"
-    cfg = parse_args(train_args(tiny, str(out), advantage_estimator=score_estimator, whiten_advantages="false",
+    cfg = parse_args(train_args(tiny, str(out), advantage_estimator=score_estimator,
                                 actor_learning_rate=0.0, max_steps=1, **FLAGS))
     assert cfg.active_roles == ("actor", "reference", "reward") and cfg.trained_roles == ("actor",)
     trainer = build_trainer(cfg)

@@ -1,0 +1,121 @@
+"""Memory a critic-free run saves: GAE (actor + critic trained, reference, reward) against GRPO (no critic) on the
+same models, prompts and batch, side by side in one run (alternating child processes, one rank each, CPU).
+
+Per variant and repeat, a child process builds the trainer with `build_trainer` and runs 2 iterations, then reports
+its peak resident memory (ru_maxrss) and the exact bytes its engines hold (parameters + optimizer state, counted from
+the live DeepSpeed engines). GRPO samples 2 responses per prompt from half the prompts, so both variants train on the
+same number of rollouts per iteration.
+
+    .venv/bin/python bench/critic_free_memory.py --out bench/results/cpu/critic_free_memory.json --md
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import statistics
+import subprocess
+import sys
+import tempfile
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+VARIANTS = {"gae": ["--advantage_estimator", "gae", "--per_device_generation_batch_size", "8"],
+            "grpo": ["--advantage_estimator", "grpo", "--n_samples_per_prompt", "2",
+                     "--per_device_generation_batch_size", "4"]}
+
+
+def engine_bytes(trainer) -> dict:
+    """Parameter and optimizer-state bytes per engine of this rank."""
+    import torch
+
+    from rlhf_engine.trainer.guards import base_optimizer
+
+    out = {}
+    for role, ds in trainer.engine.engines.items():
+        params = sum(p.numel() * p.element_size() for p in ds.module.parameters())
+        state = 0
+        if ds.optimizer is not None:
+            for st in base_optimizer(ds.optimizer).state.values():
+                state += sum(v.numel() * v.element_size() for v in st.values() if torch.is_tensor(v))
+        out[role] = {"params": params, "optimizer_state": state}
+    return out
+
+
+def child(args) -> None:
+    from rlhf_engine.assets import build_tiny_model, tiny_prompts, train_tiny_tokenizer
+    from rlhf_engine.cli import parse_args
+    from rlhf_engine.trainer import build_trainer
+
+    work = args.work
+    tok, actor, reward = (os.path.join(work, n) for n in ("tok", "actor", "reward"))
+    if not os.path.isdir(actor):
+        train_tiny_tokenizer(tok, vocab_size=2000, pad_is_eos=True)
+        build_tiny_model(actor, tok, n_layer=args.layers, hidden=args.hidden, n_head=8, dropout=0.0, seed=1)
+        build_tiny_model(reward, tok, head="score", n_layer=args.layers, hidden=args.hidden, n_head=8, dropout=0.0,
+                         seed=2)
+        with open(os.path.join(work, "prompts.jsonl"), "w") as f:
+            for p in tiny_prompts(64, seed=0):
+                f.write(json.dumps({"prompt": p}) + "\n")
+    flags = ["--actor_model_name_or_path", actor, "--reward_model_name_or_path", reward, "--data_path",
+             os.path.join(work, "prompts.jsonl"), "--max_prompt_seq_len", "64", "--max_answer_seq_len", "32",
+             "--per_device_training_batch_size", "4", "--max_steps", "2", "--export_final", "false",
+             "--output_dir", os.path.join(work, f"run_{args.variant}_{os.getpid()}")] + VARIANTS[args.variant]
+    trainer = build_trainer(parse_args(flags))
+    trainer.train()
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux: KiB
+    print(json.dumps({"variant": args.variant, "peak_rss": peak, "engines": engine_bytes(trainer)}))
+
+
+def main() -> int:
+    p = argparse.ArgumentParser()
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--hidden", type=int, default=512)
+    p.add_argument("--layers", type=int, default=8)
+    p.add_argument("--out", default="")
+    p.add_argument("--md", action="store_true")
+    p.add_argument("--variant", default="")
+    p.add_argument("--work", default="")
+    args = p.parse_args()
+    if args.variant:
+        child(args)
+        return 0
+    work = tempfile.mkdtemp(prefix="critic_free_mem-")
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "WANDB_MODE": "disabled",
+           "DS_ACCELERATOR": "cpu", "PYTHONPATH": ROOT}
+    runs = {v: [] for v in VARIANTS}
+    for rep in range(args.repeats):
+        for v in VARIANTS:  # alternating: the machine's drift hits both alike
+            out = subprocess.run([sys.executable, __file__, "--variant", v, "--work", work, "--hidden",
+                                  str(args.hidden), "--layers", str(args.layers)], env=env, capture_output=True,
+                                 text=True, check=True).stdout
+            runs[v].append(json.loads(out.strip().splitlines()[-1]))
+    mib = 2 ** 20
+    summary = {}
+    for v, rs in runs.items():
+        eng = rs[0]["engines"]
+        summary[v] = {"peak_rss_mib": [round(r["peak_rss"] / mib, 1) for r in rs],
+                      "engine_mib": round(sum(e["params"] + e["optimizer_state"] for e in eng.values()) / mib, 2),
+                      "roles": sorted(eng)}
+    ratio = statistics.median(summary["grpo"]["peak_rss_mib"]) / statistics.median(summary["gae"]["peak_rss_mib"])
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    import benchlib as bl
+
+    result = {"command": bl.command_line([os.path.relpath(sys.argv[0], ROOT)] + sys.argv[1:]),
+              "machine": bl.machine_info(),
+              "setup": {"hidden": args.hidden, "layers": args.layers, "repeats": args.repeats}, "variants": summary,
+              "peak_rss_ratio_grpo_over_gae": round(ratio, 3)}
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(result, f, indent=2)
+    if args.md:
+        print("| variant | engines | engine bytes (params + Adam state, MiB) | peak RSS per rank (MiB, per repeat) |")
+        print("|---|---|---|---|")
+        for v, s in summary.items():
+            print(f"| {v} | {', '.join(s['roles'])} | {s['engine_mib']} | {s['peak_rss_mib']} |")
+        print(f"\nPeak RSS, GRPO / GAE (medians): x{ratio:.3f}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
