@@ -75,8 +75,8 @@ class RLHFEngine:
         from ..config import RoleConfig
 
         actor = self.plans["actor"]
-        plan = RolePlan(actor.path, 3 if actor.stage == 3 else 0, resolve_dtype(self.cfg.engine.ema_dtype or actor.dtype),
-                        False)
+        dtype = resolve_dtype(self.cfg.engine.ema_dtype or actor.dtype)
+        plan = RolePlan(actor.path, 3 if actor.stage == 3 else 0, dtype, False)
         engine, ds_cfg = build_role_engine(
             RoleConfig(), plan.path, kind="causal_lm", stage=plan.stage, dtype=plan.dtype, train=False,
             batch=self.cfg.batch, world_size=self.dist.world_size, eval_micro_batch_size=self.experience_micro_batch,

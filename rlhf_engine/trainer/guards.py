@@ -13,7 +13,8 @@ rank stops every rank at the same point.
   `RLHFEngine.optimizer_steps` (global minus skipped) counts applied steps only (so the EMA does not move either).
   Skips are counted by the guard itself (`system/skipped_steps`: every boundary at which the trained engines did not
   update, by this guard's decision or by DeepSpeed's own overflow check; a checkpoint state provider, "step_guard",
-  so a resumed run reports what an uninterrupted one does) and warned about; `max_consecutive_skips` skips in a row raise `TooManySkippedSteps` (exit code 3).
+  so a resumed run reports what an uninterrupted one does) and warned about; `max_consecutive_skips` skips in a
+  row raise `TooManySkippedSteps` (exit code 3).
 * **Losses.** `watch(name, loss)` records a non-finite loss of this rank; the same boundary collective sees it and
   every rank raises `NonFiniteError` before anything steps, naming the rank(s), the iteration and the tensor.
 * **Scores and advantages.** `agree(...)` (used by the experience phase) shares this rank's failure (an exception

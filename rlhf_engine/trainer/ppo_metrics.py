@@ -55,7 +55,10 @@ def add_rollout_check(stats: MetricSums, rollout_logprobs: torch.Tensor, old_log
 def add_correction_stats(stats: MetricSums, mode: str, cs: dict) -> None:
     """rollout/correction_capped_frac (tis: share of real tokens at the cap), rollout/correction_masked_frac (mis:
     share of responses masked out of the policy loss)."""
-    stats.add("correction_capped" if mode == "tis" else "correction_masked", cs["capped" if mode == "tis" else "masked"])
+    if mode == "tis":
+        stats.add("correction_capped", cs["capped"])
+    else:
+        stats.add("correction_masked", cs["masked"])
 
 
 def add_policy_stats(stats: MetricSums, loss: torch.Tensor, ps: dict) -> None:

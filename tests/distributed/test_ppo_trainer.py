@@ -57,6 +57,7 @@ CRITIC_FREE = ("grpo", "dr_grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline
 CF = dict(per_device_generation_batch_size=2, n_samples_per_prompt=2, generation_batches=2,
           per_device_training_batch_size=2, gradient_accumulation_steps=2, ppo_epochs=2, max_steps=1, seed=1,
           actor_learning_rate=0.0)
+SEQ_AGG = dict(loss_agg_mode="seq_mean_token_mean", kl_loss_coef=0.5)  # per-response means, and a KL loss term
 INV = dict(do_sample="false", max_steps=3, ppo_epochs=2, seed=3, actor_learning_rate=2e-4, critic_learning_rate=2e-4)
 
 
@@ -81,6 +82,9 @@ def two_rank(tiny, tmp_path_factory):
          "hooks": {"loss_token_mean": "local"}},
         {"name": "eval", "args": args_for(tiny, d("eval"), eval_interval=1, eval_split=0.25, max_steps=2,
                                            per_device_generation_batch_size=4, seed=2)},
+        {"name": "inv_seq_1x2acc_2r", "args": args_for(tiny, d("inv_seq_1x2acc_2r"), per_device_generation_batch_size=2,
+                                                        per_device_training_batch_size=1, gradient_accumulation_steps=2,
+                                                        **INV, **SEQ_AGG)},
         *[{"name": f"cf_{est}", "args": args_for(tiny, d(f"cf_{est}"), advantage_estimator=est, **CF)}
           for est in CRITIC_FREE],
         {"name": "cf_grpo_lr", "args": args_for(tiny, d("cf_grpo_lr"), advantage_estimator="grpo",
@@ -108,6 +112,8 @@ def one_rank(tiny, tmp_path_factory):
                                                  per_device_training_batch_size=1, gradient_accumulation_steps=4,
                                                  **INV)},
     ]
+    runs.append({"name": "inv_seq_4x1", "args": args_for(tiny, d("inv_seq_4x1"), per_device_generation_batch_size=4,
+                                                          per_device_training_batch_size=4, **INV, **SEQ_AGG)})
     for seed in (1, 2):
         runs.append({"name": f"learn_seed{seed}", "args": args_for(tiny, d(f"learn{seed}"), seed=seed, **LEARN),
                      "hooks": LEARN_REWARD})
@@ -353,3 +359,15 @@ def test_critic_free_estimators_at_lr0_every_ratio_is_one_and_no_critic(two_rank
 def test_critic_free_with_a_learning_rate_the_policy_moves(two_rank):
     run = two_rank["cf_grpo_lr"]
     assert run["max_param_change"]["actor"] > 0 and max(run["ratio_trace"]) > 1e-4, run["ratio_trace"]
+
+
+@pytest.mark.distributed
+def test_sequence_mean_aggregation_and_kl_loss_agree_on_one_and_two_ranks(two_rank, one_rank):
+    """loss_agg_mode seq_mean_token_mean with a KL loss: its normalisation is over the whole mini-batch of every rank,
+    so 2 ranks x (micro-batch 1 x accumulation 2) equal 1 rank x micro-batch 4."""
+    ref, run = one_rank["inv_seq_4x1"], two_rank["inv_seq_1x2acc_2r"]
+    assert ref["max_param_change"]["actor"] > 50 * INVARIANCE_ATOL and "policy/kl_loss" in ref["records"][-1]
+    assert ref["records"][-1]["policy/kl_loss"] > 0  # the actor left the reference: the KL term is live
+    metric, params = _compare(run, ref)
+    assert max(metric.values()) <= INVARIANCE_ATOL, metric
+    assert max(params.values()) <= INVARIANCE_ATOL, params

@@ -2,11 +2,11 @@
 
 Exact sampling: the `transformers.GenerationConfig` is built from our `SamplingParams` alone, never from a copy of the
 model's `generation_config` (a checkpoint's repetition penalty, n-gram ban, bad words, min-p, ... would silently
-change the sampled distribution; the ones a model sets are named once in a warning). transformers 5 fills every field
-a passed config leaves unset from `model.generation_config`, so for the call the model holds a neutral one. Tokens are drawn from
-softmax(logits / temperature), with the stop tokens masked before `min_new_tokens`: exactly what the trainer's log-probs
-compute. The generation-time log-prob of every sampled token is recorded by a logits processor (Hugging Face applies
-temperature after custom processors, so the recorder divides by it itself).
+change the sampled distribution; the ones a model sets are named once in a warning). transformers 5 fills every
+field a passed config leaves unset from `model.generation_config`, so for the call the model holds a neutral one.
+Tokens are drawn from softmax(logits / temperature), with the stop tokens masked before `min_new_tokens`: exactly
+what the trainer's log-probs compute. The generation-time log-prob of every sampled token is recorded by a logits
+processor (Hugging Face applies temperature after custom processors, so the recorder divides by it itself).
 
 ZeRO-3: by default each layer is fetched for every new token and the ranks run in lockstep (`synced_gpus`: a rank
 that finished keeps running dummy forwards while another still generates). With `generation_gather_once` ('on', or
