@@ -85,9 +85,10 @@ class PPOConfig:
                              "response's token sum / max_answer_seq_len (Dr. GRPO).")
     clip_eps_high: Optional[float] = opt(None, "Upper clip bound of the ratio (DAPO's clip-higher): the ratio is "
                                          "clipped to [1 - clip_eps, 1 + clip_eps_high]; None = clip_eps.")
-    filter_uniform_groups: bool = opt(False, "With a group estimator: a group whose responses' returns are all equal "
-                                      "carries no signal; its responses leave the policy loss (weight 0, out of the "
-                                      "token count; never dropped). Logged rollout/uniform_group_rate.")
+    filter_uniform_groups: bool = opt(False, "With a group estimator: a group whose responses' shaped scores are all "
+                                      "equal (all right, all wrong) carries no signal; its responses leave the policy "
+                                      "loss (weight 0, out of the token count; never dropped). Logged "
+                                      "rollout/uniform_group_rate.")
     overlong_buffer_len: int = opt(0, "DAPO's soft overlong penalty: a response longer than max_answer_seq_len - L "
                                    "gets a linear penalty reaching -overlong_penalty_factor at the limit, added to "
                                    "its shaped score before missing_eos_penalty (0 = off).")
@@ -675,6 +676,10 @@ class TrainConfig:
         if est in GROUP_ESTIMATORS and isinstance(n, int) and n < 2:
             p.add("n_samples_per_prompt", n, f"advantage_estimator {est} compares the responses of one prompt: "
                   "give 2 or more")
+        L, max_len = ppo.overlong_buffer_len, self.generation.max_answer_seq_len
+        if isinstance(L, int) and isinstance(max_len, int) and L > max_len:
+            p.add("overlong_buffer_len", L, f"must be <= max_answer_seq_len ({max_len}): the penalty starts "
+                  "max_answer_seq_len - overlong_buffer_len tokens in")
         if ppo.filter_uniform_groups is True and est not in GROUP_ESTIMATORS:
             p.add("filter_uniform_groups", True, f"needs a group estimator ({', '.join(GROUP_ESTIMATORS)}); "
                   f"advantage_estimator is {est}")

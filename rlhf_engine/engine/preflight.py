@@ -456,6 +456,10 @@ def hybrid_engine_reasons(cfg: TrainConfig, actor_config, on_gpu: bool | None = 
     if model_type not in supported:
         reasons.append(f"the actor's architecture {model_type!r} has no DeepSpeed inference container (supported: "
                        f"{', '.join(sorted(supported))})")
+    if cfg.engine.inference_tp_size > 1:
+        reasons.append(f"inference_tp_size {cfg.engine.inference_tp_size} > 1: the Hybrid Engine then generates on "
+                       "the rows of every tensor-parallel rank, which the generation-time log-prob recorder does not "
+                       "map back; use 1")
     if cfg.actor.lora_dim:
         reasons.append("the actor has a LoRA adapter (actor_lora_dim > 0): the Hybrid Engine fuses only "
                        "DeepSpeed-Chat's own LoRA layers, not peft's")

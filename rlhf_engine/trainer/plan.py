@@ -145,12 +145,24 @@ def _model_side(cfg: TrainConfig) -> tuple[EnginePlan, Optional[Callable]]:
     return engine, reward_fn
 
 
+def warn_kl_in_group_returns(cfg: TrainConfig, dist: DistInfo) -> None:
+    """A group estimator's return holds kl_coef x the response's KL: in a group whose scores are all equal, the KL
+    differences alone become the advantages (grpo divides them by a tiny std). Said once at start-up."""
+    from ..estimators import GROUP_ESTIMATORS
+
+    if cfg.ppo.advantage_estimator in GROUP_ESTIMATORS and cfg.ppo.kl_coef > 0 and dist.is_main:
+        log.warning("advantage_estimator %s with kl_coef %g: each response's return includes its KL penalty, so in a "
+                    "group of equal scores the KL differences become the advantages; for GRPO-style runs consider "
+                    "--kl_coef 0 with --kl_loss_coef instead", cfg.ppo.advantage_estimator, cfg.ppo.kl_coef)
+
+
 def plan_ppo(cfg: TrainConfig, prompt_data: Optional[PromptData] = None) -> RunPlan:
     """The plan of a PPO run (module docstring). Every rank calls it; raises one `ConfigError` per stage.
     `prompt_data`: already tokenized prompts (a benchmark's, a notebook's) instead of loading `cfg.data`."""
     dist = start(cfg)
     resolve_builtins(cfg)
     engine, reward_fn = _model_side(cfg)  # model-side checks before the data is tokenized
+    warn_kl_in_group_returns(cfg, dist)
     tok, g = engine.tokenizer, cfg.generation
     data = prompt_data or load_prompt_data(cfg.data, tok, g.max_prompt_seq_len, seed=cfg.seed, verbose=dist.is_main)
     eval_prompts = data.eval

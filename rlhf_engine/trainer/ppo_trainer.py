@@ -190,7 +190,8 @@ class PPOTrainer:
             add_correction_stats(stats, ppo.rollout_correction, cs)
         if ppo.filter_uniform_groups:  # groups without signal leave the policy loss (never dropped: shapes stay)
             mask = rollout.action_mask
-            uniform = uniform_groups((exp.rewards * mask).sum(-1), group_ids)
+            # equal SCORES (all right, all wrong): the returns also hold each response's KL, never exactly equal
+            uniform = uniform_groups(exp.scores, group_ids)
             keep = exp.policy_mask if exp.policy_mask is not None else mask
             exp.policy_mask = keep * (~uniform)[:, None].to(keep.dtype)
             stats.add("uniform_rows", uniform.sum())

@@ -7,7 +7,8 @@ A checkpoint (layout and marker: rlhf_engine/outputs/checkpoint.py) holds the en
      "providers": {"trainer": {"iteration": n}, "rng": {...}, "data": {...}, "kl_controller": {...}, ...}}
 
 The providers are `trainer.state_providers` (name -> object with `state_dict()` / `load_state_dict(state)`) plus
-"trainer" and "rng", which this module adds itself. The trainer registers "data" (the prompt `DataCursor`) and
+"trainer" and "rng", which this module adds itself; they are taken when the trainer builds its Checkpointer, so a
+provider is registered before that. The trainer registers "data" (the prompt `DataCursor`) and
 "kl_controller"; a ptx data cursor ("ptx_data") or a reward normalizer ("reward_normalizer") slot in the same way:
 register them in `state_providers` and they are saved and restored with every checkpoint. A provider the run has
 but the checkpoint lacks is an error on resume (unless --resume_force); one the checkpoint has but the run lacks is

@@ -62,23 +62,29 @@ def neutral_generation_config(model):
 
 class SampledLogprobs:
     """A logits processor recording log p(sampled token) under softmax(scores / temperature): at each step the
-    token appended since the previous call is looked up in the previous step's log-softmax; `finish` adds the last.
-    Holds one [B, V] fp32 row set at a time."""
+    token appended since the previous call is looked up in the previous step's scores, minus their logsumexp;
+    `finish` adds the last. Per step one [B] logsumexp and a reference to the step's scores (Hugging Face makes new
+    tensors in the processors and the temperature warper after this one, so the kept scores stay as they were)."""
 
     def __init__(self, temperature: float):
         self.temperature = temperature
-        self.prev = None
+        self.prev = self.prev_lse = None
         self.out: list = []
+
+    def _logprob(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self.prev.gather(1, tokens).squeeze(1).float() / self.temperature - self.prev_lse
 
     def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
         if self.prev is not None:
-            self.out.append(self.prev.gather(1, input_ids[:, -1:]).squeeze(1))
-        self.prev = torch.log_softmax(scores.float() / self.temperature, dim=-1)
+            self.out.append(self._logprob(input_ids[:, -1:]))
+        self.prev = scores
+        s = scores.float()
+        self.prev_lse = torch.logsumexp(s / self.temperature if self.temperature != 1.0 else s, dim=-1)
         return scores
 
     def finish(self, sequences: torch.Tensor) -> torch.Tensor:
         """[B, G] log-probs of the G generated tokens (padding after a stop token included; the rollout masks it)."""
-        self.out.append(self.prev.gather(1, sequences[:, -1:]).squeeze(1))
+        self.out.append(self._logprob(sequences[:, -1:]))
         return torch.stack(self.out, dim=1)
 
 

@@ -321,6 +321,9 @@ def test_hybrid_engine_reasons(tiny):
     (why,) = hybrid_engine_reasons(cfg, gpt2, on_gpu=True)
     assert "LoRA" in why
     assert len(hybrid_engine_reasons(cfg, MistralConfig(), on_gpu=False)) == 3
+    cfg.actor.lora_dim, cfg.engine.inference_tp_size = 0, 2  # its tensor-parallel rows: the log-prob recorder's limit
+    (why,) = hybrid_engine_reasons(cfg, gpt2, on_gpu=True)
+    assert "inference_tp_size 2 > 1" in why
 
 
 def test_hybrid_engine_fallback_generates_with_hugging_face(tiny, dist_single, caplog):

@@ -29,13 +29,36 @@ def test_grpo_run_groups_advantages_and_no_critic(tiny, dist_single, tmp_path):
     groups = torch.arange(8) // 2
     returns = (exp.rewards * r.action_mask).sum(-1)
     assert torch.allclose(exp.advantages, group_advantages(returns, groups, r.action_mask, "grpo"), atol=1e-6)
-    uniform = (returns[0::2] == returns[1::2]).repeat_interleave(2)
+    uniform = (exp.scores[0::2] == exp.scores[1::2]).repeat_interleave(2)
     assert torch.equal(exp.policy_mask.sum(-1) == 0, uniform | (r.response_lengths == 0))
     assert rec["rollout/uniform_group_rate"] == pytest.approx(uniform.float().mean().item())
     assert rec["policy/ratio_max"] in (1.0, None) and "policy/kl_loss" in rec and rec["policy/kl_loss"] == 0.0
     assert not [k for k in rec if k.startswith("value/")]
     assert trainer.plan.fingerprint["advantage_estimator"] == "grpo"
     assert trainer.plan.fingerprint["n_samples_per_prompt"] == 2
+    trainer.metrics.close()
+
+
+def _constant(prompts, responses):
+    return [1.0] * len(responses)
+
+
+def test_uniform_groups_are_judged_by_their_scores_not_the_kl_in_the_returns(tiny, dist_single, tmp_path,
+                                                                             other_reference, monkeypatch):
+    """Every response scores 1 (every group uniform) while a reference with other weights makes each response's KL,
+    and so its return, differ: the filter still takes every group out of the policy loss."""
+    monkeypatch.syspath_prepend(os.path.dirname(__file__))
+    args = train_args(tiny, str(tmp_path / "run"), advantage_estimator="dr_grpo", filter_uniform_groups="true",
+                      reference_model_name_or_path=other_reference, kl_coef=0.1, reward_fn="test_critic_free:_constant",
+                      **FLAGS)
+    args = [a for a in args if a not in ("--reward_model_name_or_path", tiny.reward)]
+    trainer = build_trainer(parse_args(args))
+    rec = trainer.step()
+    exp = trainer.last_experience
+    returns = (exp.rewards * exp.rollout.action_mask).sum(-1)
+    assert not torch.equal(returns[0::2], returns[1::2])  # the KL makes the returns differ
+    assert rec["rollout/uniform_group_rate"] == 1.0 and int(exp.policy_mask.sum()) == 0
+    assert rec["policy/loss"] == 0.0
     trainer.metrics.close()
 
 
@@ -46,6 +69,7 @@ def test_grpo_run_groups_advantages_and_no_critic(tiny, dist_single, tmp_path):
     (dict(advantage_estimator="reinforce_pp", whiten_advantages="true"), {"whiten_advantages"}),
     (dict(advantage_estimator="reinforce_pp", filter_uniform_groups="true"), {"filter_uniform_groups"}),
     (dict(loss_agg_mode="seq_mean"), {"loss_agg_mode"}),
+    (dict(overlong_buffer_len=9), {"overlong_buffer_len"}),
     (dict(kl_loss_estimator="k4", clip_eps_high=-1), {"kl_loss_estimator", "clip_eps_high"}),
 ])
 def test_flags_that_make_no_sense_are_refused_by_name(tiny, tmp_path, flags, fields):
