@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any, Mapping
 
 from ..config import ROLES, RoleConfig, TrainConfig
-from ..errors import ConfigError, Problem, Problems
+from ..errors import Problems
 from .ds_config import load_user_config
 from .models import prepare_tokenizer
 
@@ -37,7 +37,7 @@ class EnginePlan:
 
     roles: Mapping[str, RolePlan]
     tokenizer: Any = field(repr=False)
-    stop_token_ids: tuple  # generation ends at the first of them: the tokenizer's EOS and --stop_token_ids
+    stop_token_ids: tuple  # a response ends at the first of them (`stop_tokens`: every source, sorted)
     generation_backend: str  # engine/generation BACKENDS name, resolved (hybrid only where it can run)
     num_training_steps: int = 0
 
@@ -240,6 +240,7 @@ def plan_engine(cfg: TrainConfig, num_training_steps: int = 0) -> EnginePlan:
     backend, backend_field = requested_backend(cfg)
     from .generation import BACKENDS
 
+    fallback_reasons = []  # the Hybrid Engine cannot run, and hybrid_engine_fallback says generate with HF instead
     if backend not in BACKENDS:
         p.add(backend_field, backend, f"no such generation backend; choose one of {', '.join(BACKENDS)}")
     elif backend == "hybrid" and "actor" in configs:
@@ -249,6 +250,7 @@ def plan_engine(cfg: TrainConfig, num_training_steps: int = 0) -> EnginePlan:
                   backend, "the DeepSpeed Hybrid Engine cannot run here: " + "; ".join(reasons) + ". Use "
                   "--generation_backend hf, or hybrid_engine_fallback true to generate with Hugging Face instead "
                   "(logged as a warning)")
+        fallback_reasons = reasons
     stop = None
     if tokenizer is not None and "actor" in configs:
         stop = stop_tokens(cfg, paths["actor"], tokenizer, configs["actor"].vocab_size, p)
@@ -261,8 +263,11 @@ def plan_engine(cfg: TrainConfig, num_training_steps: int = 0) -> EnginePlan:
         plans[role] = RolePlan(paths[role], stage, resolve_dtype(rc.dtype or cfg.dtype), train)
     p.raise_if_any("cannot start: model setup")
     log_dtypes(plans, {r: getattr(cfg, r).dtype or cfg.dtype for r in plans})
-    if backend == "hybrid" and not use_hybrid_engine(cfg, configs["actor"]):
-        backend = "hf"  # hybrid_engine_fallback (warned)
+    if fallback_reasons:
+        warn_once("generation_backend hybrid: the DeepSpeed Hybrid Engine cannot run here ("
+                  + "; ".join(fallback_reasons) + "); hybrid_engine_fallback is set, so the actor generates with "
+                  "Hugging Face generate")
+        backend = "hf"
     return EnginePlan(plans, tokenizer, stop, backend, num_training_steps)
 
 
@@ -477,20 +482,7 @@ def requested_backend(cfg: TrainConfig) -> tuple[str, str]:
     return cfg.engine.generation_backend, "generation_backend"
 
 
-def use_hybrid_engine(cfg: TrainConfig, actor_config: Any) -> bool:
-    """Whether the actor's engine gets the Hybrid Engine: requested and possible. Requested but impossible: with
-    `hybrid_engine_fallback` a warning (once per message) and False, else a `ConfigError` (plan_engine reports it
-    first, with every other problem)."""
-    if requested_backend(cfg)[0] != "hybrid":
-        return False
-    reasons = hybrid_engine_reasons(cfg, actor_config)
-    if not reasons:
-        return True
-    if not cfg.engine.hybrid_engine_fallback:
-        raise ConfigError([Problem(requested_backend(cfg)[1], True, "; ".join(reasons))], "cannot start: model setup")
-    message = ("generation_backend hybrid: the DeepSpeed Hybrid Engine cannot run here (" + "; ".join(reasons) + "); "
-               "hybrid_engine_fallback is set, so the actor generates with Hugging Face generate")
+def warn_once(message: str) -> None:
     if message not in _warned:
         _warned.add(message)
         log.warning(message)
-    return False
