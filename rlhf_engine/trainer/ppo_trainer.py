@@ -245,8 +245,11 @@ class PPOTrainer:
                     if train_actor:
                         logprobs, entropy = engine.actor_forward(r, with_entropy=with_entropy, check=False)
                         pmask = r.action_mask if micro.policy_mask is None else micro.policy_mask
-                        weights = loss_token_weights(pmask, ppo.loss_agg_mode, policy_tokens, policy_seqs,
-                                                     self.cfg.generation.max_answer_seq_len)
+                        # per-token weights: only for the other aggregation modes and the KL loss (token_mean divides)
+                        weights = None
+                        if ppo.loss_agg_mode != "token_mean" or ppo.kl_loss_coef:
+                            weights = loss_token_weights(pmask, ppo.loss_agg_mode, policy_tokens, policy_seqs,
+                                                         self.cfg.generation.max_answer_seq_len)
                         loss, ps = policy_loss(logprobs=logprobs, old_logprobs=micro.old_logprobs,
                                                advantages=corrected_advantages(micro), action_mask=pmask,
                                                clip_eps=ppo.clip_eps, clip_eps_high=ppo.upper_clip,
@@ -254,7 +257,7 @@ class PPOTrainer:
                                                # token_mean: sum / tokens, as ever (the weights are 1 / tokens)
                                                token_weights=None if ppo.loss_agg_mode == "token_mean" else weights)
                         if ppo.kl_loss_coef:
-                            kloss, ks = kl_loss(logprobs, micro.ref_logprobs, pmask, ppo.kl_loss_estimator, weights)
+                            kloss, _ = kl_loss(logprobs, micro.ref_logprobs, pmask, ppo.kl_loss_estimator, weights)
                             loss = loss + ppo.kl_loss_coef * kloss
                             stats.add("kl_loss", kloss.detach())
                         if with_entropy:
