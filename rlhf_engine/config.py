@@ -287,6 +287,10 @@ class RoleConfig:
     lr_scheduler_type: str = opt("constant", "Learning-rate schedule: " + ", ".join(SCHEDULERS) + ".")
     num_warmup_steps: int = opt(0, "Warm-up optimizer steps of the schedule.")
     gradient_clipping: float = opt(1.0, "Clip the global gradient norm to this value (0 = off).")
+    use_chat_template: bool = opt(False, "reward only: score each sample as a conversation (the data's prompt as the "
+                                  "user turn, the response as the assistant turn) through the reward tokenizer's "
+                                  "chat template (tokenizer_name_or_path, else the reward model's own), instead of "
+                                  "the actor's prompt text followed by the response.")
     init_from: str = opt("", "critic only: 'reward' (default: the reward model's weights) or 'actor' (the actor's "
                          "backbone with a new scalar head).")
     ds_config: str = opt("", "Optional DeepSpeed JSON merged over the built config of this role (keys validated).")
@@ -704,9 +708,14 @@ class TrainConfig:
         if not isinstance(self.unsup_text_column, str) or not self.unsup_text_column:
             p.add("unsup_text_column", self.unsup_text_column, "must name a column")
         _positive(p, "", self, "unsup_coef", allow_zero=True)
-        if self.reward.tokenizer_name_or_path and self.reward_fn:
-            p.add("reward_tokenizer_name_or_path", self.reward.tokenizer_name_or_path, f"is for a reward model; "
-                  f"reward_fn ({self.reward_fn!r}) replaces it: drop one")
+        for name in ("tokenizer_name_or_path", "use_chat_template"):
+            if getattr(self.reward, name) and self.reward_fn:
+                p.add(f"reward_{name}", getattr(self.reward, name), f"is for a reward model; reward_fn "
+                      f"({self.reward_fn!r}) replaces it: drop one")
+        for role in ("actor", "critic", "reference"):
+            if getattr(self, role).use_chat_template:
+                p.add(f"{role}_use_chat_template", True, "is for the reward role only (reward_use_chat_template); "
+                      "the actor's prompts follow use_chat_template")
 
     def _validate_engine_extensions(self, p: Problems) -> None:
         """LoRA per role, the adapter-disabled reference, EMA (the Hybrid Engine's checks need the model config and
@@ -833,7 +842,7 @@ class _SupervisedRun:
 
     # `flag_prefix=""`: the one model's fields are flat flags; `critic_init_from` means nothing here
     model: RoleConfig = opt(None, "The model trained (its RoleConfig fields as flat flags; zero_stage None = 0).",
-                            flag_prefix="", skip_flags=("init_from",))
+                            flag_prefix="", skip_flags=("init_from", "use_chat_template"))
     train: SupervisedConfig = opt(None, "Epochs, batches, lengths.")
     data: DataConfig = opt(None, "Training data.")
     logging: LoggingConfig = opt(None, "Metrics sinks besides metrics.jsonl.")

@@ -18,9 +18,17 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, fields
-from typing import Iterable, Optional, Sequence
+from typing import Any, Iterable, Mapping, NamedTuple, Optional, Sequence
 
 import torch
+
+
+class PromptRow(NamedTuple):
+    """What a sample's data row holds beside its tokens: the prompt text as the data has it (no templates), and the
+    data columns a reward function asked for (data/columns.py)."""
+
+    text: str
+    columns: Mapping[str, Any]
 
 
 def _check_01(name: str, mask: torch.Tensor) -> None:
@@ -83,6 +91,14 @@ class Rollout:
     response_lengths: torch.Tensor
     ended_with_eos: torch.Tensor
     prompt_length: int
+    # per sample, its data row (PromptRow: prompt text, requested columns); None when the batch does not come from
+    # a prompt dataset. Not a tensor: it travels with the rows through select and cat, never to a device.
+    rows: Optional[list[PromptRow]] = None
+
+    def with_rows(self, rows: Optional[Sequence[PromptRow]]) -> "Rollout":
+        if rows is not None and len(rows) != self.batch_size:
+            raise ValueError(f"{len(rows)} data rows for a batch of {self.batch_size}")
+        return dataclasses.replace(self, rows=None if rows is None else list(rows))
 
     @classmethod
     def from_generation(cls, prompt_ids: torch.Tensor, prompt_attention_mask: torch.Tensor,
@@ -207,6 +223,9 @@ class Rollout:
         for name, v in kw.items():
             if isinstance(v, torch.Tensor):
                 kw[name] = v[index]
+        if self.rows is not None:
+            picked = torch.arange(self.batch_size)[index].reshape(-1).tolist()
+            kw["rows"] = [self.rows[i] for i in picked]
         return type(self)(**kw)
 
     def split(self, micro_batch_size: int) -> list["Rollout"]:
@@ -238,7 +257,8 @@ class Rollout:
         return cls(sequences=torch.cat(seqs), attention_mask=attention_mask,
                    position_ids=position_ids_from_mask(attention_mask), action_mask=torch.cat(amasks),
                    response_lengths=torch.cat([r.response_lengths for r in rs]),
-                   ended_with_eos=torch.cat([r.ended_with_eos for r in rs]), prompt_length=P)
+                   ended_with_eos=torch.cat([r.ended_with_eos for r in rs]), prompt_length=P,
+                   rows=None if any(r.rows is None for r in rs) else [row for r in rs for row in r.rows])
 
 
 @dataclass

@@ -34,7 +34,7 @@ from ..pretrained import cache_root, sha256_file
 
 log = logging.getLogger("rlhf_engine.data")
 T = TypeVar("T")
-CODE_FILES = ("cache.py", "prompts.py", "sources.py", "supervised.py")
+CODE_FILES = ("cache.py", "columns.py", "prompts.py", "sources.py", "supervised.py")
 OFF = ("none", "off")
 # How long the node's other ranks wait for local rank 0 to build an entry. Not the job's collective timeout
 # (dist_timeout_minutes, minutes): tokenizing a large dataset may take longer than that, and a launcher ends the

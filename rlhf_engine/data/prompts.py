@@ -33,7 +33,8 @@ import torch
 
 from ..config import DataConfig, parse_data_sources
 from ..errors import ConfigError, Problem, Problems
-from ..rollout import pad_prompts
+from ..rollout import PromptRow, pad_prompts
+from .columns import ColumnRequest
 from .cache import CacheUse, cache_key, node_cached, resolve_cache_dir
 from .sources import RawSource, read_source
 
@@ -100,6 +101,7 @@ class PromptDataset:
 
     `texts` holds the raw prompt of each row as read (before templates and truncation). `extra` holds per-row
     payloads added by a row hook (e.g. `extra["response"]`: the response token ids of each row), one list per key.
+    `columns` holds the data columns a reward function asked for (`ColumnRequest`), one list per column.
     """
 
     input_ids: list[list[int]]
@@ -107,6 +109,7 @@ class PromptDataset:
     texts: list[str]
     stats: Optional[DataStats] = None  # counts of the load this dataset came from
     extra: dict[str, list] = field(default_factory=dict)
+    columns: dict[str, list] = field(default_factory=dict)
 
     def __len__(self) -> int:
         return len(self.input_ids)
@@ -114,7 +117,13 @@ class PromptDataset:
     def subset(self, indices: Sequence[int]) -> "PromptDataset":
         return PromptDataset([self.input_ids[i] for i in indices], [self.attention_mask[i] for i in indices],
                              [self.texts[i] for i in indices], self.stats,
-                             {k: [v[i] for i in indices] for k, v in self.extra.items()})
+                             {k: [v[i] for i in indices] for k, v in self.extra.items()},
+                             {k: [v[i] for i in indices] for k, v in self.columns.items()})
+
+    def rows(self, indices: Sequence[int], repeat: int = 1) -> list[PromptRow]:
+        """What rows `indices` hold beside their tokens, each `repeat` times in a row (a prompt's N samples)."""
+        return [PromptRow(self.texts[i], {k: v[i] for k, v in self.columns.items()})
+                for i in indices for _ in range(repeat)]
 
 
 @dataclass
@@ -177,12 +186,14 @@ class _Prepared:
     texts: list[str] = field(default_factory=list)
     rows: list[int] = field(default_factory=list)
     extra: dict[str, list] = field(default_factory=dict)
+    columns: dict[str, list] = field(default_factory=dict)  # requested data columns this source has
 
     def keep(self, positions: Sequence[int]) -> "_Prepared":
         """The entries at `positions` (in that order), payloads included."""
         return _Prepared([self.input_ids[i] for i in positions], [self.attention_mask[i] for i in positions],
                          [self.texts[i] for i in positions], [self.rows[i] for i in positions],
-                         {k: [v[i] for i in positions] for k, v in self.extra.items()})
+                         {k: [v[i] for i in positions] for k, v in self.extra.items()},
+                         {k: [v[i] for i in positions] for k, v in self.columns.items()})
 
 
 # A row hook: (source as read, its kept rows, its stats, the problems list) -> the rows to keep, with `extra` filled
@@ -196,7 +207,7 @@ def _template_fields(template: str) -> set[str]:
 
 
 def _prepare(raw: RawSource, stats: SourceStats, tokenizer: Any, max_len: int, data: DataConfig,
-             p: Problems) -> _Prepared:
+             p: Problems, columns: Optional[ColumnRequest] = None) -> _Prepared:
     """Steps 2-4 of the module docstring for one source; problems go to `p` (error policies)."""
     path, table, col, skip_bad = raw.path, raw.table, data.prompt_column, data.bad_row_policy == "skip"
     stats.rows = raw.rows
@@ -222,6 +233,14 @@ def _prepare(raw: RawSource, stats: SourceStats, tokenizer: Any, max_len: int, d
         p.add("prompt_template", data.prompt_template, f"fields {missing} are no columns of {path} (its columns are "
                                                        f"{table.column_names}); use {{prompt}} or existing columns")
         return _Prepared()
+    carried = columns.wanted(table.column_names, col) if columns else []
+    if columns:
+        absent = [c for c in columns.required if c not in table.column_names]
+        if absent:
+            p.add(columns.field, ", ".join(absent), f"the reward function takes the data column(s) {absent}, which "
+                                                   f"{path} does not have (its columns are {table.column_names}); add "
+                                                   f"them, or give the parameter a default to make it optional")
+            return _Prepared()
     texts = list(table[col])  # a list, not the lazy Column datasets returns
     ids = raw.row_ids
     not_text = [j for j, t in enumerate(texts) if t is not None and not isinstance(t, str)]
@@ -263,6 +282,9 @@ def _prepare(raw: RawSource, stats: SourceStats, tokenizer: Any, max_len: int, d
         out.attention_mask.append(m)
         out.texts.append(texts[j])
         out.rows.append(j)
+    if carried:
+        values = {c: list(table[c]) for c in carried}
+        out.columns = {c: [values[c][j] for j in out.rows] for c in carried}
     if data.long_prompt_policy == "skip":
         stats.too_long_skipped = len(too_long)
     elif data.long_prompt_policy == "truncate_left":
@@ -279,8 +301,13 @@ def _prepare(raw: RawSource, stats: SourceStats, tokenizer: Any, max_len: int, d
 
 
 def load_prompt_data(data: DataConfig, tokenizer: Any, max_prompt_seq_len: int, seed: int = 0,
-                     verbose: bool = True, row_hook: Optional[RowHook] = None) -> PromptData:
+                     verbose: bool = True, row_hook: Optional[RowHook] = None,
+                     columns: Optional[ColumnRequest] = None) -> PromptData:
     """Load, check, tokenize, blend and split the prompt data described by `data` (see the module docstring).
+
+    `columns`: data columns to keep beside the prompts (`PromptDataset.columns`), e.g. a reward function's ground
+    truth; part of the cache key. A required column a source lacks is a `ConfigError` naming it; of the others,
+    those every source has are kept.
 
     `row_hook` (see `RowHook`) runs on each source's kept rows after the prompt policies; its per-row payloads end up
     in `PromptDataset.extra`. A hook with a `cache_key` attribute (JSON-able, naming everything it depends on besides
@@ -305,12 +332,13 @@ def load_prompt_data(data: DataConfig, tokenizer: Any, max_prompt_seq_len: int, 
             return None
         settings = {k: v for k, v in vars(data).items() if k != "data_cache_dir"}
         settings.update(max_prompt_seq_len=max_prompt_seq_len, seed=seed,
-                        row_hook=getattr(row_hook, "cache_key", None))
+                        row_hook=getattr(row_hook, "cache_key", None),
+                        columns=columns.cache_key() if columns else None)
         return cache_key("prompts", [path for path, _ in sources], tokenizer, settings)
 
     result, use = node_cached(key, resolve_cache_dir(data.data_cache_dir),
                               lambda: _build_prompt_data(data, sources, tokenizer, max_prompt_seq_len, seed, row_hook,
-                                                         header))
+                                                         header, columns))
     result.cache = use
     if verbose:
         stats = result.stats
@@ -326,7 +354,8 @@ def load_prompt_data(data: DataConfig, tokenizer: Any, max_prompt_seq_len: int, 
 
 
 def _build_prompt_data(data: DataConfig, sources: list, tokenizer: Any, max_prompt_seq_len: int, seed: int,
-                       row_hook: Optional[RowHook], header: str) -> PromptData:
+                       row_hook: Optional[RowHook], header: str,
+                       columns: Optional[ColumnRequest] = None) -> PromptData:
     """Steps 1-5 of the module docstring (no cache, no logging)."""
     p = Problems()
     stats = DataStats([SourceStats(path, None if r is None else float(r)) for path, r in sources])
@@ -338,7 +367,7 @@ def _build_prompt_data(data: DataConfig, sources: list, tokenizer: Any, max_prom
             p.extend(e.problems)
             prepared.append(_Prepared())
             continue
-        pr = _prepare(raw, st, tokenizer, max_prompt_seq_len, data, p)
+        pr = _prepare(raw, st, tokenizer, max_prompt_seq_len, data, p, columns)
         if row_hook is not None and pr.input_ids:
             pr = row_hook(raw, pr, st, p)
             st.usable = len(pr.input_ids)
@@ -355,6 +384,8 @@ def _build_prompt_data(data: DataConfig, sources: list, tokenizer: Any, max_prom
     else:
         chosen = blend_indices([len(pr.input_ids) for pr in prepared], [r for _, r in sources], seed)
     merged = PromptDataset([], [], [], stats)
+    shared = set.intersection(*(set(pr.columns) for pr in prepared)) if columns else set()
+    merged.columns = {c: [] for c in prepared[0].columns if c in shared}  # in the first source's column order
     for pr, rows, st in zip(prepared, chosen, stats.sources):
         st.selected = len(rows)
         merged.input_ids += [pr.input_ids[i] for i in rows]
@@ -362,6 +393,8 @@ def _build_prompt_data(data: DataConfig, sources: list, tokenizer: Any, max_prom
         merged.texts += [pr.texts[i] for i in rows]
         for key, values in pr.extra.items():
             merged.extra.setdefault(key, []).extend(values[i] for i in rows)
+        for c in merged.columns:
+            merged.columns[c].extend(pr.columns[c][i] for i in rows)
     if data.eval_split and len(merged) < 2:
         raise ConfigError([Problem("eval_split", data.eval_split, f"{len(merged)} prompt(s) cannot be split into "
                                                                   f"train and eval; add prompts or set 0")], header)

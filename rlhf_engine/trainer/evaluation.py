@@ -43,7 +43,7 @@ class Evaluator:
             idx = self.indices[start:start + self.batch_size]
             real = torch.tensor(self.real[start:start + self.batch_size], device=engine.device)
             ids, mask = collate_prompts(self.dataset, idx, engine.pad_token_id)
-            rollout = engine.generate(ids, mask, params)
+            rollout = engine.generate(ids, mask, params).with_rows(self.dataset.rows(idx))
             scores = (engine.reward_scores(rollout) if reward_fn is None
                       else reward_fn(rollout.prompts, rollout)).to(engine.device, torch.float64)
             w = real.double()

@@ -19,25 +19,39 @@ from .guards import NonFiniteError  # noqa: F401  (re-exported: defined with the
 RewardFn = Callable[[torch.Tensor, Rollout], torch.Tensor]
 
 
-def decode_rollout(tokenizer, rollout: Rollout) -> tuple[list[str], list[str]]:
-    """The real prompt and response text of every row (padding dropped by mask; special tokens skipped)."""
+def decode_rollout(tokenizer, rollout: Rollout, keep_special_prompt: bool = False) -> tuple[list[str], list[str]]:
+    """The real prompt and response text of every row (padding dropped by mask; special tokens skipped, or kept in
+    the prompts with `keep_special_prompt`: the prompt exactly as the model saw it, chat template included)."""
     P = rollout.prompt_length
     pmask = rollout.attention_mask[:, :P].bool()
-    prompts = [tokenizer.decode(row[m].tolist(), skip_special_tokens=True) for row, m in zip(rollout.prompts, pmask)]
+    prompts = [tokenizer.decode(row[m].tolist(), skip_special_tokens=not keep_special_prompt)
+               for row, m in zip(rollout.prompts, pmask)]
     responses = [tokenizer.decode(row[: int(n)].tolist(), skip_special_tokens=True)
                  for row, n in zip(rollout.responses, rollout.response_lengths)]
     return prompts, responses
 
 
+def row_columns(rollout: Rollout) -> dict[str, list]:
+    """The data columns of a rollout's rows as keyword lists aligned with its samples ({} without rows)."""
+    if not rollout.rows or not rollout.rows[0].columns:
+        return {}
+    return {c: [row.columns[c] for row in rollout.rows] for c in rollout.rows[0].columns}
+
+
 def text_reward(fn: Callable, tokenizer) -> RewardFn:
-    """Adapt a text reward function `fn(prompts, responses) -> floats` (see rlhf_engine.rewards) to a RewardFn."""
-    from ..rewards import call_reward_fn
+    """Adapt a text reward function (rlhf_engine.rewards, its calling rule) to a RewardFn: a plain
+    `fn(prompts, responses)` gets the prompts without special tokens, as always; one that takes data columns gets
+    the prompts as the model saw them and its columns from the rollout's rows."""
+    from ..rewards import call_reward_fn, reward_fn_name, reward_signature
+
+    plain = reward_signature(fn).legacy
 
     def reward(prompt_ids: torch.Tensor, rollout: Rollout) -> torch.Tensor:
-        prompts, responses = decode_rollout(tokenizer, rollout)
-        return torch.tensor(call_reward_fn(fn, prompts, responses), dtype=torch.float32)
+        prompts, responses = decode_rollout(tokenizer, rollout, keep_special_prompt=not plain)
+        columns = {} if plain else row_columns(rollout)
+        return torch.tensor(call_reward_fn(fn, prompts, responses, columns), dtype=torch.float32)
 
-    reward.source_name = f"reward_fn {getattr(fn, '__rlhf_spec__', getattr(fn, '__qualname__', repr(fn)))}"
+    reward.source_name = f"reward_fn {reward_fn_name(fn)}"
     return reward
 
 

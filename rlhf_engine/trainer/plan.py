@@ -18,6 +18,7 @@ from typing import Any, Callable, Mapping, Optional
 
 from ..comm import DistInfo
 from ..config import TrainConfig
+from ..data.columns import ColumnRequest
 from ..data.prompts import PromptData, PromptDataset, load_prompt_data
 from ..data.ptx import PtxDataset, check_fits, load_ptx_data
 from ..data.sampler import PromptSampler
@@ -141,8 +142,46 @@ def _model_side(cfg: TrainConfig) -> tuple[EnginePlan, Optional[Callable]]:
             reward_fn = load_reward_fn(cfg.reward_fn)
         except ValueError as e:
             p.add("reward_fn", cfg.reward_fn, str(e))
+    elif cfg.reward.use_chat_template:
+        _check_reward_chat_template(cfg, p)
     p.raise_if_any("cannot start: model setup")
     return engine, reward_fn
+
+
+def _check_reward_chat_template(cfg: TrainConfig, p: Problems) -> None:
+    """--reward_use_chat_template needs a reward tokenizer with a chat template (read once here, before any
+    weight)."""
+    from transformers import AutoTokenizer
+
+    path = cfg.reward.tokenizer_name_or_path or cfg.reward.model_name_or_path
+    try:
+        template = getattr(AutoTokenizer.from_pretrained(path), "chat_template", None)
+    except Exception as e:  # noqa: BLE001  (the model-path checks name a missing folder; this names the rest)
+        p.add("reward_use_chat_template", True, f"cannot load the reward tokenizer {path!r} "
+              f"({type(e).__name__}: {e})")
+        return
+    if not template:
+        p.add("reward_use_chat_template", True, f"the reward tokenizer {path!r} has no chat_template; give "
+              "reward_tokenizer_name_or_path one with a template, or drop the flag")
+
+
+def reward_columns(reward_fn: Optional[Callable]) -> Optional[ColumnRequest]:
+    """The data columns `reward_fn` declares (rewards/loader.py: the calling rule); None for a plain one."""
+    if reward_fn is None:
+        return None
+    from ..rewards import reward_signature
+
+    sig = reward_signature(reward_fn)
+    return None if sig.legacy else ColumnRequest(sig.required, sig.optional, sig.all_columns, field="reward_fn")
+
+
+def check_columns(columns: Optional[ColumnRequest], datasets: list) -> None:
+    """Prompts given already tokenized must hold the reward function's required columns."""
+    missing = sorted({c for d in datasets for c in (columns.required if columns else ()) if c not in d.columns})
+    if missing:
+        raise ConfigError([Problem("reward_fn", ", ".join(missing), "the reward function takes these data columns, "
+                                   "which the given prompt data does not hold (PromptDataset.columns)")],
+                          "cannot start: prompt data")
 
 
 def warn_kl_in_group_returns(cfg: TrainConfig, dist: DistInfo) -> None:
@@ -164,12 +203,16 @@ def plan_ppo(cfg: TrainConfig, prompt_data: Optional[PromptData] = None) -> RunP
     engine, reward_fn = _model_side(cfg)  # model-side checks before the data is tokenized
     warn_kl_in_group_returns(cfg, dist)
     tok, g = engine.tokenizer, cfg.generation
-    data = prompt_data or load_prompt_data(cfg.data, tok, g.max_prompt_seq_len, seed=cfg.seed, verbose=dist.is_main)
+    columns = reward_columns(reward_fn)  # the data columns the reward function takes, kept with every row
+    data = prompt_data or load_prompt_data(cfg.data, tok, g.max_prompt_seq_len, seed=cfg.seed, verbose=dist.is_main,
+                                           columns=columns)
     eval_prompts = data.eval
     if cfg.eval_data_path:
         eval_cfg = dataclasses.replace(cfg.data, data_path=cfg.eval_data_path, eval_split=0.0)
         eval_prompts = load_prompt_data(eval_cfg, tok, g.max_prompt_seq_len, seed=cfg.seed,
-                                        verbose=dist.is_main).train
+                                        verbose=dist.is_main, columns=columns).train
+    if prompt_data is not None:
+        check_columns(columns, [data.train] + ([data.eval] if data.eval is not None else []))
     # too few prompts for one global batch is a batch-arithmetic error: reported before any weight is loaded
     sampler = PromptSampler(len(data.train), cfg.batch.per_device_generation_batch_size, dist.rank, dist.world_size,
                             cfg.seed)

@@ -33,6 +33,7 @@ from typing import Optional
 import torch
 
 from ..data.prompts import collate_prompts
+from ..engine.generation import Generated
 from ..hooks import TestHooks
 from ..data.sampler import DataCursor
 from ..comm import all_reduce
@@ -154,7 +155,9 @@ class PPOTrainer:
             ids, mask = collate_prompts(self.dataset, idx, self.engine.pad_token_id)
             if n > 1:  # each prompt n times in a row: a group is contiguous, on this rank (no collective for it)
                 ids, mask = ids.repeat_interleave(n, 0), mask.repeat_interleave(n, 0)
-            rollouts.append(self.engine.sample(ids, mask))  # Generated: the rollout and its generation log-probs
+            gen = self.engine.sample(ids, mask)  # Generated: the rollout and its generation log-probs
+            # each sample keeps its data row (prompt text, the reward function's columns) for the scoring
+            rollouts.append(Generated(gen.rollout.with_rows(self.dataset.rows(idx, repeat=n)), gen.logprobs))
         return rollouts
 
     def experience_phase(self, rollouts, stats: MetricSums) -> Experience:

@@ -24,6 +24,10 @@ reward tokenizer's EOS when the response ended with a stop token: the layout the
 left-pads prompts and right-pads responses (`Rollout.from_responses`, position ids from the mask) and scores with
 `RLHFEngine.reward_scores` (`role_engine.sequence_scores`: the score at the last real token). Prompts longer than the
 reward model's positions allow are cut from the left.
+With `--reward_use_chat_template` (any reward tokenizer, its own vocabulary or not) each sample is instead the
+conversation [user: the data row's prompt text, assistant: the response] through the reward tokenizer's chat
+template: the prompt part is the template with the generation prompt, the response part what the assistant turn
+adds to it (closing tokens included, whether or not the response ended with a stop token).
 """
 from __future__ import annotations
 
@@ -133,8 +137,10 @@ class RetokenizedRewardModel:
 
     source_name = "reward model (re-tokenized)"
 
-    def __init__(self, engine: Any, tokenizer: Any, max_positions: Optional[int] = None):
+    def __init__(self, engine: Any, tokenizer: Any, max_positions: Optional[int] = None,
+                 use_chat_template: bool = False):
         self.engine, self.tokenizer, self.max_positions = engine, tokenizer, max_positions
+        self.use_chat_template = use_chat_template
         self.pad_token_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (
             tokenizer.eos_token_id if tokenizer.eos_token_id is not None else 0)
         self.eos_token_id = tokenizer.eos_token_id
@@ -144,12 +150,15 @@ class RetokenizedRewardModel:
         prompts, responses = decode_rollout(self.engine.tokenizer, rollout)
         tok = self.tokenizer
         filler = self.eos_token_id if self.eos_token_id is not None else self.pad_token_id
-        p_ids = [list(x) or [filler] for x in tok(prompts, add_special_tokens=True)["input_ids"]]
         ended = rollout.ended_with_eos.bool().tolist()
-        r_ids = []
-        for ids, e in zip(tok(responses, add_special_tokens=False)["input_ids"], ended):
-            ids = list(ids) + ([self.eos_token_id] if e and self.eos_token_id is not None else [])
-            r_ids.append(ids or [filler])
+        if self.use_chat_template:
+            p_ids, r_ids = self.encode_conversations(rollout, responses)
+        else:
+            p_ids = [list(x) or [filler] for x in tok(prompts, add_special_tokens=True)["input_ids"]]
+            r_ids = []
+            for ids, e in zip(tok(responses, add_special_tokens=False)["input_ids"], ended):
+                ids = list(ids) + ([self.eos_token_id] if e and self.eos_token_id is not None else [])
+                r_ids.append(ids or [filler])
         limit = self.max_positions
         if limit and limit > 1:
             for i, (p, r) in enumerate(zip(p_ids, r_ids)):
@@ -160,21 +169,42 @@ class RetokenizedRewardModel:
         out = Rollout.from_responses(ids, mask, r_ids, self.pad_token_id, ended_with_eos=ended)
         return out.to(rollout.sequences.device)
 
+    def encode_conversations(self, rollout: Rollout, responses: list[str]) -> tuple[list, list]:
+        """(prompt ids, response ids) of [user: row text, assistant: response] in the reward tokenizer's chat
+        template; the response part is what the assistant turn adds after the generation prompt."""
+        if rollout.rows is None:
+            raise ValueError("reward_use_chat_template needs each sample's data row (Rollout.rows): the rollout "
+                             "does not come from a prompt dataset")
+        tok, p_ids, r_ids = self.tokenizer, [], []
+        for row, response in zip(rollout.rows, responses):
+            user = [{"role": "user", "content": row.text}]
+            head = tok.apply_chat_template(user, tokenize=False, add_generation_prompt=True)
+            full = tok.apply_chat_template(user + [{"role": "assistant", "content": response}], tokenize=False)
+            h = tok(head, add_special_tokens=False)["input_ids"]
+            f = tok(full, add_special_tokens=False)["input_ids"]
+            if f[:len(h)] != h or len(f) == len(h):  # the template re-renders the head: split at the text instead
+                tail = full[len(head):] if full.startswith(head) else full
+                f = h + tok(tail, add_special_tokens=False)["input_ids"]
+            p_ids.append(list(h))
+            r_ids.append(list(f[len(h):]) or [self.pad_token_id])
+        return p_ids, r_ids
+
     def __call__(self, prompt_ids: torch.Tensor, rollout: Rollout) -> torch.Tensor:
         return self.engine.reward_scores(self.encode(rollout))
 
 
 def reward_model_scorer(engine: Any, cfg: Any) -> Optional[RetokenizedRewardModel]:
     """The re-tokenizing scorer when the run has a reward model with its own tokenizer
-    (`reward_tokenizer_name_or_path`) whose vocabulary differs from the actor's; None otherwise (the actor's ids are
-    the reward model's)."""
-    path = getattr(cfg.reward, "tokenizer_name_or_path", "")
+    (`reward_tokenizer_name_or_path`) whose vocabulary differs from the actor's, or that scores conversations
+    (`reward_use_chat_template`); None otherwise (the actor's ids are the reward model's)."""
+    chat = bool(getattr(cfg.reward, "use_chat_template", False))
+    path = getattr(cfg.reward, "tokenizer_name_or_path", "") or (cfg.reward.model_name_or_path if chat else "")
     if getattr(cfg, "reward_fn", "") or not path or "reward" not in engine.engines:
         return None
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(path)
-    if same_vocab(tok, engine.tokenizer):
+    if same_vocab(tok, engine.tokenizer) and not chat:
         return None
     module = engine.reward.module
     config = getattr(getattr(module, "hf_model", module), "config", None)
@@ -187,4 +217,6 @@ def reward_model_scorer(engine: Any, cfg: Any) -> Optional[RetokenizedRewardMode
     if engine.dist.is_main:
         log.info("reward model has its own tokenizer (%s, %d tokens vs the actor's %d): prompts and responses are "
                  "decoded and re-encoded for it", path, len(tok), len(engine.tokenizer))
-    return RetokenizedRewardModel(engine, tok, limit)
+    if chat and engine.dist.is_main:
+        log.info("reward model scores conversations through the chat template of %s", path)
+    return RetokenizedRewardModel(engine, tok, limit, use_chat_template=chat)

@@ -124,3 +124,41 @@ def test_reward_model_with_its_own_tokenizer(tiny, dist_single, tmp_path, other_
     same = parse_args(train_args(tiny, str(tmp_path / "same"), reward_tokenizer_name_or_path=tiny.tokenizer,
                                  max_steps=1))
     plan_engine(same).roles
+
+
+def test_reward_model_scores_conversations_through_its_chat_template(tiny, dist_single, tmp_path,
+                                                                    other_vocab_reward):
+    """--reward_use_chat_template: [user: the data row's prompt, assistant: the response] in the reward tokenizer's
+    template, scored at its last token; a reward tokenizer without a template is refused before any engine."""
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+    tok_path, model_path = other_vocab_reward
+    base = dict(reward_model_name_or_path=model_path, critic_init_from="actor", max_steps=1,
+                per_device_generation_batch_size=4, per_device_training_batch_size=4, export_final="false",
+                reward_use_chat_template="true")
+    with pytest.raises(ConfigError, match=r"reward_use_chat_template = True: the reward tokenizer .* has no "
+                                          r"chat_template"):
+        build_trainer(parse_args(train_args(tiny, str(tmp_path / "refused"), reward_tokenizer_name_or_path=tok_path,
+                                            **base)))
+    rtok = AutoTokenizer.from_pretrained(tok_path)
+    rtok.chat_template = ("{% for m in messages %}[{{ m['role'] }}] {{ m['content'] }}<|endoftext|>{% endfor %}"
+                          "{% if add_generation_prompt %}[assistant]{% endif %}")
+    chat_tok = str(tmp_path / "chat_tok")
+    rtok.save_pretrained(chat_tok)
+    trainer = build_trainer(parse_args(train_args(tiny, str(tmp_path / "run"), reward_tokenizer_name_or_path=chat_tok,
+                                                  **base)))
+    assert isinstance(trainer.reward_fn, RetokenizedRewardModel) and trainer.reward_fn.use_chat_template
+    trainer.step()
+    trainer.metrics.close()
+    exp = trainer.last_experience
+    _, responses = decode_rollout(trainer.engine.tokenizer, exp.rollout)
+    hf = AutoModelForSequenceClassification.from_pretrained(model_path).eval()
+    expect = []
+    with torch.no_grad():
+        for row, r in zip(exp.rollout.rows, responses):
+            text = rtok.apply_chat_template([{"role": "user", "content": row.text},
+                                             {"role": "assistant", "content": r}], tokenize=False)
+            assert text.startswith(f"[user] {row.text}<|endoftext|>[assistant] ")
+            hidden = hf.transformer(input_ids=torch.tensor([rtok(text, add_special_tokens=False)["input_ids"]]))
+            expect.append(hf.score(hidden.last_hidden_state)[0, -1, 0].item())
+    assert torch.allclose(exp.scores, torch.tensor(expect), atol=1e-5), (exp.scores, expect)

@@ -1,0 +1,96 @@
+"""A verifiable reward: is the response's final answer equal to the data row's ground truth?
+
+Use with a data column `answer` (any name works through a wrapper of your own):
+
+    --reward_fn rlhf_engine.rewards.math_answer:exact_answer            # 1 right, 0 wrong or no answer
+    --reward_fn rlhf_engine.rewards.math_answer:exact_answer_formatted  # + FORMAT_BONUS for a marked answer
+
+The final answer of a response is, in order of precedence, the last `\\boxed{...}`, the text after the last
+`####`, the text after the last "answer is" / "answer:", else the last number anywhere. Two answers match when both
+read as exact rational numbers and are equal (`1,000` = `1000` = `1000.0`, `0.5` = `1/2` = `\\frac{1}{2}`, `-3` =
+`−3`), else when their normalised texts are equal (case, spaces, `$`, a trailing period ignored). Exact arithmetic,
+no floats: 0.1 + 0.2 style answers compare exactly. `math-verify` (symbolic LaTeX equivalence) is not used: this
+checker needs nothing beyond the standard library and is exact for the numeric answers it is meant for.
+"""
+from __future__ import annotations
+
+import re
+from fractions import Fraction
+from typing import Any, Optional, Sequence
+
+FORMAT_BONUS = 0.1  # exact_answer_formatted: added when the answer is marked (boxed, ####, "answer is")
+
+_NUMBER = r"[-+−]?(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?(?:\s*/\s*\d+)?"
+_MARKED = (re.compile(r"####\s*(.+?)\s*$", re.S), re.compile(r"answer\s*(?:is|:|=)\s*(.+?)(?:\n|$)", re.I))
+
+
+def _last_boxed(text: str) -> Optional[str]:
+    """The content of the last \\boxed{...} (nested braces allowed), None without one."""
+    start = text.rfind("\\boxed{")
+    if start < 0:
+        return None
+    depth, i = 0, start + len("\\boxed")
+    for j in range(i, len(text)):
+        depth += {"{": 1, "}": -1}.get(text[j], 0)
+        if depth == 0:
+            return text[i + 1:j]
+    return None
+
+
+def extract_answer(text: str) -> tuple[Optional[str], bool]:
+    """(the final answer of `text` or None, whether it was marked: boxed, `####` or "answer is")."""
+    boxed = _last_boxed(text)
+    if boxed is not None:
+        return boxed.strip(), True
+    for pattern in _MARKED:
+        found = pattern.findall(text)
+        if found:
+            marked = found[-1].strip()
+            number = re.findall(_NUMBER, marked)
+            return (number[0] if number else marked), True
+    numbers = re.findall(_NUMBER, text)
+    return (numbers[-1] if numbers else None), False
+
+
+def parse_number(text: str) -> Optional[Fraction]:
+    """An exact number from `1,234`, `-0.5`, `3/4`, `\\frac{3}{4}`, `$12`, `12.`; None when it is not one."""
+    t = text.strip().replace("−", "-").replace("$", "").replace("\\!", "").replace(" ", "").rstrip(".")
+    frac = re.fullmatch(r"([-+]?)\\[dt]?frac\{(\d+)\}\{(\d+)\}", t)
+    if frac:
+        sign, a, b = frac.groups()
+        return None if int(b) == 0 else Fraction(int(a), int(b)) * (-1 if sign == "-" else 1)
+    if re.fullmatch(r"[-+]?(\d{1,3}(,\d{3})+|\d+)(\.\d+)?", t):
+        return Fraction(t.replace(",", ""))
+    ratio = re.fullmatch(r"([-+]?\d+)/(\d+)", t)
+    if ratio:
+        return None if int(ratio.group(2)) == 0 else Fraction(int(ratio.group(1)), int(ratio.group(2)))
+    return None
+
+
+def _normalise(text: str) -> str:
+    return re.sub(r"\s+", "", text.replace("$", "")).rstrip(".").lower()
+
+
+def answers_match(predicted: Optional[str], truth: Any) -> bool:
+    """Whether a predicted answer equals the ground truth (numbers exactly, else normalised text)."""
+    if predicted is None or truth is None:
+        return False
+    truth = str(truth)
+    a, b = parse_number(predicted), parse_number(truth)
+    if a is not None and b is not None:
+        return a == b
+    return _normalise(predicted) == _normalise(truth) and bool(_normalise(truth))
+
+
+def exact_answer(prompts: Sequence[str], responses: Sequence[str], answer: Sequence[Any]) -> list[float]:
+    """1.0 when the response's final answer equals the row's `answer`, else 0.0 (no answer counts as wrong)."""
+    return [float(answers_match(extract_answer(r)[0], a)) for r, a in zip(responses, answer)]
+
+
+def exact_answer_formatted(prompts: Sequence[str], responses: Sequence[str], answer: Sequence[Any]) -> list[float]:
+    """`exact_answer` + FORMAT_BONUS when the final answer is marked (boxed, `####`, "the answer is ...")."""
+    out = []
+    for r, a in zip(responses, answer):
+        predicted, marked = extract_answer(r)
+        out.append(float(answers_match(predicted, a)) + (FORMAT_BONUS if marked else 0.0))
+    return out

@@ -1,0 +1,43 @@
+"""The verifiable answer checker on hand-written cases: equivalent forms, wrong answers, no answer, the format term."""
+import pytest
+
+from rlhf_engine.rewards.math_answer import (FORMAT_BONUS, answers_match, exact_answer, exact_answer_formatted,
+                                             extract_answer, parse_number)
+
+
+@pytest.mark.parametrize("text, answer, marked", [
+    ("3 + 4 = 7", "7", False),
+    ("First 2, then 5. The answer is 12.", "12", True),
+    ("so the result is \\boxed{\\frac{1}{2}} and 9 later", "\\frac{1}{2}", True),
+    ("work...\n#### 1,000", "1,000", True),
+    ("Answer: -3", "-3", True),
+    ("I do not know", None, False),
+])
+def test_extracts_the_final_answer(text, answer, marked):
+    assert extract_answer(text) == (answer, marked)
+
+
+@pytest.mark.parametrize("predicted, truth", [
+    ("1,000", 1000), ("1000.0", "1000"), ("0.5", "1/2"), ("\\frac{1}{2}", "0.50"), ("−3", "-3"), ("$12", "12"),
+    ("12.", 12), ("x + 1", "X+1"),
+])
+def test_equivalent_forms_match(predicted, truth):
+    assert answers_match(predicted, truth)
+
+
+@pytest.mark.parametrize("predicted, truth", [
+    ("13", "12"), ("0.3", "1/3"), ("-3", "3"), (None, "1"), ("12", None), ("", ""), ("1/0", "0"),
+])
+def test_wrong_or_missing_answers_do_not(predicted, truth):
+    assert not answers_match(predicted, truth)
+
+
+def test_parse_number_is_exact():
+    assert parse_number("0.1") + parse_number("0.2") == parse_number("0.3")
+    assert parse_number("twelve") is None and parse_number("1/0") is None
+
+
+def test_rewards():
+    responses = ["7 + 5 = 12", "The answer is 12", "It is 13", "no number here"]
+    assert exact_answer([""] * 4, responses, ["12"] * 4) == [1.0, 1.0, 0.0, 0.0]
+    assert exact_answer_formatted([""] * 4, responses, [12] * 4) == [1.0, 1.0 + FORMAT_BONUS, 0.0, 0.0]
