@@ -24,6 +24,7 @@ import sys
 import typing
 from typing import Any, Callable, Optional, Sequence
 
+from . import signals
 from .config import TrainConfig, flat_fields
 from .errors import (CLEAN_EXIT_CODES, EXIT_FAILED, EXIT_OK, EXIT_USER_ERROR, ConfigError, Problems,
                      TrainingStopped, did_you_mean)
@@ -227,10 +228,18 @@ def run_main(argv: Optional[Sequence[str]], description: str, config_cls: type, 
     """The body of every launch script: parse `argv` (default `sys.argv[1:]`) into `config_cls`, call
     `run(cfg, argv)` and map its outcome to an exit code of `errors.EXIT_CODES`, the only place that does: a user
     error (`ConfigError`) is printed, code 2; training stopped on every rank together (`TrainingStopped`: too many
-    skipped steps, a non-finite value) prints its message and gives its own code; a collective operation that timed
-    out or lost its peer (another rank stalled or died), or a reward function that raised, prints its traceback and
-    one `error:` line saying so, code 1; anything else propagates."""
+    skipped steps, a non-finite value, a preemption: 75) prints its message and gives its own code; a collective
+    operation that timed out or lost its peer (another rank stalled or died), or a reward function that raised,
+    prints its traceback and one `error:` line saying so, code 1; anything else propagates."""
     argv = sys.argv[1:] if argv is None else list(argv)
+    signals.install()  # SIGUSR1 / SIGTERM from now on: noted, answered at the next boundary (exit 75)
+    try:
+        return _run(argv, description, config_cls, run)
+    finally:
+        signals.uninstall()  # in-process callers (tests, notebooks) get their own handlers back
+
+
+def _run(argv: list, description: str, config_cls: type, run: Callable[[Any, list], Any]) -> int:
     cfg = None
     try:
         cfg = parse_args(argv, description=description, config_cls=config_cls)
@@ -239,7 +248,8 @@ def run_main(argv: Optional[Sequence[str]], description: str, config_cls: type, 
         print(f"error: {e}", file=sys.stderr)
         return EXIT_USER_ERROR
     except TrainingStopped as e:  # every rank stops together, each with this message (trainer/guards.py)
-        print(f"error: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
+        clean = e.exit_code in CLEAN_EXIT_CODES  # preempted: a complete checkpoint, not an error
+        print(f"{'' if clean else 'error: '}{type(e).__name__}: {e}", file=sys.stderr, flush=True)
         return e.exit_code
     except Exception as e:  # noqa: BLE001  (only collective failures are handled; the rest is re-raised)
         from .engine.distributed import describe_collective_failure

@@ -534,6 +534,12 @@ def _keep_last_field() -> Any:
                "complete (0 = keep all). Incomplete folders are never deleted.")
 
 
+def _save_minutes_field(unit: str) -> Any:
+    return opt(0.0, f"Also save a checkpoint once M minutes have passed since the last one, at the next {unit} "
+               "boundary, every rank agreeing (0 = off). For preemptible jobs: bounds the work lost to a kill that "
+               "comes without a signal. Works beside save_interval.")
+
+
 def _validate_checkpointing(p: Problems, cfg: Any) -> None:
     """resume / overwrite_output_dir / save_interval / keep_last, shared by PPO and the supervised steps."""
     if not isinstance(cfg.resume, str):
@@ -545,6 +551,9 @@ def _validate_checkpointing(p: Problems, cfg: Any) -> None:
         v = getattr(cfg, n)
         if not isinstance(v, int) or isinstance(v, bool) or v < 0:
             p.add(n, v, "must be a whole number >= 0")
+    m = cfg.save_interval_minutes
+    if not isinstance(m, (int, float)) or isinstance(m, bool) or not m >= 0 or m == float("inf"):
+        p.add("save_interval_minutes", m, "must be a number of minutes >= 0 (0 = off)")
 
 
 def _dist_timeout_field() -> Any:
@@ -599,6 +608,7 @@ class TrainConfig:
     resume_force: bool = _resume_force_field()
     save_interval: int = opt(0, "Save a checkpoint every N iterations to <output_dir>/checkpoints/iter_NNNNNN "
                              "(0 = only at the end; the end is always saved).")
+    save_interval_minutes: float = _save_minutes_field("iteration")
     keep_last: int = _keep_last_field()
     export_final: bool = opt(True, "At the end, export the actor and critic (and the EMA) as Hugging Face folders "
                              "(ZeRO-3 consolidated, LoRA merged, tokenizer saved) to export_dir.")
@@ -853,6 +863,7 @@ class _SupervisedRun:
                                      "are kept, moved aside as <name>.<timestamp>.bak.")
     save_interval: int = opt(0, "Save a checkpoint every N optimizer steps to <output_dir>/checkpoints/iter_NNNNNN, "
                              "and one at the end (0 = no checkpoints: the result is the exported model).")
+    save_interval_minutes: float = _save_minutes_field("optimizer-step")
     keep_last: int = _keep_last_field()
     resume: str = _resume_field("step")
     resume_force: bool = _resume_force_field()

@@ -4,6 +4,8 @@
                                                    kill, a node lost: nothing runs after it, no handler, no flush)
     RLHF_ENGINE_TEST_STALL="RANK:ITERATION:PHASE"   that rank sleeps forever there (alive, but it never joins the
                                                    next collective: a hung rank)
+    RLHF_ENGINE_TEST_SIGNAL="RANK:ITERATION:PHASE"  that rank sends itself SIGUSR1 there (a preemption notice that
+                                                   arrives at a chosen moment; trainer/preemption.py answers it)
 
 Several points may be joined with ','. ITERATION is the 0-based PPO iteration (for `checkpoint`: the tag's number,
 i.e. iterations completed). PHASE:
@@ -16,7 +18,7 @@ i.e. iterations completed). PHASE:
     checkpoint   inside the save of checkpoint iter_ITERATION: after the DeepSpeed engine files were written,
                  before the per-rank state files and the COMPLETE marker (a save cut short)
 
-Both variables are read here only (`fault_point`). The trainer consults its points through its `TestHooks`
+The variables are read here only (`fault_point`). The trainer consults its points through its `TestHooks`
 (rlhf_engine/hooks.py) at the start of each phase and after each guarded step; `checkpoint` is called directly by
 `Checkpointer.save`. Used by tests/distributed/test_faults.py.
 """
@@ -29,6 +31,7 @@ import time
 
 KILL_VAR = "RLHF_ENGINE_TEST_KILL"
 STALL_VAR = "RLHF_ENGINE_TEST_STALL"
+SIGNAL_VAR = "RLHF_ENGINE_TEST_SIGNAL"
 PHASES = ("rollout", "experience", "train", "train_step", "checkpoint")
 
 
@@ -50,7 +53,7 @@ def _points(var: str) -> set[tuple[int, int, str]]:
 
 def active() -> bool:
     """True when any fault point is set (the hooks are installed only then)."""
-    return bool(_points(KILL_VAR) or _points(STALL_VAR))
+    return bool(_points(KILL_VAR) or _points(STALL_VAR) or _points(SIGNAL_VAR))
 
 
 def fault_point(phase: str, iteration: int, rank: int) -> None:
@@ -59,6 +62,9 @@ def fault_point(phase: str, iteration: int, rank: int) -> None:
     if point in _points(KILL_VAR):
         _say(f"rank {rank} (pid {os.getpid()}) kills itself with SIGKILL at iteration {iteration}, phase {phase}")
         os.kill(os.getpid(), signal.SIGKILL)
+    if point in _points(SIGNAL_VAR):
+        _say(f"rank {rank} (pid {os.getpid()}) sends itself SIGUSR1 at iteration {iteration}, phase {phase}")
+        os.kill(os.getpid(), signal.SIGUSR1)
     if point in _points(STALL_VAR):
         _say(f"rank {rank} (pid {os.getpid()}) stalls forever at iteration {iteration}, phase {phase}")
         while True:

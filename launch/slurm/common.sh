@@ -7,6 +7,8 @@
 #                the newest complete checkpoint there
 #   GPUS_PER_NODE  from SLURM (SLURM_GPUS_ON_NODE, SLURM_GPUS_PER_NODE), else 1
 #   MASTER_PORT  15000 + job id % 10000 (rlhf_engine.engine.distributed.slurm_port), unless set
+#   SAVE_MINUTES  --save_interval_minutes of every launch (default 30)
+#   RLHF_SIGNAL_STEPS=1  on preemption also signal the job's srun steps (scancel --signal=USR1; the srun script)
 #   RLHF_DRY_RUN=1  print the training command instead of running it (how tests check these scripts)
 set -euo pipefail
 
@@ -35,27 +37,61 @@ set_omp_threads() {
   export OMP_NUM_THREADS=${OMP_NUM_THREADS:-$(( cpus / ranks > 0 ? cpus / ranks : 1 ))}
 }
 
-# every launch continues the run: --resume auto picks the newest checkpoint with a COMPLETE marker (none: iteration 0)
-TRAIN_ARGS=(--output_dir "$OUTPUT_DIR" --resume auto)
+# every launch continues the run: --resume auto picks the newest checkpoint with a COMPLETE marker (none: iteration
+# 0); a checkpoint at least every SAVE_MINUTES (default 30) bounds what a kill without a signal loses. Flags after the
+# script come later and win (e.g. --save_interval_minutes 10).
+TRAIN_ARGS=(--output_dir "$OUTPUT_DIR" --resume auto --save_interval_minutes "${SAVE_MINUTES:-30}")
 
-# Run a command; on SIGUSR1 (#SBATCH --signal=B:USR1@<seconds> before the time limit) requeue the job. Requeued, it
-# starts again from the top and resumes from the newest complete checkpoint (progress since then is repeated:
-# choose --save_interval accordingly). A node failure requeues the same way (#SBATCH --requeue).
+# The rank processes below process $1 (their environment holds LOCAL_RANK, which launchers set for ranks only) get
+# signal $2; the launchers between are left alone (SIGUSR1 would kill a launcher, and it would kill its ranks).
+signal_ranks() {
+  local pid
+  for pid in $(pgrep -P "$1" 2>/dev/null || true); do
+    if tr '\0' '\n' < "/proc/$pid/environ" 2>/dev/null | grep -q '^LOCAL_RANK='; then
+      kill -s "$2" "$pid" 2>/dev/null || true
+    else
+      signal_ranks "$pid" "$2"
+    fi
+  done
+}
+
+# Run a command and requeue the job if it stopped preempted. On SIGUSR1 (#SBATCH --signal=B:USR1@<seconds> before
+# the time limit) or SIGTERM the batch shell asks the ranks to stop: SIGUSR1 to the rank processes it started on this
+# node, `scancel --signal=USR1` to the job's srun steps when RLHF_SIGNAL_STEPS=1 (tasks on every node), and the
+# request file $OUTPUT_DIR/PREEMPT_REQUESTED for ranks no signal reaches (pdsh-started nodes). At their next
+# iteration boundary the ranks write a complete checkpoint, rank 0 writes $OUTPUT_DIR/PREEMPTED, and they exit with
+# 75. The job is requeued when that marker is there, and only then (srun --kill-on-bad-exit and torchrun do not pass
+# 75 through; the deepspeed launcher does). Requeued, it resumes from that checkpoint (--resume auto). A kill without
+# a signal (node failure) requeues through #SBATCH --requeue and resumes from the newest complete checkpoint: set
+# --save_interval_minutes to bound what is repeated.
 run_requeueable() {
   if [ "${RLHF_DRY_RUN:-0}" = 1 ]; then
     printf 'DRY RUN: OMP_NUM_THREADS=%s' "$OMP_NUM_THREADS"; printf ' %q' "$@"; printf '\n'
     return 0
   fi
-  requeue() {
-    echo "[slurm] signal before the time limit: requeueing job $SLURM_JOB_ID (resumes from its newest checkpoint)"
-    scontrol requeue "$SLURM_JOB_ID"
+  mkdir -p "$OUTPUT_DIR"
+  rm -f "$OUTPUT_DIR/PREEMPTED" "$OUTPUT_DIR/PREEMPT_REQUESTED"  # a new attempt: the last one's are answered
+  local child rc=0
+  preempt() {
+    echo "[slurm] $1 received: asking the ranks to checkpoint and stop (exit 75, then requeue)"
+    : > "$OUTPUT_DIR/PREEMPT_REQUESTED"
+    signal_ranks "$child" USR1
+    if [ "${RLHF_SIGNAL_STEPS:-0}" = 1 ]; then
+      scancel --signal=USR1 "$SLURM_JOB_ID" || true
+    fi
   }
-  trap requeue USR1
+  trap 'preempt USR1' USR1
+  trap 'preempt TERM' TERM
   "$@" &
-  local child=$! rc=0
+  child=$!
   while true; do
     wait "$child" && rc=0 || rc=$?
     kill -0 "$child" 2>/dev/null || break   # wait was interrupted by the trap: the child still runs
   done
+  trap - USR1 TERM
+  if [ -f "$OUTPUT_DIR/PREEMPTED" ]; then
+    echo "[slurm] preempted with a complete checkpoint (exit $rc): requeueing job $SLURM_JOB_ID"
+    scontrol requeue "$SLURM_JOB_ID"
+  fi
   return "$rc"
 }

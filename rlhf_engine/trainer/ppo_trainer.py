@@ -126,7 +126,7 @@ class PPOTrainer:
         self.loss_token_mean = "global"
         self.checkpointer = Checkpointer(
             engine, providers_of(self), plan.run_dir, plan.fingerprint, save_interval=cfg.save_interval,
-            keep_last=cfg.keep_last, seed=cfg.seed,
+            keep_last=cfg.keep_last, seed=cfg.seed, save_interval_minutes=cfg.save_interval_minutes,
             export_dir=(cfg.export_dir or plan.run_dir.final) if cfg.export_final else None)
         # Sampling differs per rank, data order does not (the sampler depends on seed and epoch only).
         torch.manual_seed(cfg.seed + dist.rank)
@@ -347,6 +347,7 @@ class PPOTrainer:
     def train(self) -> list[dict]:
         records = []
         try:
+            self.checkpointer.before_first(self.iteration)  # a preemption during start-up: exit 75, nothing saved
             for _ in range(self.iteration, self.total_iterations):
                 try:
                     rec = self.step()
@@ -360,7 +361,8 @@ class PPOTrainer:
                              self.total_iterations, rec["objective/score"], rec["objective/kl"],
                              rec["rollout/response_length"], rec["time/generate"] + rec["time/experience"]
                              + rec["time/train"])
-                self.checkpointer.after_iteration(self.iteration)  # every save_interval iterations
+                # save_interval / save_interval_minutes / a preemption request (exit 75 after saving)
+                self.checkpointer.after_iteration(self.iteration, last=self.iteration == self.total_iterations)
             if self.evaluator and self.iteration == self.total_iterations:  # "after": one record of eval/* keys only
                 rec = {"iteration": self.iteration, **self.evaluate()}
                 self.metrics.write(rec)

@@ -3,6 +3,8 @@
 """
 from __future__ import annotations
 
+import logging
+import os
 from typing import Any, Optional
 
 import torch
@@ -14,7 +16,10 @@ from ..engine import RLHFEngine
 from ..outputs.run_logger import RunLogger
 from .plan import RunPlan, SupervisedPlan, plan_ppo
 from .ppo_trainer import PPOTrainer
+from .preemption import clear_markers
 from .state import after_resume_cleanup
+
+log = logging.getLogger(__name__)
 
 
 def build_trainer(cfg: TrainConfig, argv: Optional[list] = None, prompt_data: Optional[PromptData] = None) -> PPOTrainer:
@@ -41,8 +46,19 @@ def prepare_run_dir(plan: RunPlan | SupervisedPlan, argv: Optional[list]) -> Non
     barrier()
     if dist.is_main:
         plan.run_dir.write_run_files(flat_dict(cfg), list(argv or []))
+        clear_markers(plan.run_dir.root)  # a new attempt: the last one's PREEMPTED / request are answered
+        warn_unsaved_slurm_run(cfg)
     after_resume_cleanup(cfg, dist, plan.resume_path)
     barrier()
+
+
+def warn_unsaved_slurm_run(cfg: Any) -> None:
+    """A SLURM job (preemptible, time-limited) whose only checkpoint is the last one loses everything to a kill that
+    comes without a signal: say so once at start."""
+    if os.environ.get("SLURM_JOB_ID") and not cfg.save_interval and not cfg.save_interval_minutes:
+        log.warning("running under SLURM (job %s) with neither save_interval nor save_interval_minutes set: a "
+                    "preemption signal still saves, but a kill without one (node failure, scancel -9) loses the "
+                    "whole run; set --save_interval_minutes 30 (or --save_interval N)", os.environ["SLURM_JOB_ID"])
 
 
 def write_ds_configs(plan: RunPlan | SupervisedPlan, configs: dict[str, Any]) -> None:

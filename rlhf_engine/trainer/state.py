@@ -33,6 +33,7 @@ from ..comm import all_gather_object, barrier, broadcast_object
 from ..data.sampler import DataCursor
 from ..errors import ConfigError, Problem
 from ..outputs import checkpoint as ckpt
+from .preemption import Boundary
 
 log = logging.getLogger(__name__)
 
@@ -149,7 +150,11 @@ def _norm_path(path: str) -> str:
 class Checkpointer:
     """Checkpoints, resume and the final export of one run (PPO; the SFT / reward-model loop uses save and load).
 
-    * `after_iteration(it)`: a checkpoint every `save_interval` iterations (0 = none between);
+    * `before_first(it)`: the boundary before this attempt's first iteration: a preemption request ends the run
+      (exit 75) with nothing new saved;
+    * `after_iteration(it, last)`: a checkpoint every `save_interval` iterations (0 = none between), or once
+      `save_interval_minutes` have passed, or on a preemption request, which then ends the run (exit 75) unless
+      this was the last iteration (trainer/preemption.py; one tiny collective per call);
     * `finish(it)`: the checkpoint at the end (unless this iteration was just saved) and the export;
     * `save(it)`: engines + per-rank state, barrier, marker (rank 0), rotation (keep_last);
     * `load(path)`: the reverse, into freshly built engines and providers of the same run.
@@ -161,9 +166,11 @@ class Checkpointer:
     """
 
     def __init__(self, engine: Any, providers: Mapping[str, Any], run_dir: Any, fingerprint: Mapping[str, Any], *,
-                 save_interval: int = 0, keep_last: int = 0, seed: int = 0, export_dir: Optional[str] = None):
+                 save_interval: int = 0, keep_last: int = 0, seed: int = 0, export_dir: Optional[str] = None,
+                 save_interval_minutes: float = 0.0):
         self.engine, self.providers, self.fingerprint = engine, dict(providers), dict(fingerprint)
         self.root = run_dir.checkpoints
+        self.boundary = Boundary(engine.dist, run_dir.root, save_interval_minutes)
         self.save_interval, self.keep_last, self.seed = int(save_interval or 0), int(keep_last or 0), seed
         self.export_dir = export_dir
         self.last_saved: Optional[int] = None  # iteration of the newest checkpoint this run saved or loaded
@@ -174,10 +181,20 @@ class Checkpointer:
         return self.engine.dist
 
     # ---- when ----------------------------------------------------------------------------------------------------
-    def after_iteration(self, it: int) -> Optional[str]:
-        if self.save_interval and it % self.save_interval == 0 and it != self.last_saved:
-            return self.save(it)
-        return None
+    def before_first(self, it: int) -> None:
+        stop, _ = self.boundary.poll()
+        if stop:  # nothing trained in this attempt: the checkpoint it resumed from (if any) is the newest
+            raise self.boundary.stop(it, self.resumed_from)
+
+    def after_iteration(self, it: int, last: bool = False) -> Optional[str]:
+        stop, due = self.boundary.poll()
+        stop = stop and not last  # the last iteration: the run ends normally (final checkpoint, export)
+        path = None
+        if ((self.save_interval and it % self.save_interval == 0) or due or stop) and it != self.last_saved:
+            path = self.save(it)
+        if stop:
+            raise self.boundary.stop(it, path or os.path.join(self.root, ckpt.tag_for(it)))
+        return path
 
     def finish(self, it: int) -> Optional[str]:
         """End of training: the final checkpoint (if not already taken at this iteration), then the export."""
@@ -222,6 +239,7 @@ class Checkpointer:
                      if deleted else "")
         barrier()
         self.last_saved = it
+        self.boundary.saved()
         return path
 
     # ---- load ----------------------------------------------------------------------------------------------------

@@ -90,7 +90,8 @@ class SupervisedTrainer:
         if plan is not None:
             self.checkpointer = Checkpointer(OneEngine(engine, self.dist), providers_of(self), plan.run_dir,
                                              plan.fingerprint, save_interval=self.cfg.save_interval,
-                                             keep_last=self.cfg.keep_last, seed=self.cfg.seed)
+                                             keep_last=self.cfg.keep_last, seed=self.cfg.seed,
+                                             save_interval_minutes=self.cfg.save_interval_minutes)
             if plan.resume_path:  # last: the random generators are restored right before training continues
                 self.checkpointer.load(plan.resume_path, force=self.cfg.resume_force)
                 if self.dist.is_main:
@@ -165,6 +166,7 @@ class SupervisedTrainer:
         """Steps from `iteration` (0, or where a resumed checkpoint stopped) to `total_steps`, then the export."""
         per_epoch, is_main = self.sampler.batches_per_epoch, self.dist.is_main
         ckpt = self.checkpointer
+        ckpt.before_first(self.iteration)  # a preemption during start-up: exit 75, nothing saved
         while self.iteration < self.total_steps:
             epoch, k, idx = next(self.cursor)
             rec = self.train_step(epoch, idx)
@@ -178,7 +180,7 @@ class SupervisedTrainer:
                          "  ".join(f"{key} {v:.4g}" for key, v in rec.items()
                                    if key.startswith(self.name + "/") and not key.endswith("/lr")
                                    and isinstance(v, float)))
-            ckpt.after_iteration(self.iteration)
+            ckpt.after_iteration(self.iteration, last=self.iteration >= self.total_steps)  # also: preemption
         if ckpt.save_interval and ckpt.last_saved != self.iteration:
             ckpt.save(self.iteration)
         self.export()

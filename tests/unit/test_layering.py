@@ -19,14 +19,15 @@ ALLOWED = {
     "pretrained": {"errors"},
     "assets": {"pretrained"},
     "faults": set(),
+    "signals": set(),
     "hooks": {"faults"},
     "rewards": {"errors"},
     "outputs": {"errors"},
     "data": {"config", "errors", "rollout", "pretrained"},
     "engine": {"comm", "config", "errors", "ppo_math", "rollout"},
     "trainer": {"comm", "config", "data", "engine", "errors", "estimators", "outputs", "ppo_math", "pretrained",
-                "rewards", "rollout", "faults", "hooks"},
-    "cli": {"comm", "config", "engine", "errors", "rewards"},
+                "rewards", "rollout", "faults", "hooks", "signals"},
+    "cli": {"comm", "config", "engine", "errors", "rewards", "signals"},
 }
 
 

@@ -1,5 +1,6 @@
 """SLURM's environment mapped to torch.distributed's (no SLURM needed: the environments are faked), the hostfile
-generator, and the sbatch scripts (dry run, and the requeue on SIGUSR1 with fake `deepspeed` and `scontrol`)."""
+generator, and the sbatch scripts (dry run; on SIGUSR1 the signal goes to the ranks, never the launcher, and the job
+is requeued only when the run left a PREEMPTED marker, with fake `deepspeed` and `scontrol`)."""
 import os
 import signal
 import subprocess
@@ -112,33 +113,55 @@ def test_sbatch_scripts_dry_run(tmp_path, script, expected):
     assert proc.returncode == 0, proc.stderr
     line = proc.stdout.strip().splitlines()[-1]
     want = ("DRY RUN: " + expected.format(out=env["OUTPUT_DIR"], py=sys.executable)
-            + f" --output_dir {env['OUTPUT_DIR']} --resume auto --max_steps 5")
+            + f" --output_dir {env['OUTPUT_DIR']} --resume auto --save_interval_minutes 30 --max_steps 5")
     assert line == want, (line, want)
     if "hostfile" in expected:
         assert open(os.path.join(env["OUTPUT_DIR"], "hostfile.123456")).read() == "gpu07 slots=4\ngpu08 slots=4\n"
 
 
-def test_sbatch_requeues_on_the_time_limit_signal(tmp_path):
-    """SIGUSR1 to the batch shell (#SBATCH --signal=B:USR1@300) -> `scontrol requeue <job>`; the script waits for the
-    training command and exits with its code. `deepspeed` and `scontrol` are fakes on PATH."""
+# A fake deepspeed launcher: it starts one fake rank (LOCAL_RANK in its environment, as real launchers set) and
+# records any SIGUSR1 it gets itself (a real launcher would die of it, and kill its ranks). The rank answers SIGUSR1
+# like the trainer: with the PREEMPTED marker and exit 75, or (MARK=0: its last iteration) exit 0 and no marker.
+FAKE_LAUNCHER = """#!/bin/bash
+echo "deepspeed $*" >> {log}
+LOCAL_RANK=0 bash -c 'trap "echo rank USR1 >> {log}; [ $MARK = 1 ] && echo {{}} > $OUTPUT_DIR/PREEMPTED && exit 75; \
+exit 0" USR1; while true; do sleep 0.05; done' &
+rank=$!
+trap 'echo launcher USR1 >> {log}' USR1
+while kill -0 $rank 2>/dev/null; do wait $rank; rc=$?; done
+exit $rc
+"""
+
+
+@pytest.mark.parametrize("mark, rc, requeued", [("1", 75, True), ("0", 0, False)])
+def test_sbatch_signals_the_ranks_and_requeues_only_a_preempted_run(tmp_path, mark, rc, requeued):
+    """SIGUSR1 to the batch shell (#SBATCH --signal=B:USR1@300) -> SIGUSR1 to the rank processes (not the
+    launcher), the request file for ranks no signal reaches; after the launcher exits, `scontrol requeue <job>` only
+    when the run wrote OUTPUT_DIR/PREEMPTED (a stale marker of an earlier attempt is removed first)."""
     bindir = tmp_path / "bin"
     bindir.mkdir()
     log = tmp_path / "calls"
-    (bindir / "deepspeed").write_text(f"#!/bin/bash\necho \"deepspeed $*\" >> {log}\nsleep 2\nexit 3\n")
+    (bindir / "deepspeed").write_text(FAKE_LAUNCHER.format(log=log))
     (bindir / "scontrol").write_text(f"#!/bin/bash\necho \"scontrol $*\" >> {log}\n")
     for f in bindir.iterdir():
         f.chmod(0o755)
-    env = _sbatch_env(tmp_path, PATH=f"{bindir}:{os.environ['PATH']}")
+    env = _sbatch_env(tmp_path, PATH=f"{bindir}:{os.environ['PATH']}", MARK=mark)
+    os.makedirs(env["OUTPUT_DIR"])
+    open(os.path.join(env["OUTPUT_DIR"], "PREEMPTED"), "w").close()  # stale: the last attempt's
     proc = subprocess.Popen(["bash", os.path.join(SLURM_DIR, "ppo_single_node.sbatch")], env=env, cwd=str(tmp_path),
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    for _ in range(100):  # until the fake training command runs
-        if log.exists():
+    for _ in range(200):  # until the fake launcher has started its rank
+        if log.exists() and subprocess.run(["pgrep", "-f", "LOCAL_RANK|while true; do sleep 0.05"],
+                                           capture_output=True).stdout:
             break
         time.sleep(0.05)
+    time.sleep(0.3)
     proc.send_signal(signal.SIGUSR1)
     out, err = proc.communicate(timeout=60)
-    assert proc.returncode == 3, (out, err)  # the training command's exit code
+    assert proc.returncode == rc, (out, err)  # the training command's exit code
     calls = log.read_text().splitlines()
     assert calls[0].startswith("deepspeed --num_gpus 4") and "--resume auto" in calls[0]
-    assert calls[1] == "scontrol requeue 123456"
-    assert "requeueing job 123456" in out
+    assert "rank USR1" in calls and "launcher USR1" not in calls, calls
+    assert os.path.exists(os.path.join(env["OUTPUT_DIR"], "PREEMPT_REQUESTED"))
+    assert ("scontrol requeue 123456" in calls) == requeued, calls
+    assert ("requeueing job 123456" in out) == requeued, out
