@@ -28,6 +28,7 @@ from typing import Any, Optional
 
 import torch
 
+from .. import faults  # TEST HOOK: fault points (only when one is set)
 from ..comm import all_reduce
 from ..config import flat_dict
 from ..data.prompts import PromptData, PromptDataset
@@ -87,6 +88,7 @@ class SupervisedTrainer:
         self.cursor = DataCursor(self.sampler) if self.sampler is not None else None
         self.state_providers = {"data": self.cursor} if self.cursor is not None else {}
         self.checkpointer = None
+        self._faults = faults.active()  # TEST HOOK: fault points only when one is set
         if plan is not None:
             self.checkpointer = Checkpointer(OneEngine(engine, self.dist), providers_of(self), plan.run_dir,
                                              plan.fingerprint, save_interval=self.cfg.save_interval,
@@ -171,6 +173,8 @@ class SupervisedTrainer:
             epoch, k, idx = next(self.cursor)
             rec = self.train_step(epoch, idx)
             self.iteration += 1
+            if self._faults:  # TEST HOOK (faults.py): "train_step" = after optimizer step `iteration - 1`
+                faults.fault_point("train_step", self.iteration - 1, self.dist.rank)
             if k == per_epoch - 1 or self.iteration >= self.total_steps:  # end of an epoch (or of the run)
                 rec.update(self.evaluate())
             self.logger.log(rec)
