@@ -187,10 +187,13 @@ class Checkpointer:
             raise self.boundary.stop(it, self.resumed_from)
 
     def after_iteration(self, it: int, last: bool = False) -> Optional[str]:
+        path = None
+        if self.save_interval and it % self.save_interval == 0 and it != self.last_saved:
+            path = self.save(it)
+        # polled after that save: a signal that arrived during it is answered without saving twice
         stop, due = self.boundary.poll()
         stop = stop and not last  # the last iteration: the run ends normally (final checkpoint, export)
-        path = None
-        if ((self.save_interval and it % self.save_interval == 0) or due or stop) and it != self.last_saved:
+        if (due or stop) and it != self.last_saved:
             path = self.save(it)
         if stop:
             raise self.boundary.stop(it, path or os.path.join(self.root, ckpt.tag_for(it)))
