@@ -7,6 +7,11 @@
   so its full weights (ZeRO-3 consolidated) go to `<checkpoint folder>/ema/model.pt` from rank 0, and are loaded
   back into every rank (under ZeRO-3 through `GatheredParameters(modifier_rank=0)`, which re-partitions them).
 * The reference and reward models are frozen and never saved: a resumed run builds them from their paths again.
+* Another world size (`load_engines(..., universal=True)`): a ZeRO-partitioned optimizer state (stages 1-3, and the
+  bf16 optimizer of stage 0) is converted once by DeepSpeed's own `ds_to_universal` into
+  `<checkpoint folder>/universal/<role>/` (rank 0; a `.done` file marks a finished conversion) and loaded as a
+  universal checkpoint, which re-partitions it for the new ranks. Stage 0 in fp32 keeps the whole optimizer state in
+  one file and loads as it is.
 
 Every function is collective: call it on all ranks.
 """
@@ -21,6 +26,7 @@ from ..config import TRAINED_ROLES
 
 WEIGHTS_ONLY = ("ema",)
 EMA_FILE = "model.pt"
+UNIVERSAL_DIR = "universal"
 
 
 def checkpoint_roles(engine: Any) -> list[str]:
@@ -47,9 +53,50 @@ def save_trained(ds_engine: Any, ckpt_dir: str, tag: str) -> None:
     ds_engine.save_checkpoint(ckpt_dir, tag=tag, save_latest=False)
 
 
-def load_trained(ds_engine: Any, ckpt_dir: str, tag: str) -> None:
-    """The reverse of `save_trained`; a missing `<ckpt_dir>/<tag>/` is an error."""
-    path, _ = ds_engine.load_checkpoint(ckpt_dir, tag=tag, load_optimizer_states=True, load_lr_scheduler_states=True)
+def needs_universal(ds_engine: Any) -> bool:
+    """Whether the engine's optimizer state is partitioned over the ranks (so another world size needs a
+    conversion): ZeRO 1-3, or DeepSpeed's bf16 optimizer (which partitions its fp32 master weights at stage 0)."""
+    return ds_engine.zero_optimization_stage() > 0 or bool(ds_engine.bfloat16_enabled())
+
+
+def convert_to_universal(ckpt_dir: str, tag: str) -> str:
+    """`<ckpt_dir>/<tag>/` -> `<ckpt_dir>/universal/<tag>/` with DeepSpeed's ds_to_universal, once (rank 0, the
+    others wait); returns `<ckpt_dir>/universal`. Collective."""
+    import argparse
+    import shutil
+
+    root = os.path.join(ckpt_dir, UNIVERSAL_DIR)
+    out = os.path.join(root, tag)
+    if _rank() == 0 and not os.path.exists(out + ".done"):
+        from deepspeed.checkpoint.ds_to_universal import main as ds_to_universal
+
+        tmp = out + ".tmp"
+        shutil.rmtree(tmp, ignore_errors=True)
+        shutil.rmtree(out, ignore_errors=True)
+        os.makedirs(root, exist_ok=True)
+        # inject_missing_state: our checkpoints carry no Megatron-style universal_checkpoint_info
+        ds_to_universal(argparse.Namespace(input_folder=os.path.join(ckpt_dir, tag), output_folder=tmp,
+                                           num_extract_workers=1, num_merge_workers=1, keep_temp_folder=False,
+                                           strict=True, inject_missing_state=True))
+        os.replace(tmp, out)
+        open(out + ".done", "w").close()
+    _barrier()
+    return root
+
+
+def load_trained(ds_engine: Any, ckpt_dir: str, tag: str, universal: bool = False) -> None:
+    """The reverse of `save_trained`; a missing `<ckpt_dir>/<tag>/` is an error. `universal`: the checkpoint was
+    written by another number of ranks (module docstring)."""
+    load_dir = ckpt_dir
+    if universal and needs_universal(ds_engine):
+        load_dir = convert_to_universal(ckpt_dir, tag)
+        # DeepSpeed reads this setting when loading only (its "checkpoint.load_universal" config key)
+        ds_engine._config.load_universal_checkpoint = True
+    try:
+        path, _ = ds_engine.load_checkpoint(load_dir, tag=tag, load_optimizer_states=True,
+                                            load_lr_scheduler_states=True)
+    finally:
+        ds_engine._config.load_universal_checkpoint = False
     if path is None:
         raise FileNotFoundError(f"no {tag} checkpoint in {ckpt_dir} (expected {ckpt_dir}/{tag}/)")
 
@@ -66,14 +113,15 @@ def save_engines(engine: Any, ckpt_dir: str) -> list[str]:
     return roles
 
 
-def load_engines(engine: Any, ckpt_dir: str, roles: list[str] | None = None) -> list[str]:
+def load_engines(engine: Any, ckpt_dir: str, roles: list[str] | None = None, universal: bool = False) -> list[str]:
     """Load the checkpointed roles of `engine` from `ckpt_dir` (module, optimizer, LR scheduler and step counters of
-    the trained roles; weights of the EMA). A role missing from the checkpoint is an error."""
+    the trained roles; weights of the EMA). A role missing from the checkpoint is an error. `universal`: written by
+    another number of ranks."""
     roles = checkpoint_roles(engine) if roles is None else roles
     for role in roles:
         ds = engine.engines[role]
         if role in TRAINED_ROLES:
-            load_trained(ds, ckpt_dir, role)
+            load_trained(ds, ckpt_dir, role, universal=universal)
         else:
             load_weights(ds, os.path.join(ckpt_dir, role))
     return roles

@@ -258,11 +258,12 @@ class RLHFEngine:
 
         return save_engines(self, ckpt_dir)
 
-    def load(self, ckpt_dir: str) -> list:
-        """Load what `save` wrote into the live engines. Collective."""
+    def load(self, ckpt_dir: str, universal: bool = False) -> list:
+        """Load what `save` wrote into the live engines (`universal`: written by another number of ranks).
+        Collective."""
         from .checkpointing import load_engines
 
-        roles = load_engines(self, ckpt_dir)
+        roles = load_engines(self, ckpt_dir, universal=universal)
         self._ema_steps = self.optimizer_steps("actor")  # the loaded EMA has seen every loaded actor step
         return roles
 

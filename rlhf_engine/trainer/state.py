@@ -67,6 +67,16 @@ class RNGState:
             torch.cuda.set_rng_state(state["cuda"])
 
 
+def rederive_generators(seed: int, rank: int, iteration: int) -> int:
+    """Fresh generators for a rank that has no saved ones (a resume on another world size): python, numpy and torch
+    seeded with seed + 1_000_003 * iteration + rank, so no iteration repeats another's draws. Returns that seed."""
+    value = int(seed) + 1_000_003 * int(iteration) + int(rank)
+    random.seed(value)
+    np.random.seed(value % 2**32)
+    torch.manual_seed(value)
+    return value
+
+
 def _tuples(x: Any) -> Any:
     """random.setstate needs tuples (a state that went through a list-producing format is converted back)."""
     return tuple(_tuples(v) for v in x) if isinstance(x, (list, tuple)) else x
@@ -94,16 +104,24 @@ def providers_of(trainer: Any) -> dict:
 
 
 # ---- run identity ------------------------------------------------------------------------------------------------
-FINGERPRINT_BATCH = ("per_device_generation_batch_size", "generation_batches", "per_device_training_batch_size",
-                     "gradient_accumulation_steps", "n_samples_per_prompt")
+FINGERPRINT_BATCH = ("generation_batches", "n_samples_per_prompt")  # besides the global sizes below
+
+
+def global_batch_sizes(cfg: Any, world_size: int) -> dict:
+    """The batch sizes a resume must keep, over all ranks: prompts per generation step (the data order's global
+    batch) and the PPO mini-batch. Another world size resumes when these stay (per-device sizes and gradient
+    accumulation absorb the change)."""
+    b = cfg.batch
+    return {"global_generation_batch_size": b.per_device_generation_batch_size * world_size,
+            "global_mini_batch_size": b.mini_batch_size * world_size}
 
 
 def run_fingerprint(cfg: Any, roles: Mapping[str, Any], world_size: int, num_prompts: int) -> dict:
-    """What must not change between a run and its resume, as flat keys named like the flags: the world size, each
-    role's model (path, ZeRO stage and resolved dtype of the trained roles, from the planned `roles`), the reward
+    """What must not change between a run and its resume, as flat keys named like the flags: the global batch sizes
+    (not the world size: another one resumes, `global_batch_sizes`), each role's model (path, ZeRO stage and resolved dtype of the trained roles, from the planned `roles`), the reward
     function, the seed, the data (path and usable prompts), the batch arithmetic and PPO epochs (the LR schedule's
     length depends on them, and on max_steps when a role's schedule decays)."""
-    fp: dict = {"world_size": int(world_size), "seed": cfg.seed, "reward_fn": cfg.reward_fn,
+    fp: dict = {**global_batch_sizes(cfg, world_size), "seed": cfg.seed, "reward_fn": cfg.reward_fn,
                 "data_path": cfg.data.data_path, "num_prompts": int(num_prompts), "ppo_epochs": cfg.ppo.ppo_epochs,
                 "advantage_estimator": cfg.ppo.advantage_estimator, "loss_agg_mode": cfg.ppo.loss_agg_mode}
     for role, plan in roles.items():
@@ -128,11 +146,10 @@ def run_fingerprint(cfg: Any, roles: Mapping[str, Any], world_size: int, num_pro
 def supervised_fingerprint(cfg: Any, model: Any, world_size: int, num_rows: int) -> dict:
     """`run_fingerprint` of an SFT or reward-model run (one trained model, its flags flat; `model` its RolePlan)."""
     m, t = cfg.model, cfg.train
-    fp = {"world_size": int(world_size), "seed": cfg.seed, "data_path": cfg.data.data_path,
-          "num_rows": int(num_rows), "model_name_or_path": _norm_path(model.path),
+    fp = {"global_mini_batch_size": t.mini_batch_size * int(world_size), "seed": cfg.seed,
+          "data_path": cfg.data.data_path, "num_rows": int(num_rows), "model_name_or_path": _norm_path(model.path),
           "zero_stage": model.stage, "dtype": model.dtype, "lora_dim": m.lora_dim,
-          "trainable_layers": m.trainable_layers, "per_device_training_batch_size": t.per_device_training_batch_size,
-          "gradient_accumulation_steps": t.gradient_accumulation_steps}
+          "trainable_layers": m.trainable_layers}
     if m.lr_scheduler_type in ("linear", "cosine"):  # the decaying schedule spans every step of the run
         fp.update(num_train_epochs=t.num_train_epochs, max_steps=t.max_steps)
     return fp
@@ -254,13 +271,16 @@ class Checkpointer:
         if meta is None:  # resolve_resume never returns such a folder; a direct call must not load one either
             raise ConfigError([Problem("resume", path, f"is not a complete checkpoint (no {ckpt.MARKER} marker)")],
                               "cannot resume")
+        saved_world = int(meta.get("world_size") or dist.world_size)
+        elastic = saved_world != dist.world_size  # the fingerprint kept the global batch sizes
         own = os.path.join(path, ckpt.state_file(dist.rank))
-        fallback = not os.path.isfile(own)
+        fallback = not elastic and not os.path.isfile(own)
         if fallback and not force:
             raise ConfigError([Problem("resume", path, f"has no {ckpt.state_file(dist.rank)} (it was written by "
                                        f"{meta.get('world_size')} ranks); resume with that many ranks")],
                               "cannot resume")
-        state_path = own if not fallback else os.path.join(path, ckpt.state_file(0))
+        # another world size: every provider but the random generators holds the same state on every rank
+        state_path = os.path.join(path, ckpt.state_file(0)) if elastic or fallback else own
         try:  # this rank's own state first (small): a corrupt file is named before the engines' weights are read
             state = torch.load(state_path, map_location="cpu", weights_only=True)
             saved = state["providers"]
@@ -270,7 +290,7 @@ class Checkpointer:
                                        "checkpoint is corrupt: resume from an earlier one (--resume "
                                        "<output_dir>/checkpoints/iter_NNNNNN) or restore the file")],
                               "cannot resume") from e
-        self.engine.load(path)
+        self.engine.load(path, universal=elastic)
         providers = self.providers
         missing = [n for n in providers if n not in saved]
         if missing and not force:
@@ -286,6 +306,14 @@ class Checkpointer:
             torch.manual_seed(self.seed + dist.rank)
             log.warning("--resume_force: rank %d has no state file in %s; using rank 0's, with fresh random "
                         "generators", dist.rank, path)
+        if elastic:
+            skip.add("rng")
+            seed = rederive_generators(self.seed, dist.rank, int(state["iteration"]))
+            if dist.is_main:
+                log.warning("resuming %s, written by %d ranks, on %d: optimizer state re-partitioned (DeepSpeed "
+                            "universal checkpoint), data position kept; the random generators are re-derived "
+                            "(rank r seeds %d + r), so sampling differs from an uninterrupted run",
+                            path, saved_world, dist.world_size, seed - dist.rank)
         for name, provider in providers.items():
             if name in skip:
                 continue
@@ -331,7 +359,8 @@ def _check_state_files(path: str, dist: Any, force: bool) -> None:
     """Every rank reads the state file it will resume from (small) before anything is written or moved: an
     unreadable one is a `ConfigError` naming it, raised on every rank alike (one all-gather)."""
     own = os.path.join(path, ckpt.state_file(dist.rank))
-    target = own if os.path.isfile(own) or not force else os.path.join(path, ckpt.state_file(0))
+    # a rank without a file of its own (another world size, --resume_force) resumes from rank 0's
+    target = own if os.path.isfile(own) else os.path.join(path, ckpt.state_file(0))
     problem = ""
     if os.path.isfile(target):  # a missing own file is refused (or tolerated by --resume_force) by Checkpointer.load
         try:

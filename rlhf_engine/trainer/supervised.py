@@ -56,8 +56,8 @@ class OneEngine:
         save_trained(self.ds, path, CHECKPOINT_TAG)
         return [CHECKPOINT_TAG]
 
-    def load(self, path: str) -> list:
-        load_trained(self.ds, path, CHECKPOINT_TAG)
+    def load(self, path: str, universal: bool = False) -> list:
+        load_trained(self.ds, path, CHECKPOINT_TAG, universal=universal)
         return [CHECKPOINT_TAG]
 
 

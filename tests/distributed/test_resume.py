@@ -276,7 +276,7 @@ def test_resume_of_another_run_is_refused_naming_every_key(runs, tiny, dist_sing
                                                      "generation_batches": 3}))
     err = capsys.readouterr().err
     assert rc == 2, err
-    for key in ("world_size", "seed", "per_device_generation_batch_size", "generation_batches"):
+    for key in ("global_generation_batch_size", "global_mini_batch_size", "seed", "generation_batches"):
         assert f"  - {key} = " in err, (key, err)
     assert "in 4 keys" in err and "--resume_force" in err and "iter_000008" in err, err
     assert "  - seed = 8: the checkpoint's run had seed = 7" in err, err

@@ -118,8 +118,8 @@ def run_one(spec: dict) -> dict | None:
     if "stop_after" in hooks:
         n, orig = int(hooks["stop_after"]), trainer.checkpointer.after_iteration
 
-        def after_iteration(it):
-            out = orig(it)
+        def after_iteration(it, last=False):
+            out = orig(it, last=last)
             if it == n:
                 raise Preempted(f"stopped after iteration {n}")
             return out

@@ -74,9 +74,15 @@ def test_providers_order_rng_last():
 def test_fingerprint_keys(tiny, tmp_path):
     cfg = parse_args(train_args(tiny, str(tmp_path), seed=3, generation_batches=2))
     fp = run_fingerprint(cfg, plan_engine(cfg).roles, world_size=2, num_prompts=32)
-    for key, value in {"world_size": 2, "seed": 3, "num_prompts": 32, "generation_batches": 2, "actor_zero_stage": 0,
-                       "per_device_training_batch_size": 4, "gradient_accumulation_steps": 1, "ppo_epochs": 1}.items():
+    # global sizes, not per-device ones: 2 ranks x 4 prompts per generation step, 2 ranks x mini-batch 4 x 1
+    for key, value in {"global_generation_batch_size": 8, "global_mini_batch_size": 8, "seed": 3, "num_prompts": 32,
+                       "generation_batches": 2, "actor_zero_stage": 0, "ppo_epochs": 1}.items():
         assert fp[key] == value, key
+    assert not {"world_size", "per_device_training_batch_size", "per_device_generation_batch_size"} & set(fp)
+    # another world size with per-device sizes that keep the global ones: the same fingerprint
+    one = parse_args(train_args(tiny, str(tmp_path), seed=3, generation_batches=2, per_device_generation_batch_size=8,
+                                per_device_training_batch_size=4, gradient_accumulation_steps=2))
+    assert run_fingerprint(one, plan_engine(one).roles, world_size=1, num_prompts=32) == fp
     for role in ("actor", "reference", "critic", "reward"):
         assert fp[f"{role}_model_name_or_path"].startswith("/"), role  # absolute: another cwd is the same model
     assert "max_steps" not in fp  # a constant schedule: the run can be extended
@@ -94,8 +100,9 @@ def test_supervised_fingerprint_keys(tiny, tmp_path):
             "--gradient_accumulation_steps", "2", "--seed", "5"]
     cfg = parse_args(argv, config_cls=SFTConfig)
     fp = supervised_fingerprint(cfg, plan_model(cfg.model, 64)[0], world_size=2, num_rows=48)
-    assert {k: fp[k] for k in ("world_size", "seed", "num_rows", "zero_stage", "gradient_accumulation_steps")} == {
-        "world_size": 2, "seed": 5, "num_rows": 48, "zero_stage": 3, "gradient_accumulation_steps": 2}
+    assert {k: fp[k] for k in ("global_mini_batch_size", "seed", "num_rows", "zero_stage")} == {
+        "global_mini_batch_size": 2 * cfg.train.per_device_training_batch_size * 2, "seed": 5, "num_rows": 48,
+        "zero_stage": 3}
     assert fp["model_name_or_path"] == os.path.realpath(tiny.actor)  # a relative path compares as absolute
     assert "max_steps" not in fp and "num_train_epochs" not in fp  # a constant schedule: the run can be extended
     decaying = parse_args(argv + ["--lr_scheduler_type", "cosine", "--num_train_epochs", "3"], config_cls=SFTConfig)

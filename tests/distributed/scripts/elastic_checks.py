@@ -1,0 +1,73 @@
+"""Harness for the elastic-resume tests (tests/distributed/test_elastic_resume.py): builds a PPO trainer exactly as
+launch/train_ppo.py does, then dumps every trained role's full fp32 weights and Adam moments (gathered over the
+ranks, ZeRO 0-3) to <out>, on rank 0, and trains.
+
+    deepspeed --num_gpus N tests/distributed/scripts/elastic_checks.py --out state.pt [--after] -- <train_ppo flags>
+
+Without --after the dump is taken after build (with --resume: right after the checkpoint was loaded, before any new
+step). With --after it is taken after training (the state the final checkpoint holds). Either way the trainer runs
+to max_steps.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))))
+
+import torch  # noqa: E402
+
+
+def full_state(trainer) -> dict:
+    """role -> {"param": {name: fp32}, "exp_avg": {...}, "exp_avg_sq": {...}} of the trainable parameters."""
+    from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
+
+    out = {}
+    for role in trainer.engine.trained_roles:
+        ds = trainer.engine.engines[role]
+        opt = getattr(ds.optimizer, "optimizer", ds.optimizer)
+        parts = {"param": {}, "exp_avg": {}, "exp_avg_sq": {}}
+        for name, p in ds.module.named_parameters():
+            if not p.requires_grad:
+                continue
+            w = safe_get_full_fp32_param(p)
+            if w is None:  # ZeRO 0 in fp32: the parameter and torch's optimizer state are whole on every rank
+                state = opt.state.get(p, {})
+                parts["param"][name] = p.detach().float().clone()
+                for key in ("exp_avg", "exp_avg_sq"):
+                    parts[key][name] = state[key].detach().float().clone()
+                continue
+            parts["param"][name] = w.detach().float().cpu().clone()
+            for key in ("exp_avg", "exp_avg_sq"):
+                parts[key][name] = safe_get_full_optimizer_state(p, key).detach().float().cpu().clone()
+        out[role] = parts
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--after", action="store_true")
+    ap.add_argument("--local_rank", type=int, default=None)  # the deepspeed launcher passes it
+    args, rest = ap.parse_known_args()
+    rest = [a for a in rest if a != "--"]
+    from rlhf_engine.cli import parse_args
+    from rlhf_engine.trainer import build_trainer
+
+    trainer = build_trainer(parse_args(rest), rest)
+    if not args.after:
+        state = full_state(trainer)
+    trainer.train()
+    if args.after:
+        state = full_state(trainer)
+    if trainer.engine.dist.is_main:
+        torch.save({"state": state, "iteration": trainer.iteration,
+                    "world_size": trainer.engine.dist.world_size}, args.out)
+    from rlhf_engine.cli import exit_process
+
+    exit_process(0)
+
+
+if __name__ == "__main__":
+    main()
