@@ -46,7 +46,7 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple, Union
 
 import torch
 
-from .logit_kernels import chunked_entropy, chunked_logprobs
+from .logit_kernels import chunked_entropy, chunked_logprobs, chunked_logprobs_and_entropy
 
 __all__ = [
     "KL_ESTIMATORS",
@@ -211,6 +211,24 @@ def _logits_args(logits: object, temperature: object, chunk_rows: Optional[int]
     return logits, t, chunk_rows
 
 
+def _checked_labels(labels: object, logits: torch.Tensor, check: bool) -> torch.Tensor:
+    """labels [...] (logits' shape without V) -> [N] long, ids checked to lie in [0, V) when `check`."""
+    if not isinstance(labels, torch.Tensor) or labels.is_floating_point() or labels.is_complex() \
+            or labels.dtype == torch.bool:
+        what = f"dtype {labels.dtype}" if isinstance(labels, torch.Tensor) else type(labels).__name__
+        raise ValueError(f"labels: expected an integer (long) tensor, got {what}")
+    if _shape(labels) != _shape(logits)[:-1]:
+        raise ValueError(f"labels: expected shape {_shape(logits)[:-1]} (logits' shape without the vocab dim), "
+                         f"got {_shape(labels)}")
+    vocab = logits.shape[-1]
+    flat = labels.reshape(-1).long()
+    if check and flat.numel():
+        out_of_range = (flat < 0) | (flat >= vocab)
+        _raise_first([(out_of_range.any(), lambda: f"labels: expected ids in [0, {vocab}), got e.g. "
+                                                   f"{flat[out_of_range][0].item()}")])
+    return flat
+
+
 def logprobs_from_logits(logits: torch.Tensor, labels: torch.Tensor, temperature: float = 1.0,
                          chunk_rows: Optional[int] = None, *, check: bool = True) -> torch.Tensor:
     """Log-probability of each label under softmax(logits / temperature), computed in fp32.
@@ -230,22 +248,28 @@ def logprobs_from_logits(logits: torch.Tensor, labels: torch.Tensor, temperature
         backward that never materialises a full fp32 copy of the logits (the gradient has the logits' dtype).
     """
     logits, t, chunk_rows = _logits_args(logits, temperature, chunk_rows)
-    if not isinstance(labels, torch.Tensor) or labels.is_floating_point() or labels.is_complex() \
-            or labels.dtype == torch.bool:
-        what = f"dtype {labels.dtype}" if isinstance(labels, torch.Tensor) else type(labels).__name__
-        raise ValueError(f"labels: expected an integer (long) tensor, got {what}")
-    if _shape(labels) != _shape(logits)[:-1]:
-        raise ValueError(f"labels: expected shape {_shape(logits)[:-1]} (logits' shape without the vocab dim), "
-                         f"got {_shape(labels)}")
-    vocab = logits.shape[-1]
-    flat = labels.reshape(-1).long()
+    flat = _checked_labels(labels, logits, check)
     if flat.numel() == 0:
         return torch.zeros(labels.shape, dtype=torch.float32, device=logits.device) + 0.0 * logits.sum()
-    if check:
-        out_of_range = (flat < 0) | (flat >= vocab)
-        _raise_first([(out_of_range.any(), lambda: f"labels: expected ids in [0, {vocab}), got e.g. "
-                                                   f"{flat[out_of_range][0].item()}")])
     return chunked_logprobs(logits, flat, t, chunk_rows).view(labels.shape)
+
+
+def logprobs_and_entropy_from_logits(logits: torch.Tensor, labels: torch.Tensor, temperature: float = 1.0,
+                                    chunk_rows: Optional[int] = None, *, check: bool = True
+                                    ) -> Tuple[torch.Tensor, torch.Tensor]:
+    """:func:`logprobs_from_logits` and :func:`entropy_from_logits` in one pass over the logits, without grad (the
+    experience forwards): ``([...] fp32 log-probs, [...] fp32 entropy)``, bitwise equal to the two separate calls.
+    Arguments and checks as in :func:`logprobs_from_logits`."""
+    logits, t, chunk_rows = _logits_args(logits, temperature, chunk_rows)
+    if logits.requires_grad and torch.is_grad_enabled():
+        raise ValueError("logprobs_and_entropy_from_logits has no backward: call it under torch.no_grad(), or use "
+                         "logprobs_from_logits and entropy_from_logits")
+    flat = _checked_labels(labels, logits, check)
+    if flat.numel() == 0:
+        zeros = torch.zeros(labels.shape, dtype=torch.float32, device=logits.device)
+        return zeros, zeros.clone()
+    lp, ent = chunked_logprobs_and_entropy(logits, flat, t, chunk_rows)
+    return lp.view(labels.shape), ent.view(labels.shape)
 
 
 def entropy_from_logits(logits: torch.Tensor, temperature: float = 1.0,

@@ -14,7 +14,7 @@ from typing import Optional
 import torch
 
 from ..config import TrainConfig
-from ..ppo_math import entropy_from_logits, logprobs_from_logits, mask_stop_tokens_
+from ..ppo_math import entropy_from_logits, logprobs_and_entropy_from_logits, logprobs_from_logits, mask_stop_tokens_
 from ..rollout import Rollout
 from .distributed import DistInfo
 from .models import ScalarHeadModel, adapter_disabled
@@ -154,6 +154,10 @@ class RLHFEngine:
         # logits [B, R, V]: the logits that predict each response token; under min_answer_seq_len the stop tokens are
         # masked before it, as they were when sampling (the sampled distribution is the scored distribution)
         mask_stop_tokens_(logits, self._stop_ids, self.sampling.min_new_tokens)
+        if with_entropy and not torch.is_grad_enabled():  # the experience forward: both in one pass over the logits
+            logprobs, entropy = logprobs_and_entropy_from_logits(logits, r.responses, temperature=self.temperature,
+                                                                 check=check)
+            return logprobs * r.action_mask, entropy * r.action_mask
         logprobs = logprobs_from_logits(logits, r.responses, temperature=self.temperature, check=check) * r.action_mask
         entropy = None
         if with_entropy:

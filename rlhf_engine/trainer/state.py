@@ -118,9 +118,10 @@ def global_batch_sizes(cfg: Any, world_size: int) -> dict:
 
 def run_fingerprint(cfg: Any, roles: Mapping[str, Any], world_size: int, num_prompts: int) -> dict:
     """What must not change between a run and its resume, as flat keys named like the flags: the global batch sizes
-    (not the world size: another one resumes, `global_batch_sizes`), each role's model (path, ZeRO stage and resolved dtype of the trained roles, from the planned `roles`), the reward
-    function, the seed, the data (path and usable prompts), the batch arithmetic and PPO epochs (the LR schedule's
-    length depends on them, and on max_steps when a role's schedule decays)."""
+    (not the world size: another one resumes, `global_batch_sizes`), each role's model (path, ZeRO stage and
+    resolved dtype of the trained roles, from the planned `roles`), the reward function, the seed, the data (path
+    and usable prompts), the batch arithmetic and PPO epochs (the LR schedule's length depends on them, and on
+    max_steps when a role's schedule decays)."""
     fp: dict = {**global_batch_sizes(cfg, world_size), "seed": cfg.seed, "reward_fn": cfg.reward_fn,
                 "data_path": cfg.data.data_path, "num_prompts": int(num_prompts), "ppo_epochs": cfg.ppo.ppo_epochs,
                 "advantage_estimator": cfg.ppo.advantage_estimator, "loss_agg_mode": cfg.ppo.loss_agg_mode}

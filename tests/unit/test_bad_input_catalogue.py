@@ -264,11 +264,15 @@ def test_unreadable_state_file_is_named(tiny, run_copy, capsys, dist_single):
     assert f"resume = '{ckpt1}': state_rank0.pt cannot be read" in err and "the checkpoint is corrupt" in err, err
 
 
-def test_resume_with_another_world_size_is_refused(tiny, run_copy, capsys, dist_single):
+def test_resume_with_another_global_batch_is_refused(tiny, run_copy, capsys, dist_single):
     marker = run_copy / "checkpoints" / "iter_000002" / "COMPLETE"
     meta = json.loads(marker.read_text())
-    meta["world_size"] = meta["fingerprint"]["world_size"] = 2  # as if written by a 2-rank run
+    fp = meta["fingerprint"]
+    meta["world_size"] = 2  # as if written by a 2-rank run with the same per-device sizes: twice the global batch
+    g = fp["global_generation_batch_size"]
+    fp.update(global_generation_batch_size=2 * g, global_mini_batch_size=2 * fp["global_mini_batch_size"])
     marker.write_text(json.dumps(meta))
     err = refused(capsys, run_copy, flags(tiny, run_copy, max_steps=3, save_interval=1, keep_last=0, resume="auto"))
-    assert "world_size = 1: the checkpoint's run had world_size = 2" in err
+    assert f"global_generation_batch_size = {g}: the checkpoint's run had global_generation_batch_size = {2 * g}" \
+        in err and "global_mini_batch_size" in err
     assert "pass --resume_force to resume anyway" in err

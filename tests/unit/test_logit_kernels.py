@@ -1,6 +1,9 @@
 """Unit tests for rlhf_engine.logit_kernels internals: what the chunking promises about memory (no full copy of the
 logits, no full fp32 tensor saved for the backward) and the default chunk size. The numbers themselves are tested
 through the public entry points in test_ppo_math.py."""
+import math
+
+import pytest
 import torch
 
 from rlhf_engine import logit_kernels as lk
@@ -67,3 +70,25 @@ def test_no_grad_path_and_grad_path_agree():
     ent_graded = lk.chunked_entropy(logits.clone().requires_grad_(), 1.3, 3)
     assert ent_plain.shape == (8,)
     torch.testing.assert_close(ent_graded.detach(), ent_plain, atol=0.0, rtol=0.0)
+
+
+@pytest.mark.parametrize("dtype, temperature, chunk_rows", [(torch.float32, 1.0, 3), (torch.bfloat16, 0.7, 5),
+                                                            (torch.float32, 1.3, None)])
+def test_fused_logprobs_and_entropy_equal_the_separate_kernels_bitwise(dtype, temperature, chunk_rows):
+    from rlhf_engine.ppo_math import entropy_from_logits, logprobs_and_entropy_from_logits, logprobs_from_logits
+
+    g = torch.Generator().manual_seed(0)
+    logits = (torch.randn(2, 7, 50, generator=g) * 4).to(dtype)[:, 1:]  # a non-contiguous slice, as in the engine
+    logits[0, 0, :10] = -math.inf  # masked stop tokens: 0 * log 0 counts 0
+    labels = torch.randint(10, 50, (2, 6), generator=g)
+    with torch.no_grad():
+        lp, ent = logprobs_and_entropy_from_logits(logits, labels, temperature, chunk_rows)
+        assert torch.equal(lp, logprobs_from_logits(logits, labels, temperature, chunk_rows))
+        assert torch.equal(ent, entropy_from_logits(logits, temperature, chunk_rows))
+    # by hand for one row: log softmax and its entropy in float64
+    x = logits[1, 2].double() / temperature
+    ref = torch.log_softmax(x, -1)
+    assert abs(lp[1, 2].item() - ref[labels[1, 2]].item()) < 1e-5
+    assert abs(ent[1, 2].item() + (ref.exp() * ref).sum().item()) < 1e-4
+    with pytest.raises(ValueError, match="no backward"):
+        logprobs_and_entropy_from_logits(logits.float().requires_grad_(), labels)
