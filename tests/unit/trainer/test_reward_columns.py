@@ -49,7 +49,8 @@ def _run(tiny, chat_setup, out, fn):
                       max_prompt_seq_len=96,
                       reward_fn=f"test_reward_columns:{fn}", n_samples_per_prompt=2, advantage_estimator="grpo",
                       per_device_generation_batch_size=4, per_device_training_batch_size=4,
-                      gradient_accumulation_steps=1, max_steps=1, export_final="false")
+                      gradient_accumulation_steps=1, max_steps=1, export_final="false", eval_interval=1,
+                      eval_split=0.25)
     args = [a for a in args if a not in ("--reward_model_name_or_path", tiny.reward)]
     CALLS.clear()
     trainer = build_trainer(parse_args(args), args)
@@ -62,19 +63,20 @@ def test_columns_and_templated_prompts_reach_the_reward_function(tiny, chat_setu
                                                                  monkeypatch):
     monkeypatch.syspath_prepend(os.path.dirname(__file__))
     trainer = _run(tiny, chat_setup, str(tmp_path / "cols"), "with_answer")
-    (prompts, answers), = CALLS
-    assert len(prompts) == len(answers) == 8
+    assert [len(p) for p, _ in CALLS] == [4, 8]  # the evaluation before iteration 0 (4 held-out prompts), training
     tok = trainer.engine.tokenizer
-    for i, (prompt, answer) in enumerate(zip(prompts, answers)):
-        raw = answer[len("gold:"):]
-        rendered = tok.apply_chat_template([{"role": "user", "content": raw}], tokenize=False,
-                                           add_generation_prompt=True)
-        assert prompt == tok.decode(tok(rendered, add_special_tokens=False)["input_ids"])  # as the model saw it
-        assert prompt.startswith("<s>user: ")  # special tokens kept
+    for prompts, answers in CALLS:
+        for prompt, answer in zip(prompts, answers, strict=True):
+            raw = answer[len("gold:"):]
+            rendered = tok.apply_chat_template([{"role": "user", "content": raw}], tokenize=False,
+                                               add_generation_prompt=True)
+            assert prompt == tok.decode(tok(rendered, add_special_tokens=False)["input_ids"])  # as the model saw it
+            assert prompt.startswith("<s>user: ")  # special tokens kept
+    _, answers = CALLS[1]
     assert answers[0::2] == answers[1::2] and len(set(answers)) == 4  # each prompt's 2 samples, its own row
     # the legacy form: the same prompts, decoded without special tokens, no columns
     _run(tiny, chat_setup, str(tmp_path / "plain"), "plain")
-    (plain_prompts, none), = CALLS
+    plain_prompts, none = CALLS[1]
     assert none is None and all("<s>" not in p and p.startswith("user: ") for p in plain_prompts)
 
 
