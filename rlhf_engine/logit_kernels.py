@@ -63,15 +63,21 @@ def _scaled(chunk: torch.Tensor, temperature: float) -> torch.Tensor:
     return x / temperature if temperature != 1.0 else x
 
 
-def _logprobs_forward(blocks, labels, n_rows, temperature, chunk_rows, device):
+def _logprobs_forward(blocks, labels, n_rows, temperature, chunk_rows, device, with_entropy=False):
+    """([N] log p(label), [N] logsumexp, [N] entropy or None): with_entropy computes it in the same pass (one
+    scaling and one logsumexp per chunk: the experience forwards), with exactly the operations of the entropy
+    kernel, so both results are bitwise those of the separate kernels."""
     out = torch.empty(n_rows, dtype=torch.float32, device=device)
     lse = torch.empty(n_rows, dtype=torch.float32, device=device)
+    ent = torch.empty(n_rows, dtype=torch.float32, device=device) if with_entropy else None
     for off, chunk in _chunks(blocks, chunk_rows):
         rows = slice(off, off + chunk.shape[0])
         x = _scaled(chunk, temperature)
         lse[rows] = torch.logsumexp(x, dim=-1)
         out[rows] = x.gather(-1, labels[rows, None]).squeeze(-1) - lse[rows]
-    return out, lse
+        if ent is not None:
+            ent[rows] = _entropy_of(x, lse[rows])
+    return out, lse, ent
 
 
 def _entropy_of(x: torch.Tensor, lse: torch.Tensor) -> torch.Tensor:
@@ -80,19 +86,6 @@ def _entropy_of(x: torch.Tensor, lse: torch.Tensor) -> torch.Tensor:
     p = logp.exp()
     logp.masked_fill_(logp == -math.inf, 0.0)  # 0 * log 0 = 0 for -inf logits
     return -(p * logp).sum(-1)
-
-
-def _logprobs_entropy_forward(blocks, labels, n_rows, temperature, chunk_rows, device):
-    """Both from one pass over the logits: one scaling and one logsumexp per chunk (the experience forwards)."""
-    out = torch.empty(n_rows, dtype=torch.float32, device=device)
-    ent = torch.empty(n_rows, dtype=torch.float32, device=device)
-    for off, chunk in _chunks(blocks, chunk_rows):
-        rows = slice(off, off + chunk.shape[0])
-        x = _scaled(chunk, temperature)
-        lse = torch.logsumexp(x, dim=-1)
-        out[rows] = x.gather(-1, labels[rows, None]).squeeze(-1) - lse
-        ent[rows] = _entropy_of(x, lse)
-    return out, ent
 
 
 def _entropy_forward(blocks, n_rows, temperature, chunk_rows, device):
@@ -113,7 +106,7 @@ class _LogProbsFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, logits, labels, temperature, chunk_rows):  # noqa: D102
         blocks = _row_blocks(logits)
-        out, lse = _logprobs_forward(blocks, labels, labels.shape[0], temperature, chunk_rows, logits.device)
+        out, lse, _ = _logprobs_forward(blocks, labels, labels.shape[0], temperature, chunk_rows, logits.device)
         ctx.save_for_backward(logits, labels, lse)
         ctx.temperature, ctx.chunk_rows = temperature, chunk_rows
         return out
@@ -207,5 +200,6 @@ def chunked_logprobs_and_entropy(logits: torch.Tensor, labels: torch.Tensor, tem
     """
     rows = default_chunk_rows(logits.shape[-1]) if chunk_rows is None else chunk_rows
     with torch.no_grad():
-        return _logprobs_entropy_forward(_row_blocks(logits), labels, labels.shape[0], temperature, rows,
-                                         logits.device)
+        out, _, ent = _logprobs_forward(_row_blocks(logits), labels, labels.shape[0], temperature, rows,
+                                        logits.device, with_entropy=True)
+    return out, ent
