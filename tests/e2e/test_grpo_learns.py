@@ -23,6 +23,7 @@ def _gain(run_dir: str, k: int = 4) -> float:
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(3000)  # two runs of about 13 minutes each on the 2-core CPU
 def test_grpo_arithmetic_learns_and_not_at_lr0(tmp_path):
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT")}
     env.update(HF_HUB_OFFLINE="1", WANDB_MODE="offline", TOKENIZERS_PARALLELISM="false",
