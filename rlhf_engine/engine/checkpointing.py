@@ -10,8 +10,8 @@
 * Another world size (`load_engines(..., universal=True)`): a ZeRO-partitioned optimizer state (stages 1-3, and the
   bf16 optimizer of stage 0) is converted once by DeepSpeed's own `ds_to_universal` into
   `<checkpoint folder>/universal/<role>/` (rank 0; a `.done` file marks a finished conversion) and loaded as a
-  universal checkpoint, which re-partitions it for the new ranks. Stage 0 in fp32 keeps the whole optimizer state in
-  one file and loads as it is.
+  universal checkpoint, which re-partitions it for the new ranks. Stage 0 with an unpartitioned optimizer (fp32, or
+  the unfused fp16/bf16 optimizer with its fp32 master weights) keeps the whole state in one file and loads as it is.
 
 Every function is collective: call it on all ranks.
 """
@@ -55,8 +55,9 @@ def save_trained(ds_engine: Any, ckpt_dir: str, tag: str) -> None:
 
 def needs_universal(ds_engine: Any) -> bool:
     """Whether the engine's optimizer state is partitioned over the ranks (so another world size needs a
-    conversion): ZeRO 1-3, or DeepSpeed's bf16 optimizer (which partitions its fp32 master weights at stage 0)."""
-    return ds_engine.zero_optimization_stage() > 0 or bool(ds_engine.bfloat16_enabled())
+    conversion): ZeRO 1-3, or DeepSpeed's BF16_Optimizer (which partitions its fp32 master weights at stage 0; the
+    unfused fp16/bf16 optimizer DeepSpeed picks for a torch optimizer keeps them whole)."""
+    return ds_engine.zero_optimization_stage() > 0 or type(ds_engine.optimizer).__name__ == "BF16_Optimizer"
 
 
 def convert_to_universal(ckpt_dir: str, tag: str) -> str:

@@ -48,10 +48,8 @@ def test_two_ranks_resume_on_one_at_zero2(tiny, tmp_path):
 
 
 @pytest.mark.slow
-# bf16 at ZeRO 0 (DeepSpeed's bf16 optimizer) is converted like ZeRO 1-3 but not checked here: its parameters carry
-# no fp32 mapping the harness can read on CPU
 @pytest.mark.parametrize("first, second, stage, dtype", [(1, 2, 2, "fp32"), (2, 1, 0, "fp32"), (1, 2, 0, "fp32"),
-                                                         (2, 1, 3, "fp32"), (1, 2, 3, "fp32")])
+                                                         (2, 1, 3, "fp32"), (1, 2, 3, "fp32"), (2, 1, 0, "bf16")])
 def test_other_world_sizes_and_stages(tiny, tmp_path, first, second, stage, dtype):
     _elastic(tiny, tmp_path, first, second, stage, dtype)
 

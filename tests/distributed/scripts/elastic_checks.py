@@ -27,12 +27,16 @@ def full_state(trainer) -> dict:
     for role in trainer.engine.trained_roles:
         ds = trainer.engine.engines[role]
         opt = getattr(ds.optimizer, "optimizer", ds.optimizer)
+        # ZeRO 0 with bf16 / fp16: DeepSpeed's unfused optimizer keeps whole fp32 master weights beside each param
+        groups = getattr(ds.optimizer, "fp16_groups", None), getattr(ds.optimizer, "fp32_groups", None)
+        master = {id(lp): hp for lg, hg in zip(*groups) for lp, hp in zip(lg, hg)} if all(groups) else {}
         parts = {"param": {}, "exp_avg": {}, "exp_avg_sq": {}}
         for name, p in ds.module.named_parameters():
             if not p.requires_grad:
                 continue
             w = safe_get_full_fp32_param(p)
-            if w is None:  # ZeRO 0 in fp32: the parameter and torch's optimizer state are whole on every rank
+            if w is None:  # ZeRO 0: the (master) parameter and torch's optimizer state are whole on every rank
+                p = master.get(id(p), p)
                 state = opt.state.get(p, {})
                 parts["param"][name] = p.detach().float().clone()
                 for key in ("exp_avg", "exp_avg_sq"):
