@@ -14,7 +14,7 @@ import pytest
 
 from _support import ROOT
 
-GRPO_MARGIN = 0.12  # measured gains: see the README's GRPO table (learning run vs actor lr 0)
+GRPO_MARGIN = 0.12  # measured (seed 1234, README table): +0.42 learning, -0.04 at actor learning rate 0
 
 
 def _gain(run_dir: str, k: int = 4) -> float:
