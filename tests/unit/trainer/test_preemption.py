@@ -134,3 +134,18 @@ def test_the_time_interval_arithmetic(dist_single, tmp_path):
     (tmp_path / "PREEMPT_REQUESTED").write_text("")
     assert b.poll() == (True, False) and "PREEMPT_REQUESTED found" in b.why()
     assert Boundary(dist_single, str(tmp_path / "x"), 0, clock=lambda: 1e9).poll() == (False, False)
+
+
+def test_sigterm_is_a_preemption_notice_only_inside_slurm(monkeypatch):
+    """Outside SLURM the launchers tear a failed job's ranks down with SIGTERM: it must keep killing them."""
+    monkeypatch.delenv("SLURM_JOB_ID", raising=False)
+    assert signals.handled() == (signal.SIGUSR1,)
+    monkeypatch.setenv("SLURM_JOB_ID", "5")
+    assert signals.handled() == (signal.SIGUSR1, signal.SIGTERM)
+    signals.install()
+    try:
+        os.kill(os.getpid(), signal.SIGTERM)  # noted, not fatal
+        assert signals.received() == "SIGTERM"
+    finally:
+        signals.uninstall()
+    assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
