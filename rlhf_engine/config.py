@@ -456,7 +456,7 @@ class LoggingConfig:
             p.add(prefix + "wandb_sample_interval", self.wandb_sample_interval, "must be a whole number")
 
 
-GATHER_ONCE_MODES = ("auto", "on", "off")
+GATHER_ONCE_MODES = ("auto", "replica", "on", "off")
 
 
 @dataclass
@@ -472,17 +472,22 @@ class EngineConfig:
     ema_decay: float = opt(0.992, "EMA decay beta in [0, 1) (DeepSpeed-Chat's value by default).")
     ema_dtype: str = opt("fp32", "dtype of the EMA weights: fp32 (default, whatever the actor's dtype: a bf16 EMA "
                          "loses updates smaller than its rounding) or '' (the actor's dtype).")
-    generation_gather_once: str = opt("auto", "ZeRO-3 actor: gather the full actor once around each generate() call "
-                                      "instead of fetching every layer for every new token. 'auto' = on with CUDA, "
-                                      "off on CPU (measured not faster there); 'on'; 'off'. Only when the actor's "
-                                      "weights fit gather_once_max_bytes.")
+    generation_gather_once: str = opt("auto", "ZeRO-3 actor: how generation gets the partitioned weights. 'replica' "
+                                      "= decode on a plain copy of the actor refreshed once per generate call (one "
+                                      "extra copy of its weights per rank; no ZeRO-3 hook or collective while "
+                                      "decoding); 'on' = gather the actor once per call in place (its hooks still "
+                                      "run per token); 'off' = fetch every layer for every token, ranks in "
+                                      "lockstep; 'auto' = replica, or off for a LoRA actor. Only when the actor's "
+                                      "weights fit gather_once_max_bytes, else off (logged).")
     gather_once_max_bytes: int = opt(8 * 2**30, "Largest actor (bytes of its full weights) gathered at once for "
                                      "generation; a larger actor falls back to per-layer fetching (logged once).")
-    generation_backend: str = opt("hf", "What generates the rollouts (rlhf_engine/engine/generation/): hf = Hugging "
-                                  "Face generate on the actor (with gather-once under ZeRO-3, see "
-                                  "generation_gather_once); hybrid = DeepSpeed's Hybrid Engine (GPU only, "
-                                  "DeepSpeed-inference architectures only, no LoRA; unverified here; stops at "
-                                  "start-up where it cannot run, unless hybrid_engine_fallback).")
+    generation_backend: str = opt("lean", "What generates the rollouts (rlhf_engine/engine/generation/): lean = our "
+                                  "own decoding loop over the actor's forward and KV cache (the default; the same "
+                                  "distribution and stop rules as hf, faster); hf = Hugging Face generate on the "
+                                  "actor (the reference); both follow generation_gather_once under ZeRO-3; hybrid = "
+                                  "DeepSpeed's Hybrid Engine (GPU only, DeepSpeed-inference architectures only, no "
+                                  "LoRA; unverified here; stops at start-up where it cannot run, unless "
+                                  "hybrid_engine_fallback).")
     enable_hybrid_engine: bool = opt(False, "DeepSpeed-Chat's flag: true = --generation_backend hybrid (it wins over "
                                      "generation_backend).")
     hybrid_engine_fallback: bool = opt(False, "Where the Hybrid Engine cannot run (no CUDA, architecture without a "
@@ -501,8 +506,8 @@ class EngineConfig:
             p.add(prefix + "ema_dtype", self.ema_dtype, f"must be one of {', '.join(DTYPES)} (or '' for the actor's)")
         _choice(p, prefix, self, "generation_gather_once", GATHER_ONCE_MODES)
         if not isinstance(self.generation_backend, str) or not self.generation_backend:
-            p.add(prefix + "generation_backend", self.generation_backend, "must name a generation backend (hf, "
-                  "hybrid)")  # the name itself is checked against the registry by engine/preflight.py
+            p.add(prefix + "generation_backend", self.generation_backend, "must name a generation backend (lean, "
+                  "hf, hybrid)")  # the name itself is checked against the registry by engine/preflight.py
         _positive(p, prefix, self, "gather_once_max_bytes", allow_zero=True)
         _positive(p, prefix, self, "inference_tp_size", "tp_gather_partition_size")
         for n in ("gather_once_max_bytes", "inference_tp_size", "tp_gather_partition_size"):

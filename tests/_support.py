@@ -2,7 +2,9 @@
 from __future__ import annotations
 
 import json
+import math
 import os
+import shutil
 import subprocess
 import sys
 from dataclasses import dataclass
@@ -41,6 +43,40 @@ def make_tiny_setup(root: str, arch: str = "gpt2", pad_is_eos: bool = True, n_pr
 # Stop tokens: a pseudo-random 2/7 of the tiny vocabulary ends a response, so a random tiny model gives uneven
 # response lengths (the tiny models rarely sample EOS itself).
 STOP_IDS = [t for t in range(3, 512) if (t * 2654435761) % 7 < 2]
+
+
+Z = 5  # the likely token of `z_logits`
+
+
+def fixed_model(tiny, path, logits: torch.Tensor, generation: dict):
+    """The tiny GPT-2 with its final layer norm's scale at 0 and bias e_0, and column 0 of its (tied) embedding set
+    to `logits`: every position's next-token logits are exactly `logits`, whatever the input."""
+    import torch
+    from transformers import AutoModelForCausalLM, GenerationConfig
+
+    if os.path.isdir(path):
+        return path
+    model = AutoModelForCausalLM.from_pretrained(tiny.actor)
+    with torch.no_grad():
+        model.transformer.ln_f.weight.zero_()
+        model.transformer.ln_f.bias.zero_()
+        model.transformer.ln_f.bias[0] = 1.0
+        model.transformer.wte.weight[:, 0] = logits
+    model.generation_config = GenerationConfig(**generation)
+    model.save_pretrained(path)
+    for f in os.listdir(tiny.actor):
+        if f.startswith(("tokenizer", "special_tokens", "vocab", "merges")):
+            shutil.copy(os.path.join(tiny.actor, f), path)
+    return path
+
+
+def z_logits(vocab: int, p: float) -> torch.Tensor:
+    """Token Z with probability p, the rest uniform."""
+    import torch
+
+    out = torch.zeros(vocab)
+    out[Z] = math.log(p) - math.log((1 - p) / (vocab - 1))
+    return out
 
 
 def as_flags(values: dict) -> list[str]:

@@ -7,6 +7,7 @@ never use HF's pooling (it finds the last token from `input_ids != pad`, which i
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 from typing import Optional
 
@@ -252,3 +253,17 @@ def merged_copy(module: nn.Module, state_dict: dict) -> nn.Module:
                            f"unexpected {sorted(unexpected)[:5]})")
     merged = fresh_peft.merge_and_unload()
     return merged.to(dtype).eval()
+
+
+def accepts_logits_to_keep(module) -> bool:
+    """Whether the causal LM's forward takes `logits_to_keep` (transformers' decoder models do; peft passes it on).
+    Cached per model class (asked at every forward)."""
+    base = getattr(module, "get_base_model", lambda: module)()
+    return _forward_takes(type(base), "logits_to_keep")
+
+
+@functools.lru_cache(maxsize=None)
+def _forward_takes(cls: type, name: str) -> bool:
+    import inspect
+
+    return name in inspect.signature(cls.forward).parameters

@@ -17,7 +17,7 @@ from ..config import TrainConfig
 from ..ppo_math import entropy_from_logits, logprobs_and_entropy_from_logits, logprobs_from_logits, mask_stop_tokens_
 from ..rollout import Rollout
 from .distributed import DistInfo
-from .models import ScalarHeadModel, adapter_disabled
+from .models import ScalarHeadModel, accepts_logits_to_keep, adapter_disabled
 from .generation import BACKENDS, GenerationContext, Generated, SamplingParams
 from .models import load_tokenizer  # noqa: F401  (re-exported)
 from .preflight import EnginePlan, RolePlan, resolve_dtype
@@ -145,7 +145,7 @@ class RLHFEngine:
 
     def _lm_forward(self, engine, r: Rollout, with_entropy: bool, check: bool = True):
         R = r.response_width
-        if _accepts_logits_to_keep(engine.module):
+        if accepts_logits_to_keep(engine.module):
             # only the last R+1 positions go through the LM head (prompt logits are never used); their first R are
             # positions P-1 .. P+R-2, i.e. exactly `action_slice` (measured: experience and training forwards x1.2)
             logits = engine(**self._inputs(r), use_cache=False, logits_to_keep=R + 1).logits[:, :R]
@@ -283,10 +283,3 @@ class RLHFEngine:
 
 __all__ = ["RLHFEngine", "load_tokenizer", "ScalarHeadModel"]
 
-
-def _accepts_logits_to_keep(module) -> bool:
-    """Whether the causal LM's forward takes `logits_to_keep` (transformers' decoder models do; peft passes it on)."""
-    import inspect
-
-    base = getattr(module, "get_base_model", lambda: module)()
-    return "logits_to_keep" in inspect.signature(base.forward).parameters

@@ -6,6 +6,10 @@
   every layer again. Each parameter is therefore also marked as in use by a sentinel sub-module id for the duration
   (the coordinator releases only parameters whose `ds_active_sub_modules` is empty); the hooks then find every
   parameter available and issue no collective at all, so ranks may even stop generating at different times.
+* `GenerationReplica`: a plain (unpartitioned, hook-free) copy of a ZeRO-3 module that generation runs on. Built once
+  on the meta device and materialised; refreshed from the partitions before every generate call by gathering a few
+  parameters at a time, so the only extra memory is one copy of the weights (plus one chunk in flight). Decoding on
+  it runs no ZeRO-3 hook and no collective (measured x3.8 generation against per-layer fetching, bench/README).
 * `ema_update_`: ema = decay * ema + (1 - decay) * actor, parameter by parameter; under ZeRO-3 on both sides each rank
   updates its own partition from the actor's same partition (no communication).
 """
@@ -54,6 +58,45 @@ def gathered_for_generation(module: nn.Module):
         finally:
             for p in marked:
                 p.ds_active_sub_modules.discard(_GENERATION_SENTINEL)
+
+
+class GenerationReplica:
+    """A hook-free copy of the ZeRO-3 Hugging Face model `source` (same class and config, the source's dtype)."""
+
+    CHUNK_BYTES = 256 * 2**20  # full-size bytes gathered at once while refreshing
+
+    def __init__(self, source: nn.Module, device: torch.device):
+        dtype = next(source.parameters()).dtype
+        with torch.device("meta"):
+            replica = type(source)(source.config)  # a direct constructor call: no zero.Init (only from_pretrained)
+        replica = replica.to(dtype).to_empty(device=device)
+        if hasattr(replica, "tie_weights"):  # to_empty makes new tensors: tied embeddings become two copies
+            replica.tie_weights()
+        for name, buf in source.named_buffers():  # buffers are never partitioned (rotary tables, position ids)
+            replica.get_buffer(name).copy_(buf)
+        missing = set(dict(source.named_parameters())) ^ set(dict(replica.named_parameters()))
+        if missing:
+            raise RuntimeError(f"generation replica: parameter names differ from the model's: {sorted(missing)[:5]}")
+        self.module = replica.eval().requires_grad_(False)
+
+    @torch.no_grad()
+    def refresh(self, source: nn.Module) -> nn.Module:
+        """Copy the source's current weights in (collective: every rank must call it); returns the replica."""
+        import deepspeed
+
+        mine = dict(self.module.named_parameters())
+        chunk, size = [], 0
+        named = list(source.named_parameters())
+        for i, (name, p) in enumerate(named):
+            chunk.append((name, p))
+            size += (p.ds_numel if is_zero3_param(p) else p.numel()) * p.element_size()
+            if size >= self.CHUNK_BYTES or i == len(named) - 1:
+                todo = _not_available([q for _, q in chunk])
+                with deepspeed.zero.GatheredParameters(todo, enabled=bool(todo)):
+                    for n, q in chunk:
+                        mine[n].copy_(q.data)
+                chunk, size = [], 0
+        return self.module
 
 
 @torch.no_grad()

@@ -94,7 +94,10 @@ class StepGuard:
     @staticmethod
     def _hook(flag: torch.Tensor):
         def hook(grad: torch.Tensor) -> None:
-            flag.logical_or_(~torch.isfinite(grad.detach().sum(dtype=torch.float32)))
+            g = grad.detach()
+            # fp16 sums could overflow where every element is finite: summed in fp32. bf16 and fp32 share fp32's
+            # range and sum as they are (an fp32 request would copy every bf16 gradient first on CPU)
+            flag.logical_or_(~torch.isfinite(g.sum(dtype=torch.float32) if g.dtype == torch.float16 else g.sum()))
 
         return hook
 

@@ -1,7 +1,7 @@
 """Engine extensions on 2 ranks (one launch of tests/distributed/scripts/engine_ext_checks.py): LoRA at ZeRO 2 and
 3 (only adapters train, reference = base model, merged exports), the EMA of a ZeRO-3 actor (closed form, local
-partition updates, export), and gather-once generation under ZeRO-3 (collective counts, equal outputs, ranks that
-stop at different lengths). The same checks at ZeRO 0, gradient checkpointing and the Hybrid Engine's CPU refusal
+partition updates, export), and ZeRO-3 generation by both backends held whole (replica, gather-once) or fetched per
+layer (collective counts, equal outputs, the replica after training, ranks that stop at different lengths). The same checks at ZeRO 0, gradient checkpointing and the Hybrid Engine's CPU refusal
 run in process: tests/unit/engine/test_lora_ema.py.
 """
 from __future__ import annotations
@@ -99,32 +99,53 @@ def _gathers(counts: dict) -> int:
     return sum(v for k, v in counts.items() if "gather" in k)
 
 
+HELD_COLLECTIVES = {"ds.all_gather_into_tensor", "ds.all_gather"}  # the gathers of the weights, nothing else
+
+
 @pytest.mark.distributed
-def test_gather_once_fetches_once_per_generate_call(ext):
+@pytest.mark.parametrize("backend", ["hf", "lean"])
+def test_zero3_generation_modes_fetch_once_per_call_and_agree(ext, backend):
     res = ext["z3_ema"]
     for rank, gen in enumerate(res["generation"]):
-        assert not gen["off_2"]["active"] and gen["on_2"]["active"]
-        # the same greedy tokens either way
-        assert gen["off_2"]["responses"] == gen["on_2"]["responses"], rank
-        assert gen["off_8"]["responses"] == gen["on_8"]["responses"], rank
-        assert len(gen["on_8"]["responses"][0]) >= 7  # up to 8 new tokens really were generated
-        per_layer = [_gathers(gen[f"off_{n}"]["counts"]) for n in (2, 8)]
-        once = [_gathers(gen[f"on_{n}"]["counts"]) for n in (2, 8)]
-        # per-layer: every new token fetches every layer again (and synced_gpus all-reduces once per token)
+        run = {f"{m}_{n}": gen[f"{backend}_{m}_{n}"] for m in ("off", "on", "replica") for n in (2, 8)}
+        assert [run[f"{m}_2"]["mode"] for m in ("off", "on", "replica")] == ["per_layer", "gathered", "replica"]
+        # the same greedy tokens every way, and the same as the other backend
+        for n in (2, 8):
+            assert run[f"on_{n}"]["responses"] == run[f"off_{n}"]["responses"] == run[f"replica_{n}"]["responses"]
+            assert run[f"off_{n}"]["responses"] == gen[f"hf_off_{n}"]["responses"], (rank, backend, n)
+        assert len(run["on_8"]["responses"][0]) >= 7  # up to 8 new tokens really were generated
+        per_layer = [_gathers(run[f"off_{n}"]["counts"]) for n in (2, 8)]
+        # per-layer: every new token fetches every layer again (and the ranks agree once per token to stop together)
         assert per_layer[1] >= 8 * res["layers"] and per_layer[1] - per_layer[0] >= 6 * res["layers"], per_layer
-        assert gen["off_8"]["counts"].get("torch.all_reduce", 0) >= 8
-        # gather-once: each parameter gathered once per call (DeepSpeed gathers a list parameter by parameter),
-        # whatever the number of tokens, and no other collective
-        assert once[0] == once[1] == res["actor_params"], (rank, once, res["actor_params"])
-        assert per_layer[1] > 4 * once[1]
-        assert set(gen["on_8"]["counts"]) <= {"ds.all_gather_into_tensor", "ds.all_gather"}, gen["on_8"]["counts"]
+        assert run["off_8"]["counts"].get("torch.all_reduce", 0) >= 7
+        for mode in ("on", "replica"):
+            # held whole: each parameter gathered once per call (DeepSpeed gathers a list parameter by parameter),
+            # whatever the number of tokens, and no other collective
+            once = [_gathers(run[f"{mode}_{n}"]["counts"]) for n in (2, 8)]
+            assert once[0] == once[1] == res["actor_params"], (rank, mode, once, res["actor_params"])
+            assert per_layer[1] > 4 * once[1]
+            assert set(run[f"{mode}_8"]["counts"]) <= HELD_COLLECTIVES, run[f"{mode}_8"]["counts"]
 
 
 @pytest.mark.distributed
-def test_gather_once_ranks_may_stop_at_different_lengths(ext):
-    uneven = ext["z3_ema"]["uneven"]
+def test_the_replica_follows_training(ext):
+    for gen in ext["z3_ema"]["generation"]:
+        after, before = gen["trained_replica"], gen["lean_replica_8"]
+        assert after["responses"] == gen["trained_off"]["responses"]
+        assert torch.allclose(torch.tensor(after["logprobs"]), torch.tensor(gen["trained_off"]["logprobs"]), atol=TOL)
+        # negative control: the step did change the model (a stale replica would still give `before`)
+        if after["responses"] == before["responses"]:
+            assert (torch.tensor(after["logprobs"]) - torch.tensor(before["logprobs"])).abs().max() > 1e-3
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("run", ["hf_on", "lean_replica"])
+def test_held_actor_ranks_may_stop_at_different_lengths(ext, run):
+    uneven = [u[run] for u in ext["z3_ema"]["uneven"]]
     assert [u["max_new"] for u in uneven] == [1, 8]
     assert uneven[0]["width"] == 1 and uneven[1]["width"] > 2  # rank 0 finished first; nobody waited for anybody
     for u, gen in zip(uneven, ext["z3_ema"]["generation"]):
-        assert set(u["counts"]) <= {"ds.all_gather_into_tensor", "ds.all_gather"}, u["counts"]
-        assert [row[: len(r)] for row, r in zip(gen["on_8"]["responses"], u["responses"])] == u["responses"]
+        assert set(u["counts"]) <= HELD_COLLECTIVES, u["counts"]
+        # the prefixes of the same model's 8-token responses (these calls follow the extra training step)
+        assert [row[: len(r)] for row, r in zip(gen["trained_off"]["responses"], u["responses"])] == u["responses"]
+

@@ -52,24 +52,24 @@ def test_in_a_run_tis_is_neutral_for_an_exact_backend_and_mis_masks_by_hand(tiny
 
     rec = build_trainer(parse_args(_args(tiny, str(tmp_path / "tis"), rollout_correction="tis"))).step()
     assert rec["rollout/correction_capped_frac"] == 0.0 and rec["policy/ratio_max"] == 1.0
-    # a backend whose log-probs are 0.15 nats too low on every token: a response of n tokens has sequence log-ratio
-    # 0.15 n, out of the band [-ln 2, ln 2] (ln 2 = 0.693) from n = 5 on
+    # a backend whose log-probs are 0.3 nats too low on every token: a response of n tokens has sequence log-ratio
+    # 0.3 n, out of the band [-ln 2, ln 2] (ln 2 = 0.693) from n = 3 on
     trainer = build_trainer(parse_args(_args(tiny, str(tmp_path / "mis"), rollout_correction="mis")))
     sample = trainer.engine.sample
 
     def biased(ids, mask, params=None):
         g = sample(ids, mask, params)
-        g.logprobs = g.logprobs - 0.15 * g.rollout.action_mask
+        g.logprobs = g.logprobs - 0.3 * g.rollout.action_mask
         return g
 
     trainer.engine.sample = biased
     rec = trainer.step()
     exp = trainer.last_experience
     lengths = exp.rollout.response_lengths
-    out = lengths >= 5
+    out = lengths >= 3
     assert 0 < int(out.sum()) < len(lengths), lengths  # the setup has both kinds
     assert rec["rollout/correction_masked_frac"] == pytest.approx(out.float().mean().item(), abs=1e-7)
     assert torch.equal(exp.policy_mask.sum(-1), torch.where(out, 0, lengths))
-    assert rec["rollout/logprob_diff_mean"] == pytest.approx(0.15, abs=1e-5)
-    assert rec["rollout/seq_logratio_max"] == pytest.approx(0.15 * int(lengths.max()), abs=1e-4)
+    assert rec["rollout/logprob_diff_mean"] == pytest.approx(0.3, abs=1e-5)
+    assert rec["rollout/seq_logratio_max"] == pytest.approx(0.3 * int(lengths.max()), abs=1e-4)
     assert rec["value/loss"] is not None  # the critic still trains on every response

@@ -12,6 +12,11 @@ while another still generates, or no collective runs inside at all), derives pos
 from the actor's disabled adapter (generation always runs the adapted actor). `forward_mode` is how the actor's
 experience forwards must be put in eval mode next to this backend (the Hybrid Engine swaps kernels in `eval()`).
 
+Under ZeRO-3 the actor's weights are partitioned; `zero3_mode` says how a call gets them (`generation_gather_once`):
+'replica' decodes on a plain copy refreshed once per call (engine/zero3.py: no hook, no collective inside); 'gathered'
+gathers them into the ZeRO-3 module once (its hooks still run at every token); 'per_layer' fetches every layer for
+every token, the ranks in lockstep. `generation_model()` is the module to decode with, prepared that way.
+
 A new backend is one new file holding a `GenerationBackend` subclass plus one line in `BACKENDS` below.
 """
 from __future__ import annotations
@@ -19,11 +24,15 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 from dataclasses import dataclass
+import logging
 from typing import Any, Iterator, Optional
 
 import torch
 
 from ...rollout import Rollout
+from ..zero3 import GenerationReplica, full_param_bytes, gathered_for_generation
+
+log = logging.getLogger("rlhf_engine.engine.rlhf_engine")
 
 
 @dataclass(frozen=True)
@@ -75,6 +84,12 @@ class GenerationBackend:
     def __init__(self, ctx: GenerationContext):
         self.ctx = ctx
         self.actor, self.dist = ctx.actor, ctx.dist
+        self._actor_bytes: Optional[int] = None
+        self._replica: Optional[GenerationReplica] = None
+        self._logged_modes: set = set()
+        from .hf import warn_unused_sampling_fields
+
+        warn_unused_sampling_fields(self.actor.module, self.dist.is_main)
 
     @classmethod
     def actor_ds_overrides(cls, cfg: Any) -> Optional[dict]:
@@ -87,6 +102,72 @@ class GenerationBackend:
 
     def generate(self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, params: SamplingParams) -> Generated:
         raise NotImplementedError
+
+    # ---- ZeRO-3 -------------------------------------------------------------------------------------------
+    def _log_once(self, key: str, msg: str, *args) -> None:
+        if key not in self._logged_modes and self.dist.is_main:
+            log.info(msg, *args)
+        self._logged_modes.add(key)
+
+    def zero3_mode(self) -> str:
+        """'plain' (actor not at ZeRO-3), 'replica', 'gathered' or 'per_layer': how the next call decodes.
+
+        `generation_gather_once`: 'auto' = 'replica' where the actor fits `gather_once_max_bytes` and has no LoRA
+        adapter (peft layers are not rebuilt in the copy), else 'per_layer'; 'on' = 'gathered'; 'replica'; 'off'.
+        Above the bound every mode falls back to 'per_layer' (logged once)."""
+        e = self.ctx.cfg.engine
+        if self.ctx.actor_stage != 3:
+            return "plain"
+        mode = e.generation_gather_once
+        if mode == "off":
+            return "per_layer"
+        if self._actor_bytes is None:
+            self._actor_bytes = full_param_bytes(self.actor.module)
+        if self._actor_bytes > e.gather_once_max_bytes:
+            self._log_once("bytes", "generation_gather_once: the actor's full weights (%.2f GiB) exceed "
+                           "gather_once_max_bytes (%.2f GiB); generating with per-layer ZeRO-3 fetches",
+                           self._actor_bytes / 2**30, e.gather_once_max_bytes / 2**30)
+            return "per_layer"
+        if mode == "on":
+            return "gathered"
+        if hasattr(self.actor.module, "peft_config"):
+            if mode == "replica":
+                self._log_once("lora", "generation_gather_once replica: a LoRA actor is gathered in place instead "
+                               "(the copy would not hold its adapter)")
+                return "gathered"
+            return "per_layer"
+        return "replica"
+
+    def gather_once_active(self) -> bool:
+        """Whether the next call holds the actor's full weights throughout (no collective while decoding)."""
+        return self.zero3_mode() in ("gathered", "replica")
+
+    def lockstep(self) -> bool:
+        """ZeRO-3 ranks must run the same number of forwards (each gathers layers collectively), unless the whole
+        actor is held for the call."""
+        return self.zero3_mode() == "per_layer" and self.dist.world_size > 1
+
+    @contextlib.contextmanager
+    def generation_model(self) -> Iterator[torch.nn.Module]:
+        """The module to decode with (in eval mode for the block): the actor's, or its refreshed replica. Collective
+        under ZeRO-3 'replica' and 'gathered' (every rank must enter)."""
+        model, mode = self.actor.module, self.zero3_mode()
+        self._log_once("mode:" + mode, "generation: %s backend, ZeRO-3 mode %s", self.name, mode)
+        if mode == "replica":
+            if self._replica is None:
+                self._replica = GenerationReplica(model, self.device)
+            yield self._replica.refresh(model)
+            return
+        was_training = model.training
+        model.eval()
+        try:
+            if mode == "gathered":
+                with gathered_for_generation(model):
+                    yield model
+            else:
+                yield model
+        finally:
+            model.train(was_training)
 
     @contextlib.contextmanager
     def forward_mode(self) -> Iterator[None]:
@@ -102,8 +183,9 @@ class GenerationBackend:
 def _registry() -> dict:
     from .hf import HFBackend
     from .hybrid import HybridEngineBackend
+    from .lean import LeanBackend
 
-    return {"hf": HFBackend, "hybrid": HybridEngineBackend}
+    return {"lean": LeanBackend, "hf": HFBackend, "hybrid": HybridEngineBackend}
 
 
 BACKENDS: dict[str, type] = _registry()

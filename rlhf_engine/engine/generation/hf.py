@@ -8,10 +8,8 @@ Tokens are drawn from softmax(logits / temperature), with the stop tokens masked
 what the trainer's log-probs compute. The generation-time log-prob of every sampled token is recorded by a logits
 processor (Hugging Face applies temperature after custom processors, so the recorder divides by it itself).
 
-ZeRO-3: by default each layer is fetched for every new token and the ranks run in lockstep (`synced_gpus`: a rank
-that finished keeps running dummy forwards while another still generates). With `generation_gather_once` ('on', or
-'auto' with CUDA) the whole actor is gathered once for the call and kept resident (engine/zero3.py): no collective
-runs inside, so ranks may finish at different times; never above `gather_once_max_bytes` (logged once).
+ZeRO-3: `GenerationBackend.zero3_mode` (a replica, the actor gathered once, or per-layer fetching with the ranks in
+lockstep through `synced_gpus`: a rank that finished keeps running dummy forwards while another still generates).
 """
 from __future__ import annotations
 
@@ -22,7 +20,6 @@ import torch
 from transformers import GenerationConfig
 
 from ...rollout import Rollout
-from ..zero3 import full_param_bytes, gathered_for_generation
 from . import GenerationBackend, Generated, SamplingParams
 
 log = logging.getLogger("rlhf_engine.engine.rlhf_engine")
@@ -34,6 +31,15 @@ SAMPLING_FIELDS = ("do_sample", "temperature", "top_k", "top_p", "min_p", "top_h
                    "sequence_bias", "suppress_tokens", "begin_suppress_tokens", "forced_bos_token_id",
                    "forced_eos_token_id", "min_length", "min_new_tokens", "exponential_decay_length_penalty",
                    "renormalize_logits", "penalty_alpha", "num_beams", "guidance_scale", "watermarking_config")
+
+
+def warn_unused_sampling_fields(model, is_main: bool) -> None:
+    """Name once what the model's generation_config asks for that no backend applies."""
+    unused = unused_sampling_fields(model.generation_config)
+    if unused and is_main:
+        log.warning("the model's generation_config sets %s; not used: rollouts sample from softmax(logits / "
+                    "temperature) with the run's own sampling flags (so that PPO's log-probs describe them)",
+                    ", ".join(f"{k}={v!r}" for k, v in unused.items()))
 
 
 def unused_sampling_fields(model_config) -> dict:
@@ -93,38 +99,7 @@ class HFBackend(GenerationBackend):
 
     def __init__(self, ctx):
         super().__init__(ctx)
-        self._actor_bytes = None
-        self._gather_once_logged = False
         self._logged_kwargs = False
-        unused = unused_sampling_fields(self.actor.module.generation_config)
-        if unused and self.dist.is_main:
-            log.warning("the model's generation_config sets %s; not used: rollouts sample from softmax(logits / "
-                        "temperature) with the run's own sampling flags (so that PPO's log-probs describe them)",
-                        ", ".join(f"{k}={v!r}" for k, v in unused.items()))
-
-    def gather_once_active(self) -> bool:
-        """Whether the next `generate` gathers the ZeRO-3 actor once (`generation_gather_once`: 'on', or 'auto' with
-        CUDA) instead of fetching each layer for every token; never above `gather_once_max_bytes` (logged once)."""
-        e = self.ctx.cfg.engine
-        if self.ctx.actor_stage != 3 or e.generation_gather_once == "off":
-            return False
-        if e.generation_gather_once == "auto" and not torch.cuda.is_available():
-            return False  # on CPU gathering once was measured not faster (docs/notes: 1.36 s vs 1.43 s)
-        if self._actor_bytes is None:
-            self._actor_bytes = full_param_bytes(self.actor.module)
-        if self._actor_bytes > e.gather_once_max_bytes:
-            if not self._gather_once_logged and self.dist.is_main:
-                log.warning("generation_gather_once: the actor's full weights (%.2f GiB) exceed gather_once_max_bytes "
-                            "(%.2f GiB); generating with per-layer ZeRO-3 fetches", self._actor_bytes / 2**30,
-                            e.gather_once_max_bytes / 2**30)
-            self._gather_once_logged = True
-            return False
-        return True
-
-    def lockstep(self) -> bool:
-        """ZeRO-3 ranks must run the same number of forwards (each gathers layers collectively), unless the whole
-        actor is gathered once for the call."""
-        return self.ctx.actor_stage == 3 and self.dist.world_size > 1 and not self.gather_once_active()
 
     def generation_kwargs(self, params: SamplingParams) -> dict:
         """The `generate` arguments of `params` (they override the model's generation_config)."""
@@ -153,24 +128,14 @@ class HFBackend(GenerationBackend):
 
     @torch.no_grad()
     def generate(self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, params: SamplingParams) -> Generated:
-        model = self.actor.module
-        was_training = model.training
-        model.eval()
         gen_config, synced = self.generation_config(params)
         ids, mask = prompt_ids.to(self.device), prompt_mask.to(self.device)
         recorder = SampledLogprobs(params.temperature if params.do_sample else 1.0)
-        kw = dict(input_ids=ids, attention_mask=mask, generation_config=gen_config, logits_processor=[recorder])
-        try:
-            if self.gather_once_active():
-                # every rank holds the full actor for the whole call and no collective runs inside, so ranks may
-                # finish at different times: synced_gpus (one all-reduce per token, dummy forwards) is off
-                with gathered_for_generation(model), neutral_generation_config(model):
-                    out = model.generate(**kw, synced_gpus=False)
-            else:
-                with neutral_generation_config(model):
-                    out = model.generate(**kw, synced_gpus=synced)
-        finally:
-            model.train(was_training)
+        # with the whole actor held for the call no collective runs inside, so ranks may finish at different times:
+        # synced_gpus (one all-reduce per token, dummy forwards) is on only for per-layer ZeRO-3 fetching
+        with self.generation_model() as model, neutral_generation_config(model):
+            out = model.generate(input_ids=ids, attention_mask=mask, generation_config=gen_config,
+                                 logits_processor=[recorder], synced_gpus=synced)
         return generated(ids, mask, out, params, recorder)
 
 

@@ -38,8 +38,9 @@ class HybridEngineBackend(HFBackend):
                                   "pin_parameters": not e.unpin_actor_parameters,
                                   "tp_gather_partition_size": e.tp_gather_partition_size}}
 
-    def gather_once_active(self) -> bool:
-        return False  # the Hybrid Engine gathers ZeRO-3 parameters itself
+    def zero3_mode(self) -> str:
+        # the Hybrid Engine gathers ZeRO-3 parameters itself, in lockstep
+        return "per_layer" if self.ctx.actor_stage == 3 else "plain"
 
     @contextlib.contextmanager
     def forward_mode(self) -> Iterator[None]:

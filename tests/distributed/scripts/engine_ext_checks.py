@@ -29,7 +29,8 @@ import torch  # noqa: E402
 
 from rlhf_engine.config import TrainConfig  # noqa: E402
 from rlhf_engine.engine import RLHFEngine, init_distributed  # noqa: E402
-from rlhf_engine.engine.preflight import plan_engine
+from rlhf_engine.engine.generation import BACKENDS  # noqa: E402
+from rlhf_engine.engine.preflight import plan_engine  # noqa: E402
 from rlhf_engine.rollout import Rollout, pad_prompts  # noqa: E402
 
 LR = 1e-2
@@ -267,23 +268,37 @@ def run_ema_and_gather(args, dist) -> dict:
                r.prompts[1][r.attention_mask[1, : r.prompt_length].bool()].tolist()]
     ids, mask = pad_prompts(prompts, e.pad_token_id)
     gen = {}
-    for mode in ("off", "on"):
-        for new in (2, 8):
-            cfg.engine.generation_gather_once = mode
-            params = dataclasses.replace(e.sampling, max_new_tokens=new)
-            torch.distributed.barrier()
-            t = time.time()
-            g, counts = counter.measure(lambda: e.generate(ids, mask, params))
-            gen[f"{mode}_{new}"] = {"counts": counts, "responses": g.responses.tolist(), "s": time.time() - t,
-                                    "active": e.generator.gather_once_active()}
+    backends = {"hf": BACKENDS["hf"](e.generator.ctx), "lean": BACKENDS["lean"](e.generator.ctx)}
+    for name, backend in backends.items():
+        for mode in ("off", "on", "replica"):
+            for new in (2, 8):
+                cfg.engine.generation_gather_once = mode
+                params = dataclasses.replace(e.sampling, max_new_tokens=new)
+                torch.distributed.barrier()
+                t = time.time()
+                out, counts = counter.measure(lambda: backend.generate(ids, mask, params))
+                gen[f"{name}_{mode}_{new}"] = {"counts": counts, "responses": out.rollout.responses.tolist(),
+                                               "logprobs": out.logprobs.tolist(), "s": time.time() - t,
+                                               "mode": backend.zero3_mode()}
+    # the replica follows training: one more actor step, then replica and per-layer fetching agree again
+    train(e, r, 1)
+    params = dataclasses.replace(e.sampling, max_new_tokens=8)
+    for mode in ("replica", "off"):
+        cfg.engine.generation_gather_once = mode
+        out = backends["lean"].generate(ids, mask, params)
+        gen[f"trained_{mode}"] = {"responses": out.rollout.responses.tolist(), "logprobs": out.logprobs.tolist()}
     res["generation"] = gather(gen)
-    # ranks stop at different lengths (rank 0 after 1 token, rank 1 after 8) with gather-once: no synced_gpus
-    cfg.engine.generation_gather_once = "on"
-    params = dataclasses.replace(e.sampling, max_new_tokens=1 if rank == 0 else 8)
-    torch.distributed.barrier()
-    g, counts = counter.measure(lambda: e.generate(ids, mask, params))
-    res["uneven"] = gather({"width": g.response_width, "counts": counts, "responses": g.responses.tolist(),
-                            "max_new": params.max_new_tokens})
+    # ranks stop at different lengths (rank 0 after 1 token, rank 1 after 8) when the actor is held whole: no
+    # collective while decoding
+    uneven = {}
+    for name, mode in (("hf", "on"), ("lean", "replica")):
+        cfg.engine.generation_gather_once = mode
+        params = dataclasses.replace(e.sampling, max_new_tokens=1 if rank == 0 else 8)
+        torch.distributed.barrier()
+        g, counts = counter.measure(lambda: backends[name].generate(ids, mask, params).rollout)
+        uneven[f"{name}_{mode}"] = {"width": g.response_width, "counts": counts, "responses": g.responses.tolist(),
+                                    "max_new": params.max_new_tokens}
+    res["uneven"] = gather(uneven)
     res["layers"] = len(e.actor.module.transformer.h)
     res["actor_params"] = len(list(e.actor.module.parameters()))
     res["total_s"] = time.time() - t0

@@ -5,11 +5,10 @@ import copy
 import logging
 import math
 import os
-import shutil
 
 import pytest
 import torch
-from _support import STOP_IDS, as_flags
+from _support import STOP_IDS, Z, as_flags, fixed_model, z_logits
 
 from rlhf_engine.cli import parse_args
 from rlhf_engine.engine import RLHFEngine
@@ -17,41 +16,13 @@ from rlhf_engine.engine.preflight import end_of_turn_token, plan_engine
 from rlhf_engine.errors import ConfigError
 from rlhf_engine.trainer import build_trainer
 
-Z, E2, N = 5, 9, 400  # the likely token, a second EOS id, rows sampled
+E2, N = 9, 400  # a second EOS id, rows sampled
 
 
 def train_args(tiny, output_dir: str, **flags) -> list[str]:
     base = dict(actor_model_name_or_path=tiny.actor, reward_model_name_or_path=tiny.reward, data_path=tiny.prompts,
                 max_prompt_seq_len=64, max_answer_seq_len=8, output_dir=output_dir)
     return as_flags({**base, **flags})
-
-
-def fixed_model(tiny, path, logits: torch.Tensor, generation: dict):
-    """The tiny GPT-2 with its final layer norm's scale at 0 and bias e_0, and column 0 of its (tied) embedding set
-    to `logits`: every position's next-token logits are exactly `logits`, whatever the input."""
-    from transformers import AutoModelForCausalLM, GenerationConfig
-
-    if os.path.isdir(path):
-        return path
-    model = AutoModelForCausalLM.from_pretrained(tiny.actor)
-    with torch.no_grad():
-        model.transformer.ln_f.weight.zero_()
-        model.transformer.ln_f.bias.zero_()
-        model.transformer.ln_f.bias[0] = 1.0
-        model.transformer.wte.weight[:, 0] = logits
-    model.generation_config = GenerationConfig(**generation)
-    model.save_pretrained(path)
-    for f in os.listdir(tiny.actor):
-        if f.startswith(("tokenizer", "special_tokens", "vocab", "merges")):
-            shutil.copy(os.path.join(tiny.actor, f), path)
-    return path
-
-
-def z_logits(vocab: int, p: float) -> torch.Tensor:
-    """Token Z with probability p, the rest uniform."""
-    out = torch.zeros(vocab)
-    out[Z] = math.log(p) - math.log((1 - p) / (vocab - 1))
-    return out
 
 
 @pytest.fixture(scope="module")
@@ -78,9 +49,10 @@ def _z_count(rollout) -> int:
     return int((rollout.responses[:, 0] == Z).sum())
 
 
-def test_sampling_ignores_the_models_generation_config(penalized, tmp_path, dist_single, caplog):
+@pytest.mark.parametrize("backend", ["lean", "hf"])
+def test_sampling_ignores_the_models_generation_config(penalized, tmp_path, dist_single, caplog, backend):
     with caplog.at_level(logging.WARNING):
-        e = engine_for(penalized, tmp_path, dist_single, max_answer_seq_len=1)
+        e = engine_for(penalized, tmp_path, dist_single, max_answer_seq_len=1, generation_backend=backend)
     assert any("repetition_penalty=50.0" in m and "no_repeat_ngram_size=1" in m and "not used" in m
                for m in caplog.messages), caplog.messages
     ids = torch.tensor([[Z, Z, 7]] * N)  # Z is in every prompt: a repetition penalty would push it down
@@ -88,6 +60,8 @@ def test_sampling_ignores_the_models_generation_config(penalized, tmp_path, dist
     r = e.generate(ids, torch.ones_like(ids))
     expect, sd = N * 0.987, math.sqrt(N * 0.987 * 0.013)
     assert abs(_z_count(r) - expect) <= 6 * sd, (_z_count(r), expect, sd)
+    if backend != "hf":
+        return
     # negative control: the model's generation_config copied and updated (the old way) samples Z about 0.2% of the time
     model = e.actor.module
     kw = e.generator.generation_kwargs(e.sampling)
@@ -146,9 +120,11 @@ FLAGS = dict(per_device_generation_batch_size=8, per_device_training_batch_size=
              actor_learning_rate=0.0, critic_learning_rate=0.0, export_final="false", stop_token_ids=STOP_IDS)
 
 
+@pytest.mark.parametrize("backend", ["lean", "hf"])
 @pytest.mark.parametrize("min_len", [0, 3])
-def test_generation_logprobs_match_the_recomputed_ones(tiny, dist_single, tmp_path, min_len):
-    trainer = build_trainer(parse_args(train_args(tiny, str(tmp_path), min_answer_seq_len=min_len, **FLAGS)))
+def test_generation_logprobs_match_the_recomputed_ones(tiny, dist_single, tmp_path, min_len, backend):
+    trainer = build_trainer(parse_args(train_args(tiny, str(tmp_path), min_answer_seq_len=min_len,
+                                                  generation_backend=backend, **FLAGS)))
     rec = trainer.step()
     exp = trainer.last_experience
     assert rec["rollout/logprob_diff_max"] <= 1e-5 and rec["rollout/seq_logratio_max"] <= 1e-5, rec

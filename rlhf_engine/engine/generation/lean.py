@@ -1,0 +1,81 @@
+"""The lean backend: our own decoding loop over the actor's forward and its KV cache (the default).
+
+Per token it runs one forward of the new tokens against the cache and the token selection of `sampling.py`; nothing
+else (Hugging Face generate adds its input preparation, processor and stopping-criteria machinery around every
+step, and torch.multinomial, measured at 60% of a small model's decoding time on CPU). Same rules as the HF backend,
+which tests hold it to: the exact distribution softmax(masked logits / temperature), stop tokens masked before
+`min_new_tokens`, a response ends at its first stop token and pads after it, at most `max_new_tokens`; position ids
+from the attention mask (left-padded prompts start at 0); the generation-time log-prob of every sampled token comes
+out of the same pass over the logits. ZeRO-3: see `GenerationBackend.zero3_mode`; in per-layer mode every step ends
+with one all-reduce of "this rank is done" so the ranks run the same number of forwards. A LoRA actor generates with
+its adapter (the module is called as it is).
+"""
+from __future__ import annotations
+
+import torch
+
+from ...comm import all_reduce
+from ...rollout import Rollout, position_ids_from_mask
+from ..models import accepts_logits_to_keep
+from . import GenerationBackend, Generated, SamplingParams
+from .sampling import greedy_from_scores, sample_from_scores, step_scores
+
+
+class LeanBackend(GenerationBackend):
+    name = "lean"
+
+    def __init__(self, ctx):
+        super().__init__(ctx)
+        self._stop_ids = None
+
+    def generate(self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, params: SamplingParams) -> Generated:
+        if params.do_sample and (params.top_k or params.top_p < 1.0):
+            raise ValueError("the lean backend samples the full distribution (top_k 0, top_p 1.0): a truncated one is "
+                             "not what PPO's log-probs score")
+        ids, mask = prompt_ids.to(self.device), prompt_mask.to(self.device)
+        stop = torch.tensor(params.stop_token_ids, dtype=torch.long, device=self.device)
+        with self.generation_model() as model:
+            # inference mode: no autograd bookkeeping per op (measured -7% decoding time on a small model); the
+            # results are cloned out of it so that the rollout may enter autograd (training forwards) later
+            with torch.inference_mode():
+                tokens, logprobs = self._decode(model, ids, mask, stop, params, self.lockstep())
+            tokens, logprobs = tokens.clone(), logprobs.clone()
+        rollout = Rollout.from_generation(ids, mask, tokens, params.stop_token_ids, params.pad_token_id,
+                                          includes_prompt=False)
+        return Generated(rollout, logprobs[:, :rollout.response_width] * rollout.action_mask)
+
+    def _decode(self, model, ids: torch.Tensor, mask: torch.Tensor, stop: torch.Tensor, params: SamplingParams,
+                lockstep: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        """([B, G] response tokens, pad after each row's stop token; [B, G] fp32 log-probs), G <= max_new_tokens."""
+        B, P = ids.shape
+        R = params.max_new_tokens
+        temperature = params.temperature if params.do_sample else 1.0
+        full_mask = torch.cat([mask, mask.new_ones(B, R)], dim=1)
+        position = position_ids_from_mask(mask)
+        keep = {"logits_to_keep": 1} if accepts_logits_to_keep(model) else {}
+        out = model(input_ids=ids, attention_mask=mask, position_ids=position, use_cache=True, **keep)
+        cache, logits = out.cache, out.logits[:, -1]
+        position = position[:, -1:]
+        tokens = ids.new_full((B, R), params.pad_token_id)
+        logprobs = torch.zeros(B, R, dtype=torch.float32, device=ids.device)
+        unfinished = torch.ones(B, dtype=torch.bool, device=ids.device)
+        done = torch.zeros(1, device=ids.device)
+        for t in range(R):
+            scores = step_scores(logits, t, stop, params.min_new_tokens, temperature)
+            tok, lp = sample_from_scores(scores) if params.do_sample else greedy_from_scores(scores)
+            tokens[:, t] = torch.where(unfinished, tok, params.pad_token_id)
+            logprobs[:, t] = lp * unfinished
+            unfinished &= ~torch.isin(tok, stop)
+            if t == R - 1:
+                return tokens, logprobs
+            if lockstep:  # every rank stops at the same step: each forward gathers layers collectively
+                done.fill_(float(not bool(unfinished.any())))
+                if all_reduce(done, "min").item() > 0:
+                    break
+            elif not bool(unfinished.any()):
+                break
+            position = position + 1
+            out = model(input_ids=tokens[:, t:t + 1], attention_mask=full_mask[:, :P + t + 1], position_ids=position,
+                        cache=cache, use_cache=True)
+            cache, logits = out.cache, out.logits[:, -1]
+        return tokens[:, :t + 1], logprobs[:, :t + 1]
