@@ -303,8 +303,14 @@ class RoleConfig:
     lora_target_modules: str = opt("all-linear", "Modules that get an adapter: 'all-linear' (every Linear / Conv1D "
                                    "layer of the backbone; never the LM head or the score head) or comma-separated "
                                    "module names or name suffixes, e.g. 'q_proj,v_proj' or 'c_attn'.")
+    attn_implementation: str = opt("auto", "Attention kernel, passed to transformers: auto = transformers' default "
+                                   "(sdpa); or eager, sdpa, flash_attention_2, ... (every role should use the same "
+                                   "one as the actor's reference for KL 0 at lr 0).")
 
     def validate(self, p: Problems, prefix: str = "") -> None:
+        if not isinstance(self.attn_implementation, str) or not self.attn_implementation:
+            p.add(prefix + "attn_implementation", self.attn_implementation, "name an attention implementation "
+                  "(auto, eager, sdpa, ...)")
         if self.zero_stage is not None and self.zero_stage not in (0, 1, 2, 3):
             p.add(prefix + "zero_stage", self.zero_stage, "must be 0, 1, 2 or 3")
         if self.dtype and self.dtype not in DTYPES:

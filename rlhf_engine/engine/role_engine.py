@@ -65,9 +65,10 @@ def build_role_engine(role_cfg: RoleConfig, path: str, *, kind: str, stage: int,
                              eval_micro_batch_size=eval_micro_batch_size, user_config=user)
     checkpointing = role_cfg.gradient_checkpointing and train
     if kind == "causal_lm":
-        model = load_causal_lm(path, torch_dtype(dtype), ds_cfg, checkpointing)
+        model = load_causal_lm(path, torch_dtype(dtype), ds_cfg, checkpointing, role_cfg.attn_implementation)
     else:
-        model = load_scalar_model(path, torch_dtype(dtype), ds_cfg, pad_token_id, checkpointing)
+        model = load_scalar_model(path, torch_dtype(dtype), ds_cfg, pad_token_id, checkpointing,
+                                  role_cfg.attn_implementation)
     if train and role_cfg.trainable_layers:
         freeze_below_top(model, role_cfg.trainable_layers)
     if train and role_cfg.lora_dim:
