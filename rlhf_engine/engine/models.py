@@ -67,7 +67,7 @@ def zero3_construction(ds_config: Optional[dict]):
         unset_hf_deepspeed_config()
 
 
-def attention_kwargs(setting: str, dtype: torch.dtype) -> dict:
+def attention_kwargs(setting: str) -> dict:
     """`from_pretrained` arguments of an `attn_implementation` setting ('auto': transformers' own default, sdpa).
     Measured on CPU in bf16 (OPT H64 L2, 2026-12-02): eager's attention alone is 2-3x faster than sdpa's CPU
     flash kernel forward + backward, but in the model eager made generation and experience 17% slower and training
@@ -82,7 +82,7 @@ def load_causal_lm(path: str, dtype: torch.dtype, ds_config: Optional[dict] = No
     config = no_dropout_config(path)
     with zero3_construction(ds_config):
         model = AutoModelForCausalLM.from_pretrained(path, config=config, dtype=dtype,
-                                                     **attention_kwargs(attn_implementation, dtype))
+                                                     **attention_kwargs(attn_implementation))
     if gradient_checkpointing:
         # use_cache stays on in the config: generation (eval mode) keeps its KV cache; the training forwards pass
         # use_cache=False themselves, and HF turns the cache off under checkpointing in training mode anyway
@@ -133,7 +133,7 @@ def load_scalar_model(path: str, dtype: torch.dtype, ds_config: Optional[dict] =
         config.pad_token_id = pad_token_id
     with zero3_construction(ds_config):
         model = AutoModelForSequenceClassification.from_pretrained(path, config=config, dtype=dtype,
-                                                                   **attention_kwargs(attn_implementation, dtype))
+                                                                   **attention_kwargs(attn_implementation))
     if gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     return ScalarHeadModel(model)

@@ -30,10 +30,24 @@ class MetricSums:
         self.mins[key] = torch.minimum(self.mins[key], v) if key in self.mins else v
 
     def reduce(self) -> dict[str, float]:
-        out = {}
-        for table, op in ((self.sums, "sum"), (self.maxes, "max"), (self.mins, "min")):
-            if table:
-                keys = sorted(table)
-                vals = all_reduce(torch.stack([table[k] for k in keys]), op).tolist()
-                out.update(zip(keys, vals))
+        """Sums, maxima and minima over every rank, in ONE collective: each rank writes its values into its own
+        row of a [world, K] table of zeros and the table is summed (adding zeros is exact), then every rank reduces
+        the columns itself in rank order (each all-reduce costs ~0.4 ms on 2 CPU ranks over gloo)."""
+        import torch.distributed as td
+
+        tables = [(sorted(t), t, op) for t, op in ((self.sums, "sum"), (self.maxes, "max"), (self.mins, "min")) if t]
+        if not tables:
+            return {}
+        local = torch.stack([t[k] for keys, t, _ in tables for k in keys])
+        world = td.get_world_size() if td.is_available() and td.is_initialized() else 1
+        rank = td.get_rank() if world > 1 else 0
+        table = torch.zeros((world, local.numel()), dtype=torch.float64, device=local.device)
+        table[rank] = local
+        table = all_reduce(table)
+        out, j = {}, 0
+        for keys, _, op in tables:
+            block = table[:, j:j + len(keys)]
+            vals = block.sum(0) if op == "sum" else block.max(0).values if op == "max" else block.min(0).values
+            out.update(zip(keys, vals.tolist()))
+            j += len(keys)
         return out

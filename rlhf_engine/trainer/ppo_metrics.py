@@ -11,7 +11,6 @@ from typing import Optional
 import torch
 
 from ..rollout import Experience
-from .experience import global_moments
 from .metric_sums import MetricSums
 
 
@@ -33,13 +32,31 @@ def add_experience_stats(stats: MetricSums, exp: Experience, entropy: torch.Tens
     stats.add("eos_sum", exp.rollout.ended_with_eos.sum())
 
 
-def explained_var(exp: Experience) -> Optional[float]:
-    """value/explained_var: 1 - Var[returns - values] / Var[returns], from global moments (None when Var[returns]
-    is 0)."""
+def add_value_moments(stats: MetricSums, exp: Experience) -> None:
+    """The sums `explained_var` needs (count, sum and sum of squares of the returns and of returns - values), reduced
+    with the iteration's other metrics instead of two collectives of their own."""
     mask = exp.rollout.action_mask.float()
-    _, _, var_ret = global_moments(exp.returns, mask)
-    _, _, var_res = global_moments(exp.returns - exp.values, mask)
-    return (1.0 - var_res / var_ret).item() if var_ret.item() > 0 else None
+    ret = exp.returns.float() * mask
+    res = (exp.returns - exp.values).float() * mask
+    stats.add("ev_n", mask.sum())
+    for name, x in (("ret", ret), ("res", res)):
+        stats.add(f"ev_{name}_s", x.sum())
+        stats.add(f"ev_{name}_ss", (x * x).sum())
+
+
+def explained_var(s: dict) -> Optional[float]:
+    """value/explained_var from the reduced sums of `add_value_moments`: 1 - Var[returns - values] / Var[returns]
+    (unbiased variances over every rank's real tokens; None when Var[returns] is 0 or the run has no critic)."""
+    if "ev_n" not in s:
+        return None
+    n = s["ev_n"]
+
+    def var(name: str) -> float:
+        mean = s[f"ev_{name}_s"] / max(n, 1.0)
+        return max((s[f"ev_{name}_ss"] - n * mean * mean) / max(n - 1.0, 1.0), 0.0)
+
+    var_ret = var("ret")
+    return 1.0 - var("res") / var_ret if var_ret > 0 else None
 
 
 def add_rollout_check(stats: MetricSums, rollout_logprobs: torch.Tensor, old_logprobs: torch.Tensor,
@@ -87,7 +104,7 @@ def max_abs_diff(logprobs: torch.Tensor, old_logprobs: torch.Tensor, mask: torch
     return ((logprobs.detach() - old_logprobs) * mask).abs().max().double()
 
 
-def iteration_record(s: dict, world_size: int, explained_variance: Optional[float]) -> dict:
+def iteration_record(s: dict, world_size: int) -> dict:
     """The objective/, policy/, ptx/, value/ and rollout/ keys from the reduced sums `s` of one iteration."""
     n_seq, tokens = s["sequences"], s["tokens"]
     train_tokens = s.get("train_tokens", 0.0)
@@ -121,7 +138,7 @@ def iteration_record(s: dict, world_size: int, explained_variance: Optional[floa
         rec.update({
             "value/loss": s["value_loss"] / minibatches,
             "value/clipfrac": s["value_clipfrac_sum"] / value_tokens if value_tokens else None,
-            "value/explained_var": explained_variance,
+            "value/explained_var": explained_var(s),
         })
     if "gen_lp_absdiff_sum" in s:
         rec.update({"rollout/logprob_diff_mean": s["gen_lp_absdiff_sum"] / tokens if tokens else None,

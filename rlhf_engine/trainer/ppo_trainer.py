@@ -49,13 +49,15 @@ from .experience import (NonFiniteError, RewardFn, build_experience, decode_roll
 from .guards import StepGuard
 from .metric_sums import MetricSums
 from .ppo_metrics import (add_correction_stats, add_experience_stats, add_policy_stats, add_rollout_check,
-                          add_value_stats, explained_var, iteration_record, max_abs_diff)
+                          add_value_moments, add_value_stats, iteration_record, max_abs_diff)
 from .ptx import build_ptx, ptx_loss
 from .reward_shaping import ScoreShaper, reward_model_scorer
 from .plan import RunPlan
 from .state import Checkpointer, providers_of
 
 log = logging.getLogger(__name__)
+
+RATIO_TRACE = "ratio_trace/"  # MetricSums keys of the per-mini-batch max |log-ratio| (popped into ratio_trace)
 
 
 def corrected_advantages(micro: Experience) -> torch.Tensor:
@@ -201,7 +203,8 @@ class PPOTrainer:
         self.hooks.advantages(exp.advantages, self.iteration)
         self.guard.agree(self.iteration, tensors={"advantage": (exp.advantages, rollout.action_mask)})
         add_experience_stats(stats, exp, fw.entropy, raw_scores, shaped=self.shaper.active)
-        self._explained_var = explained_var(exp) if exp.values is not None else None
+        if exp.values is not None:
+            add_value_moments(stats, exp)
         if self.cfg.ppo.whitens:
             exp = whiten_advantages(exp)
         return exp
@@ -292,12 +295,10 @@ class PPOTrainer:
                     self.guard.step(roles, it, where=f"PPO epoch {epoch}, mini-batch {m}")
                     hooks.after_step(it)
                     engine.update_ema()  # acts only when the actor's optimizer just stepped (and EMA is on)
-                if train_actor:
+                if train_actor:  # max |log-ratio| of the mini-batch, over every rank with the iteration's metrics
+                    stats.max(f"{RATIO_TRACE}{len(trace):06d}", max_abs_log_ratio)
                     trace.append(max_abs_log_ratio)
                 stats.add("minibatches", torch.tensor(1.0))
-        # one collective for the whole phase: max |log-ratio| of every mini-batch over all ranks (none in warm-up)
-        if trace:
-            self.ratio_trace.extend(all_reduce(torch.stack(trace), "max").tolist())
 
     # ---- loop ------------------------------------------------------------------------------------------------
     def step(self) -> dict:
@@ -313,9 +314,10 @@ class PPOTrainer:
         self.train_phase(exp, stats)
         t3 = time.perf_counter()
         s = stats.reduce()
+        self.ratio_trace.extend(s.pop(k) for k in sorted(k for k in s if k.startswith(RATIO_TRACE)))
         n_seq, tokens = s["sequences"], s["tokens"]
         rec = {"iteration": self.iteration,
-               **iteration_record(s, self.engine.dist.world_size, self._explained_var),
+               **iteration_record(s, self.engine.dist.world_size),
                "time/generate": t1 - t0,
                "time/experience": t2 - t1,
                "time/train": t3 - t2,

@@ -172,12 +172,14 @@ class GenerationBackend:
     @contextlib.contextmanager
     def forward_mode(self) -> Iterator[None]:
         """The actor in eval mode for the experience forwards (restored after)."""
-        was_training = self.actor.training
-        self.actor.eval()
+        was_training = self.actor.module.training
+        if was_training:
+            self.actor.eval()
         try:
             yield
         finally:
-            self.actor.train(was_training)
+            if was_training:
+                self.actor.train(True)
 
 
 def _registry() -> dict:

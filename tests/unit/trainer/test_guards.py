@@ -175,11 +175,12 @@ def test_host_syncs_one_per_guard_collective_and_none_from_ppo_math_in_the_train
     assert exp_syncs.at("ppo_math.py") == 5, exp_syncs.sites
     assert exp_syncs.at("trainer/guards.py") == exp_syncs.sites["trainer/guards.py:agree [tolist]"] == 2, \
         exp_syncs.sites
-    # training: none from ppo_math (check=False); the boundary's guard table read once; the ratio trace once
+    # training: none from ppo_math (check=False); the boundary's guard table read once; none from the trainer (the
+    # ratio trace is reduced with the iteration's metrics)
     assert train_syncs.at("ppo_math.py") == 0, train_syncs.sites
     assert train_syncs.at("trainer/guards.py") == train_syncs.sites["trainer/guards.py:step [tolist]"] == 1, \
         train_syncs.sites
-    assert train_syncs.at("trainer/ppo_trainer.py") == 1, train_syncs.sites
+    assert train_syncs.at("trainer/ppo_trainer.py") == 0, train_syncs.sites
 
     # negative control: with the checks forced back on, the counter sees them in the training loop too:
     # 2 micro-batches x (actor log-probs, policy loss, value loss) = 6
