@@ -12,7 +12,8 @@ response has exactly R tokens (DeepSpeed-Chat's benchmark setting) and the promp
 Variants (`--variant NAME:key=value,...`, repeatable) are built side by side in ONE process and their iterations are
 interleaved (round r starts with variant r mod n), so a noisy machine affects them alike; compare them by their
 ratios. Keys: zero (actor/critic ZeRO stage; reference/reward follow: 3 if 3, else 0), offload (optimizer offload of
-actor and critic), gather_once (only when TrainConfig has such a field), hybrid_engine (DeepSpeed Hybrid Engine on
+actor and critic), gather_once (on/off), gather (any generation_gather_once mode: auto, replica, on, off), backend
+(generation backend: lean, hf), hybrid_engine (DeepSpeed Hybrid Engine on
 the actor; CUDA only), patch (patches.py, '+'-separated: candidate fixes, or 'before' patches that restore the
 code before a fix the library has applied).
 
@@ -47,7 +48,8 @@ PRESETS = {
     "opt-1.3b": dict(actor="opt-1.3b", critic="opt-350m", prompt_len=256, answer_len=256, global_batch=16,
                      micro_batch=8, dtype="bf16"),
 }
-VARIANT_KEYS = {"zero": int, "offload": bool, "gather_once": bool, "hybrid_engine": bool, "patch": str}
+VARIANT_KEYS = {"zero": int, "offload": bool, "gather_once": bool, "gather": str, "backend": str,
+                "hybrid_engine": bool, "patch": str}
 
 
 class Skip(Exception):
@@ -122,6 +124,12 @@ def build_config(args, v: dict, world: int, models: dict, out_dir: str):
     if "gather_once" in v:
         cfg.engine.generation_gather_once = "on" if v["gather_once"] else "off"
         v["_settings"].append(f"{GATHER_ONCE_FLAG}={cfg.engine.generation_gather_once}")
+    if "gather" in v:  # any generation_gather_once mode (auto, replica, on, off)
+        cfg.engine.generation_gather_once = v["gather"]
+        v["_settings"].append(f"{GATHER_ONCE_FLAG}={v['gather']}")
+    if "backend" in v:
+        cfg.engine.generation_backend = v["backend"]
+        v["_settings"].append(f"engine.generation_backend={v['backend']}")
     overrides = {"actor": {}, "critic": {}}
     if bl.on_gpu() and args.adam_impl == "torch":  # keep DeepSpeed from JIT-building FusedAdam
         for role in overrides:
