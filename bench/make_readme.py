@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import sys
 
 BENCH = os.path.dirname(os.path.abspath(__file__))
@@ -289,6 +290,48 @@ def section_tokenize(res: str) -> list[str]:
     return out + [""]
 
 
+def section_side_by_side(res: str) -> list[str]:
+    """rlhf_engine / DeepSpeed-Chat on DeepSpeed-Chat's own configurations (bench/side_by_side.py)."""
+    r = load(os.path.join(res, "cpu", "dschat_side_by_side.json"))
+    out = ["## 0. Side by side with DeepSpeed-Chat step 3 (CPU, 2 ranks)", ""]
+    if not r:
+        return out + ["Not measured yet: `python bench/side_by_side.py --out "
+                      "bench/results/cpu/dschat_side_by_side.json`.", ""]
+    base = r["baseline"]
+    out += [f"`{r['command']}` — the shared harness (`../shared/peer/side_by_side.sh`, not part of this project) runs "
+            "one launch of our `launch/train_ppo.py` and one of DeepSpeed-Chat's step 3 on the same random-init OPT "
+            "weights (vocabulary 300), prompts of exactly P tokens, exactly R sampled tokens, the same per-rank "
+            "batch, ZeRO stages and dtype, 2 ranks with the deepspeed launcher on gloo, `OMP_NUM_THREADS=1`; an "
+            "iteration is the time between two end-of-iteration stamps (everything: generation, experience, "
+            "training, logging), the first 2 dropped, median per launch. Launches alternate ours / theirs and the "
+            f"configurations take turns within each of {r['rounds']} rounds; measured {r['date']} at commit "
+            f"{r['commit']}, load average {fmt(r['load_average_at_start'])} at the start (2 cores). Before: the same "
+            f"harness at {base['commit']} ({base['date']}).", "",
+            "| config | ours s/iteration (per launch) | DS-Chat s/iteration (per launch) | ours / DS-Chat (range "
+            "over launches) | before: ours / DS-Chat | our phases: generation / experience / training s |",
+            "|---|---|---|---|---|---|"]
+    for name, c in r["configs"].items():
+        if "ratio" not in c:
+            out.append(f"| {name} | failed: see the JSON | | | | |")
+            continue
+        ok = [x for x in c["launches"] if x["ours_s"] and x["theirs_s"]]
+        b = base["configs"].get(name)
+        before = f"{b['ours'] / b['theirs']:.2f}" if b else "—"
+        ph = c["ours_phases_median_s"]
+        out.append(f"| {name} ({c['describe']}) | {fmt(c['ours_median_s'])} "
+                   f"({', '.join(fmt(x['ours_s']) for x in ok)}) | {fmt(c['theirs_median_s'])} "
+                   f"({', '.join(fmt(x['theirs_s']) for x in ok)}) | **{c['ratio']:.2f}** "
+                   f"({min(c['ratio_per_launch']):.2f}–{max(c['ratio_per_launch']):.2f}) | {before} | "
+                   f"{' / '.join(fmt(ph.get(k)) for k in ('generate', 'experience', 'train'))}"
+                   " |")
+    gens = {n: statistics.median([x["theirs_generation_s"] for x in c["launches"] if x.get("theirs_generation_s")]
+                                 or [float("nan")]) for n, c in r["configs"].items()}
+    out += ["", "DeepSpeed-Chat's own printed generation latency (2 decimals), median: "
+            + ", ".join(f"{n} {fmt(v)} s" for n, v in gens.items()) + f"; before, ours in mid_z2 was "
+            f"{' / '.join(fmt(base['mid_z2_phases'][k]) for k in ('generate', 'experience', 'train'))} s.", ""]
+    return out
+
+
 def section_critic_free(res: str) -> list[str]:
     """Memory of a critic-free run (bench/critic_free_memory.py), side by side with GAE."""
     r = load(os.path.join(res, "cpu", "critic_free_memory.json"))
@@ -396,7 +439,7 @@ def render(res: str) -> str:
              "Throughput, per-phase time, scaling and avoidable costs of one PPO iteration of `rlhf_engine`. Every "
              "number on this page is read from the JSON files in `bench/results/`, written by the scripts named "
              "with each table.", ""]
-    for sec in (section_method(res), section_phases(res), section_scaling(res), section_costs(res),
+    for sec in (section_method(res), section_side_by_side(res), section_phases(res), section_scaling(res), section_costs(res),
                 section_critic_free(res), section_gpu(res), section_reproduce()):
         parts += sec
     return "\n".join(parts).rstrip() + "\n"

@@ -78,6 +78,17 @@ def applied_in(name: str) -> str:
     return APPLIED[name]
 
 
+def hf_generator(trainer):
+    """The trainer's generation backend, made the Hugging Face one if it is not (the patches of HF generate's
+    arguments measure that backend; the lean backend is the default)."""
+    from rlhf_engine.engine.generation import BACKENDS
+
+    eng = trainer.engine
+    if eng.generator.name != "hf":
+        eng.generator = BACKENDS["hf"](eng.generator.ctx)
+    return eng.generator
+
+
 # ---- applied fixes: restore the code before them --------------------------------------------------------------------
 @patch("full_lm_head", applied="ddd038b")
 def _full_lm_head(trainer) -> Callable:
@@ -87,12 +98,12 @@ def _full_lm_head(trainer) -> Callable:
 
     @contextlib.contextmanager
     def ctx():
-        orig = module._accepts_logits_to_keep
-        module._accepts_logits_to_keep = lambda m: False
+        orig = module.accepts_logits_to_keep
+        module.accepts_logits_to_keep = lambda m: False
         try:
             yield
         finally:
-            module._accepts_logits_to_keep = orig
+            module.accepts_logits_to_keep = orig
 
     return ctx
 
@@ -100,7 +111,7 @@ def _full_lm_head(trainer) -> Callable:
 @patch("top_k_default", applied="ddd038b")
 def _top_k_default(trainer) -> None:
     """Before: `top_k=g.top_k or None`; transformers 5 then applies its default top_k=50 for 'top_k 0 = off'."""
-    gen = trainer.engine.generator  # the HF generation backend
+    gen = hf_generator(trainer)
     orig = gen.generation_kwargs
 
     def generation_kwargs(params):
@@ -218,7 +229,7 @@ def _gather_copy(trainer) -> None:
         with deepspeed.zero.GatheredParameters([source[n] for n, _ in targets]):
             for n, q in targets:
                 q.copy_(source[n])
-        kw = eng.generator.generation_kwargs(params or eng.sampling)
+        kw = hf_generator(trainer).generation_kwargs(params or eng.sampling)
         kw.pop("synced_gpus")  # the replica runs no collective: every rank may stop at its own length
         gen_config = GenerationConfig(**kw)  # the sampling parameters alone, as the HF backend builds it
         ids, mask = ids.to(eng.device), mask.to(eng.device)

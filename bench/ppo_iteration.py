@@ -291,7 +291,9 @@ def greedy_check(b: Built, n_prompts: int, new_tokens: int, hybrid: bool) -> dic
     idx = list(range(min(n_prompts, len(b.trainer.dataset))))
     ids, mask = collate_prompts(b.trainer.dataset, idx, eng.pad_token_id)
     ids, mask = ids.to(eng.device), mask.to(eng.device)
-    kw = eng.generator.generation_kwargs(eng.sampling)
+    from rlhf_engine.engine.generation import BACKENDS
+
+    kw = BACKENDS["hf"](eng.generator.ctx).generation_kwargs(eng.sampling)  # the HF backend's arguments
     kw.pop("synced_gpus")
     kw.update(do_sample=False, temperature=None, top_p=None, top_k=None, max_new_tokens=new_tokens,
               min_new_tokens=new_tokens)
