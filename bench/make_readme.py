@@ -332,6 +332,42 @@ def section_side_by_side(res: str) -> list[str]:
     return out
 
 
+VARIANT_TABLES = (
+    ("backends.json", "### Generation backends: lean against Hugging Face generate (same process, interleaved)",
+     "`bash bench/run_cpu.sh backends`"),
+    ("trim.json", "### Padding trimming with variable lengths (same process, interleaved)", "`bash bench/run_cpu.sh trim`"),
+)
+
+
+def section_variants(res: str) -> list[str]:
+    """Variant comparisons of bench/ppo_iteration.py: per variant the phase times and the ratios to the first."""
+    out = []
+    for name, title, how in VARIANT_TABLES:
+        r = load(os.path.join(res, "cpu", name))
+        out += [title, ""]
+        if not r:
+            out += [f"Not measured yet: {how}.", ""]
+            continue
+        out += [f"`{r['command']}` — {shape_line(r)}; {r['world_size']} rank(s); {r['setup']['warmup']} warm-up + "
+                f"{r['setup']['iterations']} measured iterations per variant, interleaved; {provenance(r)}.", ""]
+        vs = [v for v in r["variants"] if v.get("summary")]
+        if not vs:
+            continue
+        base = vs[0]["summary"]
+        out += [f"| variant | iteration s (median) | generation s | experience s | training s (actor + critic) | "
+                f"padding share | vs {vs[0]['name']}: iteration / generation |", "|---|---|---|---|---|---|---|"]
+        for v in vs:
+            s, m = v["summary"], v["summary"]["phase_s_mean"]
+            train = m["training/actor"] + m.get("training/critic", 0.0)
+            out.append(f"| {v['name']} ({', '.join(v.get('settings', [])) or 'defaults'}) | "
+                       f"{fmt(s['iteration_s_median'])} | {fmt(m['generation'])} | {fmt(m['experience'])} | "
+                       f"{fmt(train)} | {pct(s['padding_fraction'])} | "
+                       f"x{fmt(s['iteration_s_median'] / base['iteration_s_median'])} / "
+                       f"x{fmt(m['generation'] / base['phase_s_mean']['generation'])} |")
+        out.append("")
+    return out
+
+
 def section_critic_free(res: str) -> list[str]:
     """Memory of a critic-free run (bench/critic_free_memory.py), side by side with GAE."""
     r = load(os.path.join(res, "cpu", "critic_free_memory.json"))
@@ -439,7 +475,7 @@ def render(res: str) -> str:
              "Throughput, per-phase time, scaling and avoidable costs of one PPO iteration of `rlhf_engine`. Every "
              "number on this page is read from the JSON files in `bench/results/`, written by the scripts named "
              "with each table.", ""]
-    for sec in (section_method(res), section_side_by_side(res), section_phases(res), section_scaling(res), section_costs(res),
+    for sec in (section_method(res), section_side_by_side(res), section_phases(res), section_variants(res), section_scaling(res), section_costs(res),
                 section_critic_free(res), section_gpu(res), section_reproduce()):
         parts += sec
     return "\n".join(parts).rstrip() + "\n"

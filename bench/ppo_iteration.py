@@ -13,7 +13,7 @@ Variants (`--variant NAME:key=value,...`, repeatable) are built side by side in 
 interleaved (round r starts with variant r mod n), so a noisy machine affects them alike; compare them by their
 ratios. Keys: zero (actor/critic ZeRO stage; reference/reward follow: 3 if 3, else 0), offload (optimizer offload of
 actor and critic), gather_once (on/off), gather (any generation_gather_once mode: auto, replica, on, off), backend
-(generation backend: lean, hf), hybrid_engine (DeepSpeed Hybrid Engine on
+(generation backend: lean, hf), trim (engine.trim_padding), hybrid_engine (DeepSpeed Hybrid Engine on
 the actor; CUDA only), patch (patches.py, '+'-separated: candidate fixes, or 'before' patches that restore the
 code before a fix the library has applied).
 
@@ -48,7 +48,7 @@ PRESETS = {
     "opt-1.3b": dict(actor="opt-1.3b", critic="opt-350m", prompt_len=256, answer_len=256, global_batch=16,
                      micro_batch=8, dtype="bf16"),
 }
-VARIANT_KEYS = {"zero": int, "offload": bool, "gather_once": bool, "gather": str, "backend": str,
+VARIANT_KEYS = {"zero": int, "offload": bool, "gather_once": bool, "gather": str, "backend": str, "trim": bool,
                 "hybrid_engine": bool, "patch": str}
 
 
@@ -127,6 +127,9 @@ def build_config(args, v: dict, world: int, models: dict, out_dir: str):
     if "gather" in v:  # any generation_gather_once mode (auto, replica, on, off)
         cfg.engine.generation_gather_once = v["gather"]
         v["_settings"].append(f"{GATHER_ONCE_FLAG}={v['gather']}")
+    if "trim" in v:
+        cfg.engine.trim_padding = v["trim"]
+        v["_settings"].append(f"engine.trim_padding={v['trim']}")
     if "backend" in v:
         cfg.engine.generation_backend = v["backend"]
         v["_settings"].append(f"engine.generation_backend={v['backend']}")

@@ -2,7 +2,7 @@
 # The CPU benchmark set behind bench/README.md, then the README itself (generated from the JSON results).
 #
 #   bash bench/run_cpu.sh                  everything (about 10 minutes on 2 cores)
-#   bash bench/run_cpu.sh scaling readme   some steps: phases scaling costs costs_zero3 tokenize tiny readme
+#   bash bench/run_cpu.sh scaling readme   some steps: phases backends trim scaling costs costs_zero3 tokenize tiny readme
 #
 # Results go to bench/results/cpu/*.json; models and run folders to $BENCH_WORK_DIR (default $TMPDIR/rlhf_bench).
 set -euo pipefail
@@ -15,7 +15,7 @@ export TORCH_EXTENSIONS_DIR=${TORCH_EXTENSIONS_DIR:-$(dirname "$py")/../torch_ex
 mkdir -p "$res"
 cd "$root"
 steps=("$@")
-[ ${#steps[@]} -eq 0 ] && steps=(phases scaling costs costs_zero3 tokenize tiny readme)
+[ ${#steps[@]} -eq 0 ] && steps=(phases backends trim scaling costs costs_zero3 tokenize tiny readme)
 timings=$res/run_cpu_timings.jsonl
 [ $# -eq 0 ] && rm -f "$timings"
 
@@ -35,6 +35,12 @@ for step in "${steps[@]}"; do
             run phases_variable "$py" bench/ppo_iteration.py --preset cpu-small --variable-length \
                 --variant zero0:zero=0 --warmup 1 --iterations 2 --label phases-variable \
                 --out "$res/phases_variable.json" ;;
+        backends)  # the lean backend (default) against Hugging Face generate, fixed lengths
+            run backends "$py" bench/ppo_iteration.py --preset cpu-small --variant lean:backend=lean \
+                --variant hf:backend=hf --warmup 1 --iterations 4 --label backends --out "$res/backends.json" ;;
+        trim)  # padding trimming (default on) with variable lengths
+            run trim "$py" bench/ppo_iteration.py --preset cpu-small --variable-length --variant trim:trim=1 \
+                --variant no_trim:trim=0 --warmup 1 --iterations 4 --label trim --out "$res/trim.json" ;;
         scaling)
             run scaling "$py" bench/scaling.py --preset cpu-small --repeats 2 --warmup 1 --iterations 2 \
                 --out "$res/scaling.json" ;;

@@ -216,6 +216,22 @@ class Rollout:
         """[B] sequence index of the last real token (EOS included) where the reward model reads its score."""
         return last_token_index(self.attention_mask)
 
+    def trimmed(self) -> "Rollout":
+        """The same rows without the columns that are padding in every row: the leading prompt columns no row uses
+        and the response columns after the longest response. Real tokens keep their positions (position ids are
+        sliced, not recomputed), so a forward of the trimmed batch computes what the full one does at every real
+        token, on fewer positions. Reads two numbers on the host."""
+        P, R = self.prompt_length, self.response_width
+        used = self.attention_mask[:, :P].any(0)
+        lead = int(used.long().argmax())  # the first prompt column some row uses (column P - 1 always is)
+        width = max(int(self.response_lengths.max()), 1)
+        if lead == 0 and width == R:
+            return self
+        cols = slice(lead, P + width)
+        return dataclasses.replace(self, sequences=self.sequences[:, cols], attention_mask=self.attention_mask[:, cols],
+                                   position_ids=self.position_ids[:, cols], action_mask=self.action_mask[:, :width],
+                                   prompt_length=P - lead)
+
     # ---- batching ----------------------------------------------------------------------------------------------
     def select(self, index: torch.Tensor | slice | Sequence[int]) -> "Rollout":
         """Rows `index`, keeping P and R (positions and masks are unchanged by construction)."""

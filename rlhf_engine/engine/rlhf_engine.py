@@ -41,6 +41,12 @@ class RLHFEngine:
         num_training_steps = plan.num_training_steps
         self.experience_micro_batch = (cfg.batch.experience_micro_batch_size
                                        or cfg.batch.generation_rollouts)
+        # trim_padding: every forward drops the columns that are padding in all of its rows; the experience forwards
+        # then run on the training micro-batches' rows exactly, so that old and new log-probs come from identical
+        # tensors (the lr = 0 ratio stays exactly 1)
+        self.trim_padding = bool(cfg.engine.trim_padding)
+        self.experience_chunk = (cfg.batch.per_device_training_batch_size if self.trim_padding
+                                 else self.experience_micro_batch)
         g = cfg.generation
         self.temperature = g.temperature if g.do_sample else 1.0
         self.sampling = SamplingParams.from_config(g, self.stop_token_ids, self.pad_token_id)
@@ -143,7 +149,11 @@ class RLHFEngine:
     def _inputs(self, r: Rollout) -> dict:
         return rollout_inputs(r, self.use_position_ids)
 
-    def _lm_forward(self, engine, r: Rollout, with_entropy: bool, check: bool = True):
+    def _trim(self, r: Rollout) -> Rollout:
+        return r.trimmed() if self.trim_padding else r
+
+    def _lm_forward(self, engine, full: Rollout, with_entropy: bool, check: bool = True):
+        r = self._trim(full)  # outputs are padded back to full's width (0 there, like every padding position)
         R = r.response_width
         if accepts_logits_to_keep(engine.module):
             # only the last R+1 positions go through the LM head (prompt logits are never used); their first R are
@@ -157,12 +167,12 @@ class RLHFEngine:
         if with_entropy and not torch.is_grad_enabled():  # the experience forward: both in one pass over the logits
             logprobs, entropy = logprobs_and_entropy_from_logits(logits, r.responses, temperature=self.temperature,
                                                                  check=check)
-            return logprobs * r.action_mask, entropy * r.action_mask
+            return _widen(logprobs * r.action_mask, full), _widen(entropy * r.action_mask, full)
         logprobs = logprobs_from_logits(logits, r.responses, temperature=self.temperature, check=check) * r.action_mask
         entropy = None
         if with_entropy:
-            entropy = entropy_from_logits(logits, temperature=self.temperature) * r.action_mask
-        return logprobs, entropy
+            entropy = _widen(entropy_from_logits(logits, temperature=self.temperature) * r.action_mask, full)
+        return _widen(logprobs, full), entropy
 
     @contextlib.contextmanager
     def _eval_mode(self, role: str):
@@ -181,7 +191,7 @@ class RLHFEngine:
     def _eval_chunks(self, role: str, rollout: Rollout, fn) -> list:
         engine = self.engines[role]
         with self._eval_mode(role), torch.no_grad():
-            return [fn(engine, mb) for mb in rollout.split(self.experience_micro_batch)]
+            return [fn(engine, mb) for mb in rollout.split(self.experience_chunk)]
 
     def actor_logprobs(self, rollout: Rollout, with_entropy: bool = False):
         """[B, R] fp32 actor log-probs (0 on padding), eval mode; with_entropy also returns [B, R] entropy."""
@@ -197,19 +207,20 @@ class RLHFEngine:
                 return torch.cat(self._eval_chunks("actor", rollout, lambda e, mb: self._lm_forward(e, mb, False)[0]))
         return torch.cat(self._eval_chunks("reference", rollout, lambda e, mb: self._lm_forward(e, mb, False)[0]))
 
-    def _per_position(self, engine, r: Rollout) -> torch.Tensor:
-        return engine(**self._inputs(r))  # ScalarHeadModel: [B, L]
+    def _values(self, engine, full: Rollout) -> torch.Tensor:
+        """[B, R] values of a ScalarHeadModel engine (per position [B, L], read at the action positions)."""
+        r = self._trim(full)
+        return _widen(r.action_slice(engine(**self._inputs(r))) * r.action_mask, full)
 
     def critic_values(self, rollout: Rollout) -> torch.Tensor:
         """[B, R] fp32 values V(state before action t), read at positions P-1+t; 0 on padding."""
-        return torch.cat(self._eval_chunks(
-            "critic", rollout, lambda e, mb: mb.action_slice(self._per_position(e, mb)) * mb.action_mask))
+        return torch.cat(self._eval_chunks("critic", rollout, self._values))
 
     def reward_scores(self, rollout: Rollout) -> torch.Tensor:
         """[B] fp32 reward-model score at the last real token of each sequence (EOS included): `sequence_scores`, the
         function the reward-model trainer scores with."""
         return torch.cat(self._eval_chunks(
-            "reward", rollout, lambda e, mb: sequence_scores(e, mb, self.use_position_ids)))
+            "reward", rollout, lambda e, mb: sequence_scores(e, self._trim(mb), self.use_position_ids)))
 
     # ---- training ------------------------------------------------------------------------------------------
     def actor_forward(self, rollout: Rollout, with_entropy: bool = False, check: bool = True):
@@ -221,7 +232,7 @@ class RLHFEngine:
     def critic_forward(self, rollout: Rollout) -> torch.Tensor:
         """Training forward (with grad): [B, R] values."""
         _set_training(self.critic, True)
-        return rollout.action_slice(self._per_position(self.critic, rollout)) * rollout.action_mask
+        return self._values(self.critic, rollout)
 
     def backward(self, role: str, loss: torch.Tensor) -> None:
         """Backward of a globally token-normalised loss share (see module docstring)."""
@@ -282,6 +293,11 @@ class RLHFEngine:
 
 
 __all__ = ["RLHFEngine", "load_tokenizer", "ScalarHeadModel"]
+
+
+def _widen(x: torch.Tensor, full: Rollout) -> torch.Tensor:
+    """[B, R'] outputs of a trimmed batch -> [B, R] of the full one (zeros after R', as on every padding position)."""
+    return torch.nn.functional.pad(x, (0, full.response_width - x.shape[1])) if x.shape[1] < full.response_width else x
 
 
 def _set_training(engine, mode: bool) -> None:

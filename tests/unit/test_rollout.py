@@ -342,3 +342,28 @@ def test_real_tokenizer_bos_is_pad(tmp_path):
         assert r.position_ids[b][real].tolist() == list(range(len(single) + 2))
     wrong = position_ids_from_mask((r.sequences != tok.pad_token_id).long())  # negative control
     assert not torch.equal(wrong, r.position_ids)
+
+
+def test_trimmed_drops_the_columns_every_row_pads_and_keeps_positions():
+    # P = 5: rows [0 0 0 a b], [0 0 a b c], [0 0 0 0 a] -> 2 leading columns are padding everywhere.
+    # R = 4 (one row ran to the limit before the others stopped) -> after selecting rows 0 and 2, the longest
+    # response is 2 tokens.
+    prompts = [[101, 102], [201, 202, 203], [301]]
+    raw = [[11, EOS, 12, 13], [21, 22, 23, 24], [EOS, 31, 32, 33]]
+    full = Rollout.from_generation(*left_pad(prompts, PAD), torch.tensor(raw), [EOS], PAD)
+    r = full.select([0, 2])
+    assert (r.prompt_length, r.response_width) == (5, 4)
+    t = r.trimmed()
+    assert (t.prompt_length, t.response_width) == (2, 2)  # 3 prompt columns no row uses, 2 response columns
+    assert t.sequences.tolist() == [[101, 102, 11, EOS], [PAD, 301, EOS, PAD]]
+    assert t.attention_mask.tolist() == [[1, 1, 1, 1], [0, 1, 1, 0]]
+    assert t.action_mask.tolist() == [[1, 1], [1, 0]]
+    # every real token keeps its position id, and the score and action positions name the same tokens
+    real = r.attention_mask.bool()
+    assert t.position_ids[t.attention_mask.bool()].tolist() == r.position_ids[real].tolist()
+    assert t.sequences.gather(1, t.score_index()[:, None]).tolist() == \
+        r.sequences.gather(1, r.score_index()[:, None]).tolist()
+    assert torch.equal(t.responses * t.action_mask, (r.responses * r.action_mask)[:, :2])
+    # nothing to trim: the same object
+    dense = Rollout.from_generation(*left_pad([[1, 2], [3, 4]], PAD), torch.tensor([[11, 12], [21, EOS]]), [EOS], PAD)
+    assert dense.trimmed() is dense

@@ -114,3 +114,21 @@ def test_sampled_frequencies_match_the_fixed_distribution(fixed, name):
         assert abs(share - p) <= bound, (name, temperature, share, p, bound)
     # negative control: temperature 0.8's frequencies (p 0.877) fail the same check against temperature 1's (0.6)
     assert abs(share - _p_z(1.0)) > 5 * bound
+
+
+def test_trimmed_forwards_equal_the_full_ones(pair):
+    """trim_padding: the engine's forwards on a batch whose rows pad differently give the full batch's numbers at
+    every real token (fp32 kernel rounding apart) and 0 on padding."""
+    e, _ = pair
+    ids, mask = prompts_of(e, 6)
+    r = e.generator.generate(ids, mask, greedy_with_stops(e, ids, mask)).rollout.select([0, 2])  # lengths 6 and 1
+    t = r.trimmed()
+    assert t.prompt_length < r.prompt_length and t.response_width < r.response_width
+    out = {}
+    for trim in (True, False):
+        e.trim_padding = trim
+        out[trim] = (e.actor_logprobs(r, with_entropy=True), e.critic_values(r), e.reward_scores(r))
+    e.trim_padding = True
+    for a, b in zip(out[True][0] + out[True][1:], out[False][0] + out[False][1:]):
+        assert a.shape == b.shape and torch.allclose(a, b, atol=1e-5, rtol=0), (a - b).abs().max()
+    assert float(out[True][0][0][1, 1:].abs().max()) == 0.0  # padding after row 2's one-token response
