@@ -345,16 +345,15 @@ def test_real_tokenizer_bos_is_pad(tmp_path):
 
 
 def test_trimmed_drops_the_columns_every_row_pads_and_keeps_positions():
-    # P = 5: rows [0 0 0 a b], [0 0 a b c], [0 0 0 0 a] -> 2 leading columns are padding everywhere.
-    # R = 4 (one row ran to the limit before the others stopped) -> after selecting rows 0 and 2, the longest
-    # response is 2 tokens.
+    # P = 3: rows [0 a b], [a b c], [0 0 a]; R = 4 (row 1 ran to the limit). Rows 0 and 2 alone: their first prompt
+    # column is padding in both, and their longest response is 2 tokens.
     prompts = [[101, 102], [201, 202, 203], [301]]
     raw = [[11, EOS, 12, 13], [21, 22, 23, 24], [EOS, 31, 32, 33]]
     full = Rollout.from_generation(*left_pad(prompts, PAD), torch.tensor(raw), [EOS], PAD)
     r = full.select([0, 2])
-    assert (r.prompt_length, r.response_width) == (5, 4)
+    assert (r.prompt_length, r.response_width) == (3, 4)
     t = r.trimmed()
-    assert (t.prompt_length, t.response_width) == (2, 2)  # 3 prompt columns no row uses, 2 response columns
+    assert (t.prompt_length, t.response_width) == (2, 2)  # 1 prompt column no row uses, 2 response columns
     assert t.sequences.tolist() == [[101, 102, 11, EOS], [PAD, 301, EOS, PAD]]
     assert t.attention_mask.tolist() == [[1, 1, 1, 1], [0, 1, 1, 0]]
     assert t.action_mask.tolist() == [[1, 1], [1, 0]]
