@@ -487,11 +487,12 @@ class EngineConfig:
                                       "weights fit gather_once_max_bytes, else off (logged).")
     gather_once_max_bytes: int = opt(8 * 2**30, "Largest actor (bytes of its full weights) gathered at once for "
                                      "generation; a larger actor falls back to per-layer fetching (logged once).")
-    trim_padding: bool = opt(True, "Every actor, reference, critic and reward forward drops the columns that are "
+    trim_padding: bool = opt(False, "Every actor, reference, critic and reward forward drops the columns that are "
                              "padding in all of its rows (left prompt padding, right response padding); the "
                              "experience forwards then run in training micro-batches (per_device_training_batch_size "
                              "rows, not experience_micro_batch_size) so that experience and training see identical "
-                             "tensors. Numbers at real tokens are unchanged up to kernel rounding.")
+                             "tensors. Numbers at real tokens are unchanged up to kernel rounding. Off by default: "
+                             "measured no faster (bench/README.md, padding trimming).")
     generation_backend: str = opt("lean", "What generates the rollouts (rlhf_engine/engine/generation/): lean = our "
                                   "own decoding loop over the actor's forward and KV cache (the default; the same "
                                   "distribution and stop rules as hf, faster); hf = Hugging Face generate on the "

@@ -67,11 +67,11 @@ def two_rank(tiny, tmp_path_factory):
     d = lambda name: os.path.join(tmp, name)  # noqa: E731
     runs = [
         {"name": "lr0", "args": args_for(tiny, d("lr0"), **LR0)},
-        {"name": "lr0_left_pad", "args": args_for(tiny, d("lr0lp"), trim_padding="false", **LR0),
-         "hooks": {"left_pad_training": 5}},
-        {"name": "lr0_left_pad_no_position_ids", "args": args_for(tiny, d("lr0lpnp"), trim_padding="false", **LR0),
+        {"name": "lr0_left_pad", "args": args_for(tiny, d("lr0lp"), **LR0), "hooks": {"left_pad_training": 5}},
+        {"name": "lr0_left_pad_no_position_ids", "args": args_for(tiny, d("lr0lpnp"), **LR0),
          "hooks": {"left_pad_training": 5, "use_position_ids": False}},
-        {"name": "lr0_left_pad_no_position_ids_trimmed", "args": args_for(tiny, d("lr0lpnpt"), **LR0),
+        {"name": "lr0_left_pad_no_position_ids_trimmed", "args": args_for(tiny, d("lr0lpnpt"), trim_padding="true",
+                                                                           **LR0),
          "hooks": {"left_pad_training": 5, "use_position_ids": False}},
         {"name": "lr_positive", "args": args_for(tiny, d("lrpos"), **{**LR0, "actor_learning_rate": 1e-3,
                                                                        "critic_learning_rate": 1e-3})},
@@ -171,8 +171,8 @@ def test_lr0_negative_control_without_position_ids(two_rank):
       rows remains, at most a few ulps of |log p| ~ 6 (1 ulp = 4.8e-7), so max |log-ratio| <= 2e-6;
     * without them (`use_position_ids = False`): GPT-2 numbers positions 0..L-1 including the padding, every token
       moves 5 positions, and max |log-ratio| > 1e-3 although no weight moved (lr = 0).
-    The run without the extra padding (test above) is exactly 0. Both runs turn trim_padding off: trimming removes
-    the extra columns again (every row pads them), and then even the run without position ids is exactly 0 (the
+    The run without the extra padding (test above) is exactly 0. With --trim_padding (off in both runs) the extra
+    columns are removed again (every row pads them), and then even the run without position ids is exactly 0 (the
     third run)."""
     good, bad = two_rank["lr0_left_pad"], two_rank["lr0_left_pad_no_position_ids"]
     assert max(two_rank["lr0_left_pad_no_position_ids_trimmed"]["ratio_trace"]) == 0.0

@@ -124,11 +124,11 @@ def test_trimmed_forwards_equal_the_full_ones(pair):
     r = e.generator.generate(ids, mask, greedy_with_stops(e, ids, mask)).rollout.select([0, 2])  # lengths 6 and 1
     t = r.trimmed()
     assert t.prompt_length < r.prompt_length and t.response_width < r.response_width
-    out = {}
+    out, saved = {}, e.trim_padding
     for trim in (True, False):
         e.trim_padding = trim
         out[trim] = (e.actor_logprobs(r, with_entropy=True), e.critic_values(r), e.reward_scores(r))
-    e.trim_padding = True
+    e.trim_padding = saved
     for a, b in zip(out[True][0] + out[True][1:], out[False][0] + out[False][1:]):
         assert a.shape == b.shape and torch.allclose(a, b, atol=1e-5, rtol=0), (a - b).abs().max()
     assert float(out[True][0][0][1, 1:].abs().max()) == 0.0  # padding after row 2's one-token response

@@ -170,10 +170,9 @@ def test_host_syncs_one_per_guard_collective_and_none_from_ppo_math_in_the_train
         return exp_syncs, train_syncs
 
     exp_syncs, train_syncs = iteration()
-    # experience: the checks stay on, one sync per call: actor and reference log-probs (in the 2 training
-    # micro-batches each: trim_padding), compute_rewards, compute_gae, masked_whiten = 7; the two guard agreements
-    # (scores, advantages) one each
-    assert exp_syncs.at("ppo_math.py") == 7, exp_syncs.sites
+    # experience: the checks stay on, one sync per call: actor and reference log-probs (one experience micro-batch
+    # each), compute_rewards, compute_gae, masked_whiten = 5; the two guard agreements (scores, advantages) one each
+    assert exp_syncs.at("ppo_math.py") == 5, exp_syncs.sites
     assert exp_syncs.at("trainer/guards.py") == exp_syncs.sites["trainer/guards.py:agree [tolist]"] == 2, \
         exp_syncs.sites
     # training: none from ppo_math (check=False); the boundary's guard table read once; none from the trainer (the
