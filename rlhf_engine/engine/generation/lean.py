@@ -53,6 +53,12 @@ class LeanBackend(GenerationBackend):
         full_mask = torch.cat([mask, mask.new_ones(B, R)], dim=1)
         position = position_ids_from_mask(mask)
         keep = {"logits_to_keep": 1} if accepts_logits_to_keep(model) else {}
+        # a preallocated cache: the default one concatenates every layer's keys and values at every token (36% of
+        # a small model's decoding time on CPU; static measured 5-10% faster per call)
+        cache = static_cache(model, P + R, ids.device)
+        static = cache is not None
+        if static:
+            keep.update(cache=cache, cache_position=torch.arange(P, device=ids.device))
         out = model(input_ids=ids, attention_mask=mask, position_ids=position, use_cache=True, **keep)
         cache, logits = out.cache, out.logits[:, -1]
         position = position[:, -1:]
@@ -75,7 +81,22 @@ class LeanBackend(GenerationBackend):
             elif not bool(unfinished.any()):
                 break
             position = position + 1
+            step = {} if not static else {"cache_position": torch.full((1,), P + t, device=ids.device)}
             out = model(input_ids=tokens[:, t:t + 1], attention_mask=full_mask[:, :P + t + 1], position_ids=position,
-                        cache=cache, use_cache=True)
+                        cache=cache, use_cache=True, **step)
             cache, logits = out.cache, out.logits[:, -1]
         return tokens[:, :t + 1], logprobs[:, :t + 1]
+
+
+def static_cache(model, length: int, device: torch.device):
+    """A transformers StaticCache of `length` positions for `model`, or None where the model cannot take one (then
+    the model makes its dynamic cache itself)."""
+    from transformers import StaticCache
+
+    base = getattr(model, "get_base_model", lambda: model)()
+    if not getattr(base, "_can_compile_fullgraph", False) and not getattr(base, "_supports_static_cache", False):
+        return None
+    try:
+        return StaticCache(config=base.config, max_cache_len=length)
+    except (TypeError, ValueError, NotImplementedError):
+        return None
