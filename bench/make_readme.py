@@ -324,6 +324,7 @@ def section_side_by_side(res: str) -> list[str]:
                    f"({min(c['ratio_per_launch']):.2f}–{max(c['ratio_per_launch']):.2f}) | {before} | "
                    f"{' / '.join(fmt(ph.get(k)) for k in ('generate', 'experience', 'train'))}"
                    " |")
+    out += target_lines(r, load(os.path.join(res, "cpu", "backends.json")))
     gens = {n: statistics.median([x["theirs_generation_s"] for x in c["launches"] if x.get("theirs_generation_s")]
                                  or [float("nan")]) for n, c in r["configs"].items()}
     out += ["", "DeepSpeed-Chat's own printed generation latency (2 decimals), median: "
@@ -365,6 +366,39 @@ def section_variants(res: str) -> list[str]:
                        f"x{fmt(s['iteration_s_median'] / base['iteration_s_median'])} / "
                        f"x{fmt(m['generation'] / base['phase_s_mean']['generation'])} |")
         out.append("")
+    return out
+
+
+def target_lines(r: dict, backends: dict) -> list[str]:
+    """The performance issue's targets, met or missed, from the side-by-side and the backends results."""
+    c, base = r["configs"], r["baseline"]["configs"]
+    out = ["", "Targets:", ""]
+    for n in c:
+        if "ratio" in c[n]:
+            ok = "met" if c[n]["ratio"] <= 0.8 else f"missed by {c[n]['ratio'] - 0.8:.2f}"
+            out.append(f"* {n}: ours / DeepSpeed-Chat ≤ 0.8: {c[n]['ratio']:.2f}, {ok}.")
+    if "small_z3" in c and "ours_median_s" in c["small_z3"]:
+        x = base["small_z3"]["ours"] / c["small_z3"]["ours_median_s"]
+        out.append(f"* small_z3 ≥ 2x the iteration speed before: x{x:.2f} ({base['small_z3']['ours']} → "
+                   f"{fmt(c['small_z3']['ours_median_s'])} s), {'met' if x >= 2 else 'missed'}.")
+    vs = {v["name"]: v["summary"] for v in (backends or {}).get("variants", []) if v.get("summary")}
+    if "lean" in vs and "hf" in vs:
+        x = vs["hf"]["phase_s_mean"]["generation"] / vs["lean"]["phase_s_mean"]["generation"]
+        out.append(f"* generation ≥ 1.5x faster than the HF backend: x{x:.2f} on cpu-small (vocabulary 50k, fp32, "
+                   f"same process; table below), {'met' if x >= 1.5 else 'missed'}; in mid_z2 "
+                   f"{fmt(r['baseline']['mid_z2_phases']['generate'])} s before, "
+                   f"{fmt(c.get('mid_z2', {}).get('ours_phases_median_s', {}).get('generate'))} s now (vocabulary "
+                   "300: the sampler's gain is small there, the per-token forward dominates).")
+    out += ["", "Where the time goes in the missed ones (profiles of this session, see the closing note of the "
+            "performance issue): with a 300-token vocabulary and 2-4 layers an iteration is per-op framework "
+            "overhead and small bf16 matmuls. Our training step costs what a DeepSpeed-Chat-style step on the same "
+            "engines costs in one process (profiled op by op: the same kernels), and DeepSpeed-Chat's own "
+            "`train_rlhf` measured slower than our training phase in mid_z2; the remaining gap is spread over "
+            "generation (per-token forwards of the Hugging Face modules) and our extra per-iteration work (the guard "
+            "and metric collectives, about 0.4 ms each on 2 CPU ranks). PyTorch's CPU flash-attention backward in "
+            "bf16 is the largest single training cost (about a quarter); eager attention would halve it but "
+            "slows generation and the experience forwards more than it saves (measured; `--*_attn_implementation` "
+            "exists for other machines)."]
     return out
 
 
