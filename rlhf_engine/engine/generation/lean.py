@@ -1,4 +1,4 @@
-"""The lean backend: our own decoding loop over the actor's forward and its KV cache (the default).
+"""The lean backend: our own decoding loop over the actor's forward and a preallocated KV cache (the default).
 
 Per token it runs one forward of the new tokens against the cache and the token selection of `sampling.py`; nothing
 else (Hugging Face generate adds its input preparation, processor and stopping-criteria machinery around every
@@ -55,7 +55,7 @@ class LeanBackend(GenerationBackend):
         keep = {"logits_to_keep": 1} if accepts_logits_to_keep(model) else {}
         # a preallocated cache: the default one concatenates every layer's keys and values at every token (36% of
         # a small model's decoding time on CPU; static measured 5-10% faster per call)
-        cache = static_cache(model, P + R, ids.device)
+        cache = static_cache(model, P + R)
         static = cache is not None
         if static:
             keep.update(cache=cache, cache_position=torch.arange(P, device=ids.device))
@@ -88,7 +88,7 @@ class LeanBackend(GenerationBackend):
         return tokens[:, :t + 1], logprobs[:, :t + 1]
 
 
-def static_cache(model, length: int, device: torch.device):
+def static_cache(model, length: int):
     """A transformers StaticCache of `length` positions for `model`, or None where the model cannot take one (then
     the model makes its dynamic cache itself)."""
     from transformers import StaticCache
