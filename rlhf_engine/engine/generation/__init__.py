@@ -86,6 +86,7 @@ class GenerationBackend:
         self.actor, self.dist = ctx.actor, ctx.dist
         self._actor_bytes: Optional[int] = None
         self._replica: Optional[GenerationReplica] = None
+        self._replica_error: Optional[str] = None  # the replica could not be built: gathered in place instead
         self._logged_modes: set = set()
         from .hf import warn_unused_sampling_fields
 
@@ -136,7 +137,7 @@ class GenerationBackend:
                                "(the copy would not hold its adapter)")
                 return "gathered"
             return "per_layer"
-        return "replica"
+        return "gathered" if self._replica_error else "replica"
 
     def gather_once_active(self) -> bool:
         """Whether the next call holds the actor's full weights throughout (no collective while decoding)."""
@@ -153,9 +154,14 @@ class GenerationBackend:
         under ZeRO-3 'replica' and 'gathered' (every rank must enter)."""
         model, mode = self.actor.module, self.zero3_mode()
         self._log_once("mode:" + mode, "generation: %s backend, ZeRO-3 mode %s", self.name, mode)
-        if mode == "replica":
-            if self._replica is None:
+        if mode == "replica" and self._replica is None:
+            try:  # a local step (no collective): every rank fails alike for the same model
                 self._replica = GenerationReplica(model, self.device)
+            except RuntimeError as e:
+                self._replica_error = str(e)
+                log.warning("generation_gather_once: no replica of this model (%s); gathering it in place", e)
+                mode = "gathered"
+        if mode == "replica":
             yield self._replica.refresh(model)
             return
         was_training = model.training
