@@ -220,11 +220,11 @@ class Rollout:
         """The same rows without the columns that are padding in every row: the leading prompt columns no row uses
         and the response columns after the longest response. Real tokens keep their positions (position ids are
         sliced, not recomputed), so a forward of the trimmed batch computes what the full one does at every real
-        token, on fewer positions. Reads two numbers on the host."""
+        token, on fewer positions. One host sync (two numbers read together)."""
         P, R = self.prompt_length, self.response_width
-        used = self.attention_mask[:, :P].any(0)
-        lead = int(used.long().argmax())  # the first prompt column some row uses (column P - 1 always is)
-        width = max(int(self.response_lengths.max()), 1)
+        first_used = self.attention_mask[:, :P].any(0).long().argmax()  # column P - 1 always is used
+        lead, width = torch.stack([first_used, self.response_lengths.max().long()]).tolist()
+        width = max(width, 1)
         if lead == 0 and width == R:
             return self
         cols = slice(lead, P + width)
