@@ -236,7 +236,7 @@ class PPOTrainer:
         train_critic = engine.has_critic
         roles = self.roles if train_actor else ("critic",)
         ptx = self.ptx if train_actor else None
-        trace = []
+        minibatches_trained = 0  # actor mini-batches this phase: they name the ratio-trace metrics in order
         for epoch in range(ppo.ppo_epochs):
             for m, mini in enumerate(exp.split(b.mini_batch_size)):
                 micros = mini.split(b.per_device_training_batch_size)
@@ -296,8 +296,8 @@ class PPOTrainer:
                     hooks.after_step(it)
                     engine.update_ema()  # acts only when the actor's optimizer just stepped (and EMA is on)
                 if train_actor:  # max |log-ratio| of the mini-batch, over every rank with the iteration's metrics
-                    stats.max(f"{RATIO_TRACE}{len(trace):06d}", max_abs_log_ratio)
-                    trace.append(max_abs_log_ratio)
+                    stats.max(f"{RATIO_TRACE}{minibatches_trained:06d}", max_abs_log_ratio)
+                    minibatches_trained += 1
                 stats.add("minibatches", torch.tensor(1.0))
 
     # ---- loop ------------------------------------------------------------------------------------------------

@@ -105,9 +105,9 @@ class GenerationBackend:
         raise NotImplementedError
 
     # ---- ZeRO-3 -------------------------------------------------------------------------------------------
-    def _log_once(self, key: str, msg: str, *args) -> None:
+    def _log_once(self, key: str, msg: str, *args, level: int = logging.INFO) -> None:
         if key not in self._logged_modes and self.dist.is_main:
-            log.info(msg, *args)
+            log.log(level, msg, *args)
         self._logged_modes.add(key)
 
     def zero3_mode(self) -> str:
@@ -127,7 +127,7 @@ class GenerationBackend:
         if self._actor_bytes > e.gather_once_max_bytes:
             self._log_once("bytes", "generation_gather_once: the actor's full weights (%.2f GiB) exceed "
                            "gather_once_max_bytes (%.2f GiB); generating with per-layer ZeRO-3 fetches",
-                           self._actor_bytes / 2**30, e.gather_once_max_bytes / 2**30)
+                           self._actor_bytes / 2**30, e.gather_once_max_bytes / 2**30, level=logging.WARNING)
             return "per_layer"
         if mode == "on":
             return "gathered"

@@ -24,10 +24,6 @@ from .sampling import greedy_from_scores, sample_from_scores, step_scores
 class LeanBackend(GenerationBackend):
     name = "lean"
 
-    def __init__(self, ctx):
-        super().__init__(ctx)
-        self._stop_ids = None
-
     def generate(self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, params: SamplingParams) -> Generated:
         if params.do_sample and (params.top_k or params.top_p < 1.0):
             raise ValueError("the lean backend samples the full distribution (top_k 0, top_p 1.0): a truncated one is "
