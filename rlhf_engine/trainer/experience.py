@@ -148,9 +148,14 @@ def global_moments(x: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, t
     xf = x.float() * m
     packed = torch.stack([m.sum(), xf.sum(), (xf * xf).sum()]).double()
     n, s, ss = all_reduce(packed).unbind()
+    mean, var = moments_from_sums(n, s, ss)
+    return n, mean.float(), var.float()
+
+
+def moments_from_sums(n: torch.Tensor, s: torch.Tensor, ss: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(mean, unbiased variance, at least 0) of values from their count, sum and sum of squares."""
     mean = s / n.clamp(min=1)
-    var = (ss - n * mean * mean) / (n - 1).clamp(min=1)
-    return n, mean.float(), var.clamp(min=0).float()
+    return mean, ((ss - n * mean * mean) / (n - 1).clamp(min=1)).clamp(min=0)
 
 
 def whiten_advantages(exp: Experience) -> Experience:

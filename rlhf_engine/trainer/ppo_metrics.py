@@ -11,6 +11,7 @@ from typing import Optional
 import torch
 
 from ..rollout import Experience
+from .experience import moments_from_sums
 from .metric_sums import MetricSums
 
 
@@ -49,11 +50,9 @@ def explained_var(s: dict) -> Optional[float]:
     (unbiased variances over every rank's real tokens; None when Var[returns] is 0 or the run has no critic)."""
     if "ev_n" not in s:
         return None
-    n = s["ev_n"]
-
     def var(name: str) -> float:
-        mean = s[f"ev_{name}_s"] / max(n, 1.0)
-        return max((s[f"ev_{name}_ss"] - n * mean * mean) / max(n - 1.0, 1.0), 0.0)
+        sums = torch.tensor([s["ev_n"], s[f"ev_{name}_s"], s[f"ev_{name}_ss"]], dtype=torch.float64)
+        return float(moments_from_sums(*sums)[1])
 
     var_ret = var("ret")
     return 1.0 - var("res") / var_ret if var_ret > 0 else None

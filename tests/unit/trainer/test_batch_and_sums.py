@@ -60,3 +60,28 @@ def test_sums_accumulate_in_float64_and_reduce_once():
     out = s.reduce()
     assert out == {"a": 3.5, "b": 3.0, "hi": 4.0, "lo": -3.0, "tiny": pytest.approx(1.0 + 1e-7, abs=1e-12)}
     assert MetricSums().reduce() == {}
+
+
+def test_explained_variance_from_the_reduced_sums_by_hand():
+    """Real tokens: returns [1, 2, 4] (two rows, padding masked), values [1, 1, 1] -> residuals [0, 1, 3].
+    Unbiased variances: returns 7/3, residuals 7/3 too (the same spread) -> 0; values = returns -> 1."""
+    from rlhf_engine.rollout import Experience, Rollout, pad_prompts
+    from rlhf_engine.trainer.ppo_metrics import add_value_moments, explained_var
+
+    ids, mask = pad_prompts([[5, 6], [7]], 0)
+    rollout = Rollout.from_responses(ids, mask, [[11, 12], [13]], 0)
+    returns = torch.tensor([[1.0, 2.0], [4.0, 99.0]])  # 99 sits on padding: must not count
+    zeros = torch.zeros(2, 2)
+
+    def ev(values):
+        exp = Experience(rollout=rollout, old_logprobs=zeros, ref_logprobs=zeros, values=values,
+                         scores=torch.zeros(2), rewards=zeros, kl=zeros, advantages=zeros, returns=returns)
+        s = MetricSums()
+        add_value_moments(s, exp)
+        return explained_var(s.reduce())
+
+    assert ev(torch.ones(2, 2)) == pytest.approx(0.0, abs=1e-6)
+    assert ev(returns.clone()) == pytest.approx(1.0, abs=1e-12)
+    half = torch.tensor([[0.5, 1.0], [2.0, 0.0]])  # residuals [0.5, 1, 2]: var 7/12 -> 1 - (7/12) / (7/3) = 0.75
+    assert ev(half) == pytest.approx(0.75, abs=1e-6)
+    assert explained_var({}) is None  # no critic
