@@ -1,13 +1,19 @@
-"""The collectives the trainer, the data layer and the entry points use, over torch.distributed alone.
+"""The collectives of the whole package, over torch.distributed alone: the only module that calls them.
 
 A bottom-level module (torch only): every function is a no-op, or the single-rank answer, when torch.distributed is
 not initialised, so unit tests and one-process runs need no process group. Starting the process group is the engine's
 job (`engine/distributed.init_distributed`, the only place that talks to DeepSpeed).
+
+Tensors go where the group's backend serves them: NCCL reduces CUDA tensors only (a CPU tensor is refused with "No
+backend type associated with device type cpu"), gloo CPU tensors (and CUDA ones through a copy). `all_reduce` moves
+a tensor that lives elsewhere to `backend_device(group)` and writes the result back into the caller's tensor, so a
+caller never needs to know which backend the run has. The layering test (tests/unit/test_layering.py) keeps every
+other module off torch.distributed's collectives.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Optional
 
 import torch
 
@@ -41,16 +47,42 @@ def world_size() -> int:
     return torch.distributed.get_world_size() if initialized() else 1
 
 
-def all_reduce(tensor: torch.Tensor, op: str = "sum") -> torch.Tensor:
-    """In-place all-reduce over every rank (sum, max or min); a no-op when not distributed."""
-    if world_size() > 1:
-        torch.distributed.all_reduce(tensor, op=getattr(torch.distributed.ReduceOp, _OPS[op]))
+def backend_device(group: Any = None) -> torch.device:
+    """The device whose tensors `group`'s backend reduces: cuda:LOCAL_RANK for NCCL, cpu otherwise (gloo)."""
+    if initialized() and torch.distributed.get_backend(group) == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())  # init_distributed set it to LOCAL_RANK
+    return torch.device("cpu")
+
+
+def all_reduce(tensor: torch.Tensor, op: str = "sum", group: Any = None) -> torch.Tensor:
+    """In-place all-reduce over every rank of `group` (sum, max or min); a no-op when not distributed.
+
+    The reduction runs on `backend_device(group)`; a tensor kept elsewhere is copied there and the result copied
+    back into it, so the caller's tensor holds the answer on its own device either way."""
+    if world_size() <= 1:
+        return tensor
+    op_ = getattr(torch.distributed.ReduceOp, _OPS[op])
+    target = backend_device(group)
+    if tensor.device == target:
+        torch.distributed.all_reduce(tensor, op=op_, group=group)
+        return tensor
+    moved = tensor.to(target)
+    torch.distributed.all_reduce(moved, op=op_, group=group)
+    tensor.copy_(moved)
     return tensor
 
 
-def barrier() -> None:
+def agree(failed_here: bool, group: Any = None) -> bool:
+    """Whether any rank failed: one all-reduce (max) of this rank's flag. Every "try, else fall back" around
+    collective work decides with this, so that all ranks take the same path (a failure on one rank only, such as an
+    out-of-memory error, must not send the ranks into different collectives)."""
+    flag = torch.tensor([1.0 if failed_here else 0.0])
+    return bool(all_reduce(flag, "max", group).item() > 0)
+
+
+def barrier(group: Any = None) -> None:
     if initialized():
-        torch.distributed.barrier()
+        torch.distributed.barrier(group=group)
 
 
 def broadcast_object(obj: Any, src: int = 0) -> Any:
@@ -69,6 +101,17 @@ def all_gather_object(obj: Any) -> list:
     out = [None] * world_size()
     torch.distributed.all_gather_object(out, obj)
     return out
+
+
+def new_cpu_group(timeout: Any) -> Optional[Any]:
+    """A gloo group of every rank with its own collective timeout (a datetime.timedelta; CPU tensors, whatever the default backend), or
+    None when not distributed. Every rank must call it; end it with `destroy_group`."""
+    return torch.distributed.new_group(backend="gloo", timeout=timeout) if initialized() else None
+
+
+def destroy_group(group: Optional[Any]) -> None:
+    if group is not None:
+        torch.distributed.destroy_process_group(group)
 
 
 def shutdown(ok: bool) -> None:

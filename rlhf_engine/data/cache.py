@@ -30,6 +30,7 @@ from typing import Any, Callable, Optional, Sequence, TypeVar
 
 import torch
 
+from .. import comm
 from ..pretrained import cache_root, sha256_file
 
 log = logging.getLogger("rlhf_engine.data")
@@ -156,10 +157,6 @@ def _try_read(path: str) -> tuple[bool, Any]:
         return False, None
 
 
-def _distributed() -> bool:
-    return torch.distributed.is_available() and torch.distributed.is_initialized()
-
-
 def node_cached(key: Callable[[], Optional[str]], cache_dir: Optional[str], build: Callable[[], T]
                 ) -> tuple[T, CacheUse]:
     """`build()`, through the cache entry named `key()` in `cache_dir` when both are set. `key` is called only with a
@@ -172,12 +169,11 @@ def node_cached(key: Callable[[], Optional[str]], cache_dir: Optional[str], buil
     it after. A rank that finds no readable entry (local rank 0 failed, the folder is not writable) builds the data
     itself, so an invalid dataset raises the same error on every rank.
     """
-    group = torch.distributed.new_group(backend="gloo", timeout=BUILD_WAIT) if _distributed() else None
+    group = comm.new_cpu_group(BUILD_WAIT)
     try:
         return _node_cached(key, cache_dir, build, group)
     finally:
-        if group is not None:
-            torch.distributed.destroy_process_group(group)
+        comm.destroy_group(group)
 
 
 def _node_cached(key_fn: Callable[[], Optional[str]], cache_dir: Optional[str], build: Callable[[], T], group: Any
@@ -185,9 +181,7 @@ def _node_cached(key_fn: Callable[[], Optional[str]], cache_dir: Optional[str], 
     key = key_fn() if cache_dir is not None else None
     usable = key is not None
     if group is not None:
-        flag = torch.tensor([int(usable)])
-        torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MIN, group=group)
-        usable = bool(flag.item())
+        usable = bool(comm.all_reduce(torch.tensor([int(usable)]), "min", group).item())
     if not usable:
         return build(), CacheUse("off" if cache_dir is None else "uncacheable")
     path = os.path.join(cache_dir, key + ".pkl")
@@ -210,7 +204,7 @@ def _node_cached(key_fn: Callable[[], Optional[str]], cache_dir: Optional[str], 
                                 "Set data_cache_dir to a writable node-local folder, or 'none'", path, e)
                     use = CacheUse("built_unsaved", path)
     if group is not None:
-        torch.distributed.barrier(group=group)
+        comm.barrier(group)
     if error is not None:
         raise error
     if not first:

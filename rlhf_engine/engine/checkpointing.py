@@ -22,6 +22,7 @@ from typing import Any
 
 import torch
 
+from ..comm import barrier, rank
 from ..config import TRAINED_ROLES
 
 WEIGHTS_ONLY = ("ema",)
@@ -37,15 +38,6 @@ def checkpoint_roles(engine: Any) -> list[str]:
 def _is_zero3(ds_engine: Any) -> bool:
     fn = getattr(ds_engine, "zero_optimization_partition_weights", None)
     return bool(fn()) if callable(fn) else False
-
-
-def _rank() -> int:
-    return torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
-
-
-def _barrier() -> None:
-    if torch.distributed.is_initialized():
-        torch.distributed.barrier()
 
 
 def save_trained(ds_engine: Any, ckpt_dir: str, tag: str) -> None:
@@ -68,7 +60,7 @@ def convert_to_universal(ckpt_dir: str, tag: str) -> str:
 
     root = os.path.join(ckpt_dir, UNIVERSAL_DIR)
     out = os.path.join(root, tag)
-    if _rank() == 0 and not os.path.exists(out + ".done"):
+    if rank() == 0 and not os.path.exists(out + ".done"):
         from deepspeed.checkpoint.ds_to_universal import main as ds_to_universal
 
         tmp = out + ".tmp"
@@ -81,7 +73,7 @@ def convert_to_universal(ckpt_dir: str, tag: str) -> str:
                                            strict=True, inject_missing_state=True))
         os.replace(tmp, out)
         open(out + ".done", "w").close()
-    _barrier()
+    barrier()
     return root
 
 
@@ -134,13 +126,13 @@ def save_weights(ds_engine: Any, out_dir: str) -> None:
         sd = ds_engine._zero3_consolidated_16bit_state_dict()  # dtype of the parameters, despite the name
     else:
         sd = ds_engine.module.state_dict()
-    if _rank() == 0:
+    if rank() == 0:
         os.makedirs(out_dir, exist_ok=True)
         sd = {k: v.detach().cpu().clone() for k, v in sd.items()}
         tmp = os.path.join(out_dir, EMA_FILE + ".tmp")
         torch.save(sd, tmp)
         os.replace(tmp, os.path.join(out_dir, EMA_FILE))
-    _barrier()
+    barrier()
 
 
 def load_weights(ds_engine: Any, in_dir: str) -> None:
@@ -150,11 +142,11 @@ def load_weights(ds_engine: Any, in_dir: str) -> None:
     if _is_zero3(ds_engine):
         import deepspeed
 
-        sd = torch.load(path, map_location="cpu", weights_only=True) if _rank() == 0 else None
+        sd = torch.load(path, map_location="cpu", weights_only=True) if rank() == 0 else None
         with deepspeed.zero.GatheredParameters(list(module.parameters()), modifier_rank=0):
-            if _rank() == 0:
+            if rank() == 0:
                 module.load_state_dict(sd)
     else:
         sd = torch.load(path, map_location="cpu", weights_only=True)
         module.load_state_dict(sd)
-    _barrier()
+    barrier()

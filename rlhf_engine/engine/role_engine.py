@@ -18,6 +18,7 @@ from typing import Any, Optional
 
 import torch
 
+from ..comm import barrier
 from ..config import RoleConfig
 from ..rollout import Rollout, gather_at
 from .ds_config import _merge, build_ds_config, load_json, torch_dtype
@@ -133,5 +134,4 @@ def export_engine(engine: Any, stage: int, out_dir: str, tokenizer: Any, is_main
         else:
             engine.module.save_pretrained(out_dir, state_dict=sd)
         tokenizer.save_pretrained(out_dir)
-    if torch.distributed.is_initialized():
-        torch.distributed.barrier()
+    barrier()

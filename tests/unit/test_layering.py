@@ -23,7 +23,7 @@ ALLOWED = {
     "hooks": {"faults"},
     "rewards": {"errors"},
     "outputs": {"errors"},
-    "data": {"config", "errors", "rollout", "pretrained"},
+    "data": {"comm", "config", "errors", "rollout", "pretrained"},
     "engine": {"comm", "config", "errors", "ppo_math", "rollout"},
     "trainer": {"comm", "config", "data", "engine", "errors", "estimators", "outputs", "ppo_math", "pretrained",
                 "rewards", "rollout", "faults", "hooks", "signals"},
@@ -95,3 +95,56 @@ def test_negative_control_a_trainer_import_in_the_engine_is_caught(tmp_path, mon
     monkeypatch.setitem(globals(), "ROOT", str(copy))
     with pytest.raises(AssertionError, match="engine"):
         test_no_import_runs_back_up()
+
+
+# torch.distributed calls that talk to other ranks: only rlhf_engine/comm.py makes them (it puts every tensor on the
+# device the group's backend serves; a CPU tensor under NCCL is refused)
+COLLECTIVES = {"all_reduce", "all_gather", "all_gather_object", "all_gather_into_tensor", "reduce_scatter",
+               "reduce_scatter_tensor", "broadcast", "broadcast_object_list", "barrier", "monitored_barrier", "reduce",
+               "gather", "gather_object", "scatter", "scatter_object_list", "send", "recv", "isend", "irecv",
+               "all_to_all", "all_to_all_single", "new_group", "destroy_process_group"}
+
+
+def _collective_calls(root: str) -> list:
+    """(file, line, name) of every torch.distributed collective named outside comm.py: `torch.distributed.X`,
+    `<alias of torch.distributed>.X`, and `from torch.distributed import X`."""
+    out = []
+    for d, _, files in os.walk(root):
+        for f in files:
+            if not f.endswith(".py"):
+                continue
+            path = os.path.join(d, f)
+            rel = os.path.relpath(path, root)
+            if rel == "comm.py":
+                continue
+            tree = ast.parse(open(path).read())
+            aliases = {"torch.distributed"}
+            for node in ast.walk(tree):
+                if isinstance(node, ast.Import):
+                    aliases |= {a.asname for a in node.names if a.name == "torch.distributed" and a.asname}
+                elif isinstance(node, ast.ImportFrom) and node.module == "torch.distributed":
+                    out += [(rel, node.lineno, a.name) for a in node.names if a.name in COLLECTIVES]
+                elif isinstance(node, ast.ImportFrom) and node.module == "torch":
+                    aliases |= {a.asname or a.name for a in node.names if a.name == "distributed"}
+            for node in ast.walk(tree):
+                if isinstance(node, ast.Attribute) and node.attr in COLLECTIVES and ast.unparse(node.value) in aliases:
+                    out.append((rel, node.lineno, node.attr))
+    return out
+
+
+def test_only_comm_calls_collectives():
+    bad = _collective_calls(ROOT)
+    assert not bad, f"collectives outside rlhf_engine/comm.py (use comm's, which place tensors by backend): {bad}"
+
+
+@pytest.mark.parametrize("line", ["torch.distributed.all_reduce(flags)\n",
+                                  "import torch.distributed as td\ntd.barrier()\n",
+                                  "from torch.distributed import broadcast_object_list\n"])
+def test_negative_control_a_collective_outside_comm_is_caught(tmp_path, line):
+    import shutil
+
+    copy = tmp_path / "rlhf_engine"
+    shutil.copytree(ROOT, copy)
+    with open(copy / "trainer" / "preemption.py", "a") as f:
+        f.write("\n" + line)
+    assert [c[0] for c in _collective_calls(str(copy))] == [os.path.join("trainer", "preemption.py")]

@@ -15,6 +15,7 @@ from typing import Any, Iterator, Optional
 
 import torch
 
+from ... import comm
 from . import Generated, SamplingParams
 from .hf import HFBackend, SampledLogprobs, generated, neutral_generation_config
 
@@ -86,10 +87,7 @@ class HybridEngineBackend(HFBackend):
         hf_generate = getattr(engine, "_generate", None) or engine.module.generate
         hf_out = hf_generate(input_ids=ids, attention_mask=mask, generation_config=greedy, synced_gpus=synced)
         same = he_out.shape == hf_out.shape and bool(torch.equal(he_out.cpu(), hf_out.cpu()))
-        flag = torch.tensor([0.0 if same else 1.0], device=self.device)
-        if torch.distributed.is_initialized():
-            torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX)
-        if flag.item() > 0:
+        if comm.agree(not same):
             detail = (f"shapes {tuple(he_out.shape)} vs {tuple(hf_out.shape)}" if he_out.shape != hf_out.shape
                       else f"{int((he_out != hf_out).sum())} of {he_out.numel()} tokens differ")
             raise RuntimeError("generation_backend hybrid: self-check failed: the Hybrid Engine's greedy generation "
