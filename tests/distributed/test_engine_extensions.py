@@ -149,3 +149,16 @@ def test_held_actor_ranks_may_stop_at_different_lengths(ext, run):
         # the prefixes of the same model's 8-token responses (these calls follow the extra training step)
         assert [row[: len(r)] for row, r in zip(gen["trained_off"]["responses"], u["responses"])] == u["responses"]
 
+
+
+@pytest.mark.distributed
+def test_a_replica_that_fails_on_one_rank_sends_every_rank_to_the_same_path(ext):
+    """The replica cannot be built on rank 1 only (an injected out-of-memory error): both ranks decide together and
+    gather in place, and the launch finishes (a rank left on the replica path would wait in a collective the other
+    never enters, until the launch's timeout)."""
+    runs = ext["z3_ema"]["replica_fails_on_rank1"]
+    assert [r["mode"] for r in runs] == ["gathered", "gathered"]
+    assert runs[0]["error"] == "another rank could not build its replica"
+    assert runs[1]["error"].startswith("OutOfMemoryError: injected on rank 1")
+    for r in runs:
+        assert r["responses"] == r["gathered"]

@@ -29,6 +29,7 @@ from typing import Any, Iterator, Optional
 
 import torch
 
+from ... import comm
 from ...rollout import Rollout
 from ..zero3 import GenerationReplica, full_param_bytes, gathered_for_generation
 
@@ -155,12 +156,7 @@ class GenerationBackend:
         model, mode = self.actor.module, self.zero3_mode()
         self._log_once("mode:" + mode, "generation: %s backend, ZeRO-3 mode %s", self.name, mode)
         if mode == "replica" and self._replica is None:
-            try:  # a local step (no collective): every rank fails alike for the same model
-                self._replica = GenerationReplica(model, self.device)
-            except RuntimeError as e:
-                self._replica_error = str(e)
-                log.warning("generation_gather_once: no replica of this model (%s); gathering it in place", e)
-                mode = "gathered"
+            mode = self._build_replica(model)
         if mode == "replica":
             yield self._replica.refresh(model)
             return
@@ -174,6 +170,25 @@ class GenerationBackend:
                 yield model
         finally:
             model.train(was_training)
+
+    def _build_replica(self, model: torch.nn.Module) -> str:
+        """Build the replica (a local step), then decide on every rank together: when it failed anywhere (a model
+        that cannot be copied fails everywhere, an out-of-memory error on one rank only), every rank gathers in place
+        instead, so that all of them enter the same collectives. Returns the mode of this call. Collective."""
+        error: Optional[BaseException] = None
+        try:
+            replica = GenerationReplica(model, self.device)
+        except Exception as e:  # noqa: BLE001  (any failure: the ranks must agree before the next collective)
+            error, replica = e, None
+        if comm.agree(error is not None):
+            del replica
+            self._replica_error = (f"{type(error).__name__}: {error}" if error is not None
+                                   else "another rank could not build its replica")
+            log.warning("generation_gather_once: no replica on rank %d (%s); every rank gathers the actor in place",
+                        self.dist.rank, self._replica_error)
+            return "gathered"
+        self._replica = replica
+        return "replica"
 
     @contextlib.contextmanager
     def forward_mode(self) -> Iterator[None]:

@@ -299,12 +299,39 @@ def run_ema_and_gather(args, dist) -> dict:
         uneven[f"{name}_{mode}"] = {"width": g.response_width, "counts": counts, "responses": g.responses.tolist(),
                                     "max_new": params.max_new_tokens}
     res["uneven"] = gather(uneven)
+    res["replica_fails_on_rank1"] = gather(replica_fails_on_one_rank(e, ids, mask, rank))
     res["layers"] = len(e.actor.module.transformer.h)
     res["actor_params"] = len(list(e.actor.module.parameters()))
     res["total_s"] = time.time() - t0
     del e
     gc.collect()
     return res
+
+
+def replica_fails_on_one_rank(e: RLHFEngine, ids, mask, rank: int) -> dict:
+    """The replica cannot be built on rank 1 only (an out-of-memory error, which happens on one rank): every rank
+    must then gather in place, and generate what the gathered mode generates (a rank left on another path would
+    hang in a collective, and the launch would time out)."""
+    import rlhf_engine.engine.generation as generation
+
+    real = generation.GenerationReplica
+
+    def fails(*a, **kw):
+        raise torch.OutOfMemoryError("injected on rank 1: cannot allocate the replica")
+
+    e.cfg.engine.generation_gather_once = "replica"
+    backend = BACKENDS["lean"](e.generator.ctx)
+    params = dataclasses.replace(e.sampling, max_new_tokens=4, do_sample=False)
+    if rank == 1:
+        generation.GenerationReplica = fails
+    try:
+        out = backend.generate(ids, mask, params)
+    finally:
+        generation.GenerationReplica = real
+    e.cfg.engine.generation_gather_once = "on"
+    gathered = BACKENDS["lean"](e.generator.ctx).generate(ids, mask, params)
+    return {"mode": backend.zero3_mode(), "error": backend._replica_error,
+            "responses": out.rollout.responses.tolist(), "gathered": gathered.rollout.responses.tolist()}
 
 
 def main() -> None:
