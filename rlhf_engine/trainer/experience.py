@@ -144,9 +144,9 @@ def global_mean_var(x: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, 
 
 def global_moments(x: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(count, mean, unbiased var) of the masked elements of x over every rank (one all-reduce)."""
-    m = mask.float()
-    xf = x.float() * m
-    packed = torch.stack([m.sum(), xf.sum(), (xf * xf).sum()]).double()
+    m = mask.double()
+    xd = x.double() * m  # float64 from the first product: s*s - n*ss cancels, fp32 sums would lose the variance
+    packed = torch.stack([m.sum(), xd.sum(), (xd * xd).sum()])
     n, s, ss = all_reduce(packed).unbind()
     mean, var = moments_from_sums(n, s, ss)
     return n, mean.float(), var.float()

@@ -36,9 +36,9 @@ def add_experience_stats(stats: MetricSums, exp: Experience, entropy: torch.Tens
 def add_value_moments(stats: MetricSums, exp: Experience) -> None:
     """The sums `explained_var` needs (count, sum and sum of squares of the returns and of returns - values), reduced
     with the iteration's other metrics instead of two collectives of their own."""
-    mask = exp.rollout.action_mask.float()
-    ret = exp.returns.float() * mask
-    res = (exp.returns - exp.values).float() * mask
+    mask = exp.rollout.action_mask.double()  # float64 from the first product: the sum of squares cancels later
+    ret = exp.returns.double() * mask
+    res = (exp.returns.double() - exp.values.double()) * mask
     stats.add("ev_n", mask.sum())
     for name, x in (("ret", ret), ("res", res)):
         stats.add(f"ev_{name}_s", x.sum())

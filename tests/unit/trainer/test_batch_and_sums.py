@@ -85,3 +85,20 @@ def test_explained_variance_from_the_reduced_sums_by_hand():
     half = torch.tensor([[0.5, 1.0], [2.0, 0.0]])  # residuals [0.5, 1, 2]: var 7/12 -> 1 - (7/12) / (7/3) = 0.75
     assert ev(half) == pytest.approx(0.75, abs=1e-6)
     assert explained_var({}) is None  # no critic
+
+
+def test_moments_are_float64_from_the_first_product():
+    """Values far from 0 with a small spread: 10000 + [0, 1, 2, 3] (exact in fp32), unbiased variance 5/3. Summed in
+    float64 from the first product the variance is exact to 1e-9. Negative control: the same sums taken in fp32 and
+    cast to float64 afterwards (x*x ~ 1e8 has an fp32 ulp of 8) lose it."""
+    from rlhf_engine.trainer.experience import global_moments, moments_from_sums
+
+    x = torch.tensor([[10000.0, 10001.0, 7.0], [10002.0, 10003.0, -5.0]])
+    mask = torch.tensor([[1, 1, 0], [1, 1, 0]])
+    n, mean, var = global_moments(x, mask)
+    assert float(n) == 4 and float(mean) == 10001.5
+    assert var.dtype == torch.float32 and abs(float(var) - 5 / 3) < 1e-6
+    m = mask.float()
+    xf = x * m
+    fp32_sums = torch.stack([m.sum(), xf.sum(), (xf * xf).sum()]).double()
+    assert abs(float(moments_from_sums(*fp32_sums)[1]) - 5 / 3) > 0.1  # the fault this guards against
