@@ -32,3 +32,21 @@ def freeze_below_top(model: nn.Module, k: int, keep_trainable: tuple[str, ...] =
         if name.split(".")[-1] in keep_trainable and id(module) not in block_ids:
             module.requires_grad_(True)
     return sum(p.numel() for p in model.parameters() if p.requires_grad)
+
+
+def mirror_requires_grad(model: nn.Module, like: nn.Module) -> int:
+    """Give `model`'s parameters the requires_grad flags of `like`'s parameters of the same name; returns how many
+    names matched.
+
+    For the frozen reference of an actor with the same architecture. ATen's matmul picks its kernel by these flags
+    even under no_grad: a [B, T, H] input against a weight that requires grad is folded into one mm, otherwise it
+    runs as bmm, and the two round differently on some CPUs (a left-padded, sliced logits_to_keep input on an AMD
+    EPYC gave actor-reference KL -8.9e-8 at identical weights). With the actor's flags the reference runs the actor's
+    kernels on the same inputs. Nothing is recorded for backward: its forwards run under no_grad."""
+    flags = {n: p.requires_grad for n, p in like.named_parameters()}
+    matched = 0
+    for name, p in model.named_parameters():
+        if name in flags:
+            p.requires_grad_(flags[name])
+            matched += 1
+    return matched

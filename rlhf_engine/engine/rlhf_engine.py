@@ -17,6 +17,7 @@ from ..config import TrainConfig
 from ..ppo_math import entropy_from_logits, logprobs_and_entropy_from_logits, logprobs_from_logits, mask_stop_tokens_
 from ..rollout import Rollout
 from .distributed import DistInfo
+from .freezing import mirror_requires_grad
 from .models import ScalarHeadModel, accepts_logits_to_keep, adapter_disabled
 from .generation import BACKENDS, GenerationContext, Generated, SamplingParams
 from .models import load_tokenizer  # noqa: F401  (re-exported)
@@ -69,6 +70,8 @@ class RLHFEngine:
                 ds_overrides=backend.actor_ds_overrides(cfg) if role == "actor" else None)
             self.ds_configs[role] = ds_cfg
             self.engines[role] = engine
+        if self.reference is not None:  # same flags, same kernels: KL exactly 0 while the weights are equal
+            mirror_requires_grad(self.reference.module, self.actor.module)
         self._ema_steps = 0  # actor optimizer steps the EMA has seen
         if ext.enable_ema:
             self._build_ema(num_training_steps)

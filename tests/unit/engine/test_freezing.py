@@ -32,3 +32,32 @@ def test_zero_keeps_everything_trainable(tiny):
     model = AutoModelForCausalLM.from_pretrained(tiny.actor)
     total = sum(p.numel() for p in model.parameters())
     assert freeze_below_top(model, 0) == total
+
+
+def test_the_reference_carries_the_actors_requires_grad_flags(tiny, dist_single, tmp_path):
+    """ATen's matmul picks mm or bmm by the weight's requires_grad flag, under no_grad too, and the two round
+    differently on some CPUs: the frozen reference must compute with the actor's flags (top block trained, the rest
+    frozen here, so both values occur) for the actor-reference KL to be exactly 0 by construction."""
+    from rlhf_engine.cli import parse_args
+    from rlhf_engine.engine import RLHFEngine, plan_engine
+
+    from _support import as_flags
+
+    cfg = parse_args(as_flags(dict(actor_model_name_or_path=tiny.actor, reward_model_name_or_path=tiny.reward,
+                                   data_path=tiny.prompts, output_dir=str(tmp_path), actor_trainable_layers=1,
+                                   max_prompt_seq_len=64, max_answer_seq_len=8)))
+    e = RLHFEngine(cfg, dist_single, plan_engine(cfg, 1))
+    actor = {n: p.requires_grad for n, p in e.actor.module.named_parameters()}
+    ref = {n: p.requires_grad for n, p in e.reference.module.named_parameters()}
+    assert ref == actor and any(actor.values()) and not all(actor.values())
+    assert not any(p.requires_grad for p in e.reward.module.parameters())  # not the actor's architecture: frozen
+
+
+def test_mirror_requires_grad_matches_by_name(tiny):
+    from rlhf_engine.engine.freezing import mirror_requires_grad
+
+    like = AutoModelForCausalLM.from_pretrained(tiny.actor)
+    freeze_below_top(like, 1)
+    model = AutoModelForCausalLM.from_pretrained(tiny.actor).requires_grad_(False)
+    assert mirror_requires_grad(model, like) == len(list(model.named_parameters()))
+    assert [p.requires_grad for p in model.parameters()] == [p.requires_grad for p in like.parameters()]
