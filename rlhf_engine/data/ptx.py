@@ -8,9 +8,9 @@ document is tokenized with the actor's tokenizer (its default special tokens) an
 text, blank, or shorter than 2 tokens are skipped (counted).
 
 Sampling: a `PromptSampler` over the documents (order from `seed` and the epoch, rank r takes slice r of each global
-batch of `per_device_training_batch_size x world_size` documents, the short last batch dropped) behind a
-`DataCursor`, registered as the checkpoint state provider "ptx_data": a resumed run continues with the same
-documents. The loss is the trainer's (trainer/ptx.py).
+mini-batch of `per_device_training_batch_size x gradient_accumulation_steps x world_size` documents, the short last
+one dropped) behind a `DataCursor`, registered as the checkpoint state provider "ptx_data": a resumed run continues
+with the same documents, on another world size too (the global mini-batch is what a resume keeps). The loss is the trainer's (trainer/ptx.py).
 """
 from __future__ import annotations
 
@@ -140,25 +140,36 @@ def collate_ptx(dataset: PtxDataset, indices: list[int], pad_token_id: int) -> P
     return PtxBatch(ids, mask, position_ids_from_mask(mask))
 
 
-def check_fits(dataset: PtxDataset, batch_size: int, world_size: int) -> None:
-    """A `ConfigError` unless the documents fill one global ptx micro-batch (checked when the run is planned)."""
-    if len(dataset) < batch_size * world_size:
+def check_fits(dataset: PtxDataset, mini_batch_size: int, world_size: int) -> None:
+    """A `ConfigError` unless the documents fill one global ptx mini-batch (checked when the run is planned)."""
+    if len(dataset) < mini_batch_size * world_size:
         raise ConfigError([Problem("unsupervised_dataset_name", dataset.source,
-                                   f"{len(dataset)} usable documents cannot fill one global ptx micro-batch of "
-                                   f"per_device_training_batch_size ({batch_size}) x {world_size} ranks; add "
-                                   "documents")], "invalid unsupervised (ptx) data")
+                                   f"{len(dataset)} usable documents cannot fill one global ptx mini-batch of "
+                                   f"{mini_batch_size} (per_device_training_batch_size x "
+                                   f"gradient_accumulation_steps) x {world_size} ranks; add documents")],
+                          "invalid unsupervised (ptx) data")
 
 
 class PtxData:
-    """The sharded, resumable stream of ptx micro-batches of one rank (module docstring)."""
+    """The sharded, resumable stream of ptx micro-batches of one rank (module docstring).
 
-    def __init__(self, dataset: PtxDataset, batch_size: int, rank: int, world_size: int, seed: int,
-                 pad_token_id: int):
+    The order is one of global mini-batches: `mini_batch_size x world_size` documents (the global PPO mini-batch,
+    which a resume on another world size keeps), rank r taking slice r and cutting it into micro-batches of
+    `micro_batch_size`. So every global mini-batch holds the same documents on any number of ranks, and a data
+    position saved by one world size continues on another with the same global order."""
+
+    def __init__(self, dataset: PtxDataset, micro_batch_size: int, accumulation_steps: int, rank: int,
+                 world_size: int, seed: int, pad_token_id: int):
         self.dataset, self.pad_token_id = dataset, pad_token_id
-        check_fits(dataset, batch_size, world_size)
-        self.sampler = PromptSampler(len(dataset), batch_size, rank, world_size, seed,
+        self.micro_batch_size = micro_batch_size
+        mini = micro_batch_size * accumulation_steps
+        check_fits(dataset, mini, world_size)
+        self.sampler = PromptSampler(len(dataset), mini, rank, world_size, seed,
                                      batch_field="per_device_training_batch_size")
         self.cursor = DataCursor(self.sampler)  # the "ptx_data" state provider
 
-    def next_batches(self, n: int, device: Any) -> list[PtxBatch]:
-        return [collate_ptx(self.dataset, next(self.cursor)[2], self.pad_token_id).to(device) for _ in range(n)]
+    def next_mini_batch(self, device: Any) -> list[PtxBatch]:
+        """This rank's share of the next global mini-batch, as gradient_accumulation_steps micro-batches."""
+        idx = next(self.cursor)[2]
+        n = self.micro_batch_size
+        return [collate_ptx(self.dataset, idx[i:i + n], self.pad_token_id).to(device) for i in range(0, len(idx), n)]

@@ -222,7 +222,7 @@ def plan_ppo(cfg: TrainConfig, prompt_data: Optional[PromptData] = None) -> RunP
     if cfg.unsupervised_dataset_name:  # ptx documents: read and checked before any weight too
         ptx = load_ptx_data(cfg.unsupervised_dataset_name, tok, g.max_prompt_seq_len + g.max_answer_seq_len,
                             cfg.unsup_text_column, verbose=dist.is_main, data_cache_dir=cfg.data.data_cache_dir)
-        check_fits(ptx, cfg.batch.per_device_training_batch_size, dist.world_size)
+        check_fits(ptx, cfg.batch.mini_batch_size, dist.world_size)
     run_dir = RunDir(cfg.output_dir)
     run_dir.check(resume=bool(cfg.resume), overwrite=cfg.overwrite_output_dir)
     # --resume: find the checkpoint, and refuse one of another run (naming every differing key), before any weight

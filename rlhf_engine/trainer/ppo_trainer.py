@@ -240,7 +240,7 @@ class PPOTrainer:
         for epoch in range(ppo.ppo_epochs):
             for m, mini in enumerate(exp.split(b.mini_batch_size)):
                 micros = mini.split(b.per_device_training_batch_size)
-                ptx_batches = ptx.next_batches(len(micros), engine.device) if ptx is not None else None
+                ptx_batches = ptx.next_mini_batch(engine.device) if ptx is not None else None
                 tokens, policy_tokens, policy_seqs, ptx_tokens = self._token_counts(mini, ptx_batches)
                 max_abs_log_ratio = torch.zeros((), dtype=torch.float64, device=engine.device)
                 for k, micro in enumerate(micros):

@@ -36,5 +36,6 @@ def build_ptx(cfg: Any, engine: Any, data: Optional[PtxDataset]) -> Optional[Ptx
     if data is None:
         return None
     dist = engine.dist
-    return PtxData(data, cfg.batch.per_device_training_batch_size, dist.rank, dist.world_size, cfg.seed,
-                   engine.pad_token_id)
+    b = cfg.batch
+    return PtxData(data, b.per_device_training_batch_size, b.gradient_accumulation_steps, dist.rank,
+                   dist.world_size, cfg.seed, engine.pad_token_id)

@@ -65,27 +65,58 @@ def test_table_text_column_and_problems(tok, tmp_path):
         load_ptx_data(_txt(tmp_path / "empty.txt", ["", " "]), tok, 64)
     with pytest.raises(ConfigError, match=r"unsupervised_dataset_name = .*missing.txt.*no such file"):
         load_ptx_data(str(tmp_path / "missing.txt"), tok, 64)
-    with pytest.raises(ConfigError, match="cannot fill one global ptx micro-batch"):
-        PtxData(load_ptx_data(str(path), tok, 64, text_column="body"), 4, 0, 2, seed=0, pad_token_id=0)
+    with pytest.raises(ConfigError, match=r"cannot fill one global ptx mini-batch of 4 \(per_device_training_batch_size"
+                                          r" x gradient_accumulation_steps\) x 2 ranks"):
+        PtxData(load_ptx_data(str(path), tok, 64, text_column="body"), 2, 2, 0, 2, seed=0, pad_token_id=0)
 
 
 def test_stream_is_sharded_deterministic_and_resumes(tok, tmp_path):
     data = load_ptx_data(_txt(tmp_path / "u.txt", [f"document number {i} of many" for i in range(10)]), tok, 64)
-    a = PtxData(data, 2, 0, 1, seed=5, pad_token_id=tok.pad_token_id)
-    first = [b.input_ids for b in a.next_batches(3, "cpu")]
+    a = PtxData(data, 2, 1, 0, 1, seed=5, pad_token_id=tok.pad_token_id)
+    first = [a.next_mini_batch("cpu")[0].input_ids for _ in range(3)]
     state = a.cursor.state_dict()
-    nxt = a.next_batches(2, "cpu")
-    b = PtxData(data, 2, 0, 1, seed=5, pad_token_id=tok.pad_token_id)
+    nxt = [a.next_mini_batch("cpu")[0] for _ in range(2)]
+    b = PtxData(data, 2, 1, 0, 1, seed=5, pad_token_id=tok.pad_token_id)
     b.cursor.load_state_dict(state)
     assert isinstance(b.cursor, DataCursor)
-    assert all(torch.equal(x.input_ids, y.input_ids) for x, y in zip(nxt, b.next_batches(2, "cpu")))
-    c = PtxData(data, 2, 0, 1, seed=5, pad_token_id=tok.pad_token_id)
-    assert all(torch.equal(x, y.input_ids) for x, y in zip(first, c.next_batches(3, "cpu")))
+    assert all(torch.equal(x.input_ids, b.next_mini_batch("cpu")[0].input_ids) for x in nxt)
+    c = PtxData(data, 2, 1, 0, 1, seed=5, pad_token_id=tok.pad_token_id)
+    assert all(torch.equal(x, c.next_mini_batch("cpu")[0].input_ids) for x in first)
     # right padding, position ids from the mask, trained tokens = real tokens but the first of each row
     batch = collate_ptx(data, [0, 1], pad_token_id=tok.pad_token_id)
     n0, n1 = len(data.input_ids[0]), len(data.input_ids[1])
     assert batch.attention_mask.sum(1).tolist() == [n0, n1] and int(batch.num_tokens) == n0 + n1 - 2
     assert batch.position_ids[0, :n0].tolist() == list(range(n0))
+
+
+def _documents(stream) -> list:
+    """The documents of a stream's next mini-batch, as id lists (padding dropped)."""
+    return [row[m.bool()].tolist() for b in stream.next_mini_batch("cpu") for row, m in
+            zip(b.input_ids, b.attention_mask)]
+
+
+def test_a_global_mini_batch_holds_the_same_documents_on_any_world_size_and_resumes_across_them(tok, tmp_path):
+    """Global mini-batch of 4 documents: 2 ranks x 2 x 1 accumulation, or 1 rank x 2 x 2 accumulation (what an
+    elastic resume turns one into). The mini-batches hold the same documents in the same order, and a position saved
+    by 2 ranks loads strictly on 1 (and back) and continues with the uninterrupted run's next mini-batch."""
+    data = load_ptx_data(_txt(tmp_path / "u.txt", [f"document number {i} of many" for i in range(10)]), tok, 64)
+    pad = tok.pad_token_id
+    assert [b.input_ids.shape[0] for b in PtxData(data, 2, 2, 0, 1, 5, pad).next_mini_batch("cpu")] == [2, 2]
+    one = PtxData(data, 2, 2, 0, 1, seed=5, pad_token_id=pad)
+    two = [PtxData(data, 2, 1, r, 2, seed=5, pad_token_id=pad) for r in range(2)]
+    for _ in range(5):  # two epochs of 2 mini-batches and one more: the epoch boundary too
+        assert _documents(one) == _documents(two[0]) + _documents(two[1])
+    state = two[0].cursor.state_dict()
+    resumed = PtxData(data, 2, 2, 0, 1, seed=5, pad_token_id=pad)
+    resumed.cursor.load_state_dict(state)  # strict: the global mini-batch is the same
+    back = [PtxData(data, 2, 1, r, 2, seed=5, pad_token_id=pad) for r in range(2)]
+    for b in back:
+        b.cursor.load_state_dict(one.cursor.state_dict())
+    assert _documents(resumed) == _documents(one) == _documents(back[0]) + _documents(back[1])
+    # negative control: another global mini-batch is another data order, refused without --resume_force
+    other = PtxData(data, 2, 1, 0, 1, seed=5, pad_token_id=pad)
+    with pytest.raises(ConfigError, match="cannot resume the data position"):
+        other.cursor.load_state_dict(state)
 
 
 def test_ptx_loss_is_a_token_mean_over_the_whole_mini_batch(tok, engine1, tmp_path):
@@ -124,7 +155,7 @@ def test_unsup_coef_zero_reproduces_the_run_without_ptx_exactly(tiny, dist_singl
     _, plain, p_plain = _run(tiny, tmp_path / "plain", 2)
     trainer, zero, p_zero = _run(tiny, tmp_path / "zero", 2, unsupervised_dataset_name=docs, unsup_coef=0.0)
     assert "ptx_data" in trainer.state_providers and trainer.state_providers["ptx_data"] is trainer.ptx.cursor
-    assert trainer.ptx.cursor.consumed == 2 * 2 * 2  # iterations x epochs x accumulation steps (one mini-batch each)
+    assert trainer.ptx.cursor.consumed == 2 * 2  # iterations x epochs, one mini-batch each (a draw per mini-batch)
     for a, b in zip(plain, zero):
         assert b["ptx/loss"] > 0 and b["ptx/tokens"] > 0  # the ptx forward ran and was logged
         strip = lambda r: {k: v for k, v in r.items() if not k.startswith(VOLATILE + ("ptx/",))}  # noqa: E731
@@ -152,7 +183,7 @@ def test_ptx_position_and_reward_normalizer_are_checkpointed_and_resume_exactly(
     a.step()
     a.checkpointer.after_iteration(a.iteration)  # iteration 1's checkpoint
     saved = {"ptx": a.ptx.cursor.state_dict(), "norm": a.shaper.normalizer.state_dict()}
-    assert saved["ptx"]["consumed"] == 4 and saved["norm"]["count"] == 4
+    assert saved["ptx"]["consumed"] == 2 and saved["norm"]["count"] == 4  # 2 epochs x 1 mini-batch drawn
     straight = a.step()
     a.metrics.close()
     ckpt = os.path.join(str(tmp_path / "a"), "checkpoints", "iter_000001")
