@@ -232,7 +232,7 @@ def run_main(argv: Optional[Sequence[str]], description: str, config_cls: type, 
     operation that timed out or lost its peer (another rank stalled or died), or a reward function that raised,
     prints its traceback and one `error:` line saying so, code 1; anything else propagates."""
     argv = sys.argv[1:] if argv is None else list(argv)
-    signals.install()  # SIGUSR1 / SIGTERM from now on: noted, answered at the next boundary (exit 75)
+    signals.install()  # 'auto' from now on (SIGUSR1; SIGTERM under SLURM): noted, answered at the next boundary
     try:
         return _run(argv, description, config_cls, run)
     finally:
@@ -243,6 +243,7 @@ def _run(argv: list, description: str, config_cls: type, run: Callable[[Any, lis
     cfg = None
     try:
         cfg = parse_args(argv, description=description, config_cls=config_cls)
+        signals.install(cfg.preempt_signals)  # the run's own set ('auto' was in place while parsing)
         run(cfg, argv)
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)

@@ -579,6 +579,23 @@ def _dist_timeout_field() -> Any:
                "DEEPSPEED_TIMEOUT environment variable, else 10 (PyTorch's default).")
 
 
+PREEMPT_SIGNALS = ("USR1", "USR2", "TERM")
+
+
+def _preempt_signals_field() -> Any:
+    return opt("auto", "Signals that ask the run to stop at the next boundary with a complete checkpoint (exit 75), "
+               "comma-separated from USR1, USR2, TERM. 'auto' = USR1, plus TERM inside a SLURM job. Outside SLURM "
+               "TERM keeps its default (the launchers tear a failed job's ranks down with it); add TERM for "
+               "torchrun elastic agents and Kubernetes, whose notice is a SIGTERM. The deepspeed launcher sends "
+               "SIGKILL 30 s after its SIGTERM: see docs/checkpoints.md, Preemption, for the time a save needs.")
+
+
+def _validate_preempt_signals(p: Problems, value: Any) -> None:
+    names = [n.strip().upper().removeprefix("SIG") for n in str(value).split(",")] if value != "auto" else []
+    if not isinstance(value, str) or not value.strip() or any(n not in PREEMPT_SIGNALS for n in names):
+        p.add("preempt_signals", value, f"must be 'auto' or a comma-separated list of {', '.join(PREEMPT_SIGNALS)}")
+
+
 @dataclass
 class TrainConfig:
     """Everything one PPO run needs."""
@@ -631,6 +648,7 @@ class TrainConfig:
                              "(ZeRO-3 consolidated, LoRA merged, tokenizer saved) to export_dir.")
     export_dir: str = opt("", "Where export_final writes <role>/ folders ('' = <output_dir>/final).")
     dist_timeout_minutes: Optional[float] = _dist_timeout_field()
+    preempt_signals: str = _preempt_signals_field()
 
     def __post_init__(self) -> None:
         for name, cls in (("actor", RoleConfig), ("critic", RoleConfig), ("reference", RoleConfig),
@@ -687,6 +705,7 @@ class TrainConfig:
         _validate_checkpointing(p, self)
         _choice(p, "", self, "dtype", DTYPES)
         _validate_dist_timeout(p, self.dist_timeout_minutes)
+        _validate_preempt_signals(p, self.preempt_signals)
         _positive(p, "", self, "max_steps")
         _positive(p, "", self, "eval_interval", allow_zero=True)
         self._validate_trainer_extensions(p)
@@ -885,6 +904,7 @@ class _SupervisedRun:
     resume: str = _resume_field("step")
     resume_force: bool = _resume_force_field()
     dist_timeout_minutes: Optional[float] = _dist_timeout_field()
+    preempt_signals: str = _preempt_signals_field()
 
     def __post_init__(self) -> None:
         # the one model: dtype auto unless told otherwise (no run-level dtype here), a fine-tuning learning rate
@@ -911,6 +931,7 @@ class _SupervisedRun:
             p.add("seed", self.seed, "must be an integer")
         _validate_checkpointing(p, self)
         _validate_dist_timeout(p, self.dist_timeout_minutes)
+        _validate_preempt_signals(p, self.preempt_signals)
 
     def validate(self):
         p = Problems()

@@ -80,7 +80,9 @@ class Boundary:
         """Rank 0: `PREEMPTED` beside the checkpoint's COMPLETE (when there is one) and in the run directory."""
         if not self.dist.is_main:
             return
+        since = signals.seconds_since()
         body = {"iteration": int(iteration), "checkpoint": checkpoint, "why": self.why(),
+                "seconds_since_signal": None if since is None else round(since, 3),
                 "time": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
         targets = [os.path.join(checkpoint, MARKER)] if checkpoint else []
         targets.append(os.path.join(self.output_dir, MARKER))
@@ -99,6 +101,9 @@ class Boundary:
         """Write the markers; the exception every rank raises to end the run with code 75."""
         self.write_markers(iteration, checkpoint)
         where = f"checkpoint {checkpoint} written" if checkpoint else "no checkpoint (nothing trained yet)"
+        since = signals.seconds_since()
+        if since is not None:  # the launcher's SIGKILL follows its SIGTERM after 30 s, SLURM's after GraceTime
+            where += f" {since:.1f} s after {self.received}"
         if self.dist.is_main:
             log.warning("preempted at iteration %d (%s): %s; exit %d, requeue and --resume auto to continue",
                         iteration, self.why(), where, EXIT_PREEMPTED)

@@ -4,10 +4,14 @@ COMPLETE, and exit 75 (the launcher passes it through); `--resume auto` then end
 ends. The signal is a real one, sent by the rank to itself at a chosen point (RLHF_ENGINE_TEST_SIGNAL, faults.py)."""
 import json
 import os
+import signal
+import subprocess
+import sys
+import time
 
 import pytest
 
-from _support import ROOT, launch, ppo_args
+from _support import ROOT, clean_env, launch, ppo_args
 
 ENTRY = os.path.join(ROOT, "launch", "train_ppo.py")
 VOLATILE = ("time/", "throughput/")
@@ -74,6 +78,33 @@ def test_resume_after_preemption_equals_the_uninterrupted_run(preempted):
         x = load_file(os.path.join(preempted["straight"], "final", role, "model.safetensors"))
         y = load_file(os.path.join(preempted["victim"], "final", role, "model.safetensors"))
         assert max(float((x[k].float() - y[k].float()).abs().max()) for k in x) <= ATOL, role
+
+
+@pytest.mark.distributed
+def test_torchrun_sigterm_with_the_opt_in_ends_with_a_complete_checkpoint(tiny, tmp_path):
+    """Kubernetes or a torchrun elastic agent: the notice is a real SIGTERM to the torchrun agent, which passes it on
+    to its workers and kills them 30 s later. With `--preempt_signals USR1,TERM` the ranks note it, agree at the
+    next boundary and write a complete checkpoint in time; the marker records how long that took."""
+    from rlhf_engine.engine.distributed import free_port
+
+    out = str(tmp_path / "run")
+    cmd = [os.path.join(os.path.dirname(sys.executable), "torchrun"), "--nproc_per_node", "2", "--master_port",
+           str(free_port()), ENTRY, *ppo_args(tiny, out, **{**RUN, "max_steps": 200, "export_final": "false"},
+                                              preempt_signals="USR1,TERM")]
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=clean_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True)
+    metrics = os.path.join(out, "metrics.jsonl")
+    deadline = time.monotonic() + 240
+    while not (os.path.exists(metrics) and open(metrics).read().count("\n") >= 1):  # iteration 0 is done
+        assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()[0][-4000:]
+        time.sleep(0.2)
+    proc.send_signal(signal.SIGTERM)
+    text = proc.communicate(timeout=120)[0]
+    marker = json.load(open(os.path.join(out, "PREEMPTED")))
+    assert "SIGTERM received" in marker["why"], text[-4000:]
+    assert os.path.exists(os.path.join(marker["checkpoint"], "COMPLETE"))
+    assert 0 < marker["seconds_since_signal"] < 30, marker  # before the agent's SIGKILL
+    assert marker["iteration"] < 200
 
 
 # ---- slow: torchrun, a signal during a save, the real sbatch script, two nodes ------------------------------------

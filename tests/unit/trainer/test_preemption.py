@@ -149,3 +149,32 @@ def test_sigterm_is_a_preemption_notice_only_inside_slurm(monkeypatch):
     finally:
         signals.uninstall()
     assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
+
+
+def test_preempt_signals_opts_in_to_sigterm_outside_slurm_and_reinstalling_restores_the_rest(monkeypatch):
+    """torchrun elastic agents and Kubernetes give notice with SIGTERM: `--preempt_signals USR1,TERM` notes it
+    outside SLURM too; installing another set gives a dropped signal its own handler back."""
+    monkeypatch.delenv("SLURM_JOB_ID", raising=False)
+    assert signals.handled("USR1,TERM") == signals.handled("sigusr1, SIGTERM") == (signal.SIGUSR1, signal.SIGTERM)
+    signals.reset()
+    signals.install("USR1,TERM")
+    try:
+        assert signals.installed() == (signal.SIGUSR1, signal.SIGTERM)
+        os.kill(os.getpid(), signal.SIGTERM)  # noted, not fatal
+        assert signals.received() == "SIGTERM" and 0 <= signals.seconds_since() < 5
+        signals.install("auto")  # back to SIGUSR1 only: SIGTERM kills again
+        assert signals.installed() == (signal.SIGUSR1,)
+        assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
+    finally:
+        signals.uninstall()
+        signals.reset()
+    assert signals.seconds_since() is None
+
+
+@pytest.mark.parametrize("value", ["KILL", "USR1,HUP", ""])
+def test_preempt_signals_outside_the_list_are_refused_naming_the_field(value):
+    from rlhf_engine.cli import parse_args
+    from rlhf_engine.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=r"preempt_signals = .*must be 'auto' or a comma-separated list of USR1, USR2"):
+        parse_args(["--actor_model_name_or_path", "/x", "--data_path", "/x.jsonl", "--preempt_signals", value])
