@@ -5,8 +5,10 @@ Use with a data column `answer` (any name works through a wrapper of your own):
     --reward_fn rlhf_engine.rewards.math_answer:exact_answer            # 1 right, 0 wrong or no answer
     --reward_fn rlhf_engine.rewards.math_answer:exact_answer_formatted  # + FORMAT_BONUS for a marked answer
 
-The final answer of a response is, in order of precedence, the last `\\boxed{...}`, the text after the last
-`####`, the text after the last "answer is" / "answer:", else the last number anywhere. Two answers match when both
+The final answer of a response is, in order of precedence, the last `\\boxed{...}`, the line after the last
+`####`, the line after the last "answer is" / "answer:" (a marked line's final number when it holds one: "the answer
+is 3 + 4 = 7" reads 7), else the last number anywhere. A ground truth in GSM8K form (a worked solution ending in
+`#### 72`) is reduced to its final answer first. Two answers match when both
 read as exact rational numbers and are equal (`1,000` = `1000` = `1000.0`, `0.5` = `1/2` = `\\frac{1}{2}`, `-3` =
 `−3`), else when their normalised texts are equal (case, spaces, `$`, a trailing period ignored). Exact arithmetic,
 no floats: 0.1 + 0.2 style answers compare exactly. `math-verify` (symbolic LaTeX equivalence) is not used: this
@@ -21,7 +23,8 @@ from typing import Any, Optional, Sequence
 FORMAT_BONUS = 0.1  # exact_answer_formatted: added when the answer is marked (boxed, ####, "answer is")
 
 _NUMBER = r"[-+−]?(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?(?:\s*/\s*\d+)?"
-_MARKED = (re.compile(r"####\s*(.+?)\s*$", re.S), re.compile(r"answer\s*(?:is|:|=)\s*(.+?)(?:\n|$)", re.I))
+# a marked answer: the rest of the line after the LAST `####`, else after the last "answer is" / "answer:"
+_MARKED = (re.compile(r"####[ \t]*([^\n]*)"), re.compile(r"answer\s*(?:is|:|=)[ \t]*([^\n]*)", re.I))
 
 
 def _last_boxed(text: str) -> Optional[str]:
@@ -43,11 +46,12 @@ def extract_answer(text: str) -> tuple[Optional[str], bool]:
     if boxed is not None:
         return boxed.strip(), True
     for pattern in _MARKED:
-        found = pattern.findall(text)
-        if found:
-            marked = found[-1].strip()
+        found = [f.strip() for f in pattern.findall(text)]
+        if found and found[-1]:
+            marked = found[-1]  # the last marked answer wins ("#### 5 ... Actually #### 7" reads 7)
             number = re.findall(_NUMBER, marked)
-            return (number[0] if number else marked), True
+            # its final number: "The answer is 3 + 4 = 7" reads 7
+            return (number[-1] if number else marked.rstrip(".")), True
     numbers = re.findall(_NUMBER, text)
     return (numbers[-1] if numbers else None), False
 
@@ -71,11 +75,23 @@ def _normalise(text: str) -> str:
     return re.sub(r"\s+", "", text.replace("$", "")).rstrip(".").lower()
 
 
+def reference_answer(truth: Any) -> Optional[str]:
+    """The final answer of a ground truth: a GSM8K-style solution (`... <<48/2=24>>24 ... #### 72`) reduces to the
+    text after its last `####` (72); anything else is taken as it is."""
+    if truth is None:
+        return None
+    truth = str(truth)
+    if "####" in truth:
+        return truth.rsplit("####", 1)[1].strip()
+    return truth
+
+
 def answers_match(predicted: Optional[str], truth: Any) -> bool:
-    """Whether a predicted answer equals the ground truth (numbers exactly, else normalised text)."""
+    """Whether a predicted answer equals the ground truth (`reference_answer`: numbers exactly, else normalised
+    text)."""
+    truth = reference_answer(truth)
     if predicted is None or truth is None:
         return False
-    truth = str(truth)
     a, b = parse_number(predicted), parse_number(truth)
     if a is not None and b is not None:
         return a == b

@@ -12,6 +12,13 @@ from rlhf_engine.rewards.math_answer import (FORMAT_BONUS, answers_match, exact_
     ("work...\n#### 1,000", "1,000", True),
     ("Answer: -3", "-3", True),
     ("I do not know", None, False),
+    # the last marked answer wins, and a marked line reads its final number
+    ("#### 5\nActually #### 7", "7", True),
+    ("The answer is 3 + 4 = 7", "7", True),
+    ("The answer is 5. Wait, no: the answer is 6.", "6", True),
+    ("answer: 2\nanswer: 3 apples", "3", True),
+    ("#### 72\n", "72", True),
+    ("The answer is x + y", "x + y", True),  # no number: the marked text (symbolic answers belong in \\boxed{})
 ])
 def test_extracts_the_final_answer(text, answer, marked):
     assert extract_answer(text) == (answer, marked)
@@ -41,3 +48,20 @@ def test_rewards():
     responses = ["7 + 5 = 12", "The answer is 12", "It is 13", "no number here"]
     assert exact_answer([""] * 4, responses, ["12"] * 4) == [1.0, 1.0, 0.0, 0.0]
     assert exact_answer_formatted([""] * 4, responses, [12] * 4) == [1.0, 1.0 + FORMAT_BONUS, 0.0, 0.0]
+
+
+GSM8K_TRUTH = ("Natalia sold 48/2 = <<48/2=24>>24 clips in May.\nNatalia sold 48+24 = <<48+24=72>>72 clips "
+               "altogether in April and May.\n#### 72")
+
+
+@pytest.mark.parametrize("response, truth, score", [
+    ("She sold 72 clips in all.", GSM8K_TRUTH, 1.0),  # a GSM8K solution reduces to its final answer, 72
+    ("#### 72", GSM8K_TRUTH, 1.0),
+    ("She sold 24 clips in May.", GSM8K_TRUTH, 0.0),
+    ("#### 5\nActually #### 7", "7", 1.0),
+    ("#### 5\nActually #### 7", "5", 0.0),
+    ("The answer is 3 + 4 = 7", "7", 1.0),
+    ("The answer is 3 + 4 = 7", "3", 0.0),
+])
+def test_the_found_bugs(response, truth, score):
+    assert exact_answer([""], [response], [truth]) == [score]
