@@ -10,10 +10,12 @@
 * Another world size (`load_engines(..., universal=True)`): a ZeRO-partitioned optimizer state (stages 1-3, and the
   bf16 optimizer of stage 0) is converted once by DeepSpeed's own `ds_to_universal` into
   `<checkpoint folder>/universal/<role>/` (rank 0; a `.done` file marks a finished conversion) and loaded as a
-  universal checkpoint, which re-partitions it for the new ranks. Stage 0 with an unpartitioned optimizer (fp32, or
+  universal checkpoint, which re-partitions it for the new ranks. The other ranks wait for the conversion outside
+  any collective (it may outlast the collective timeout); `convert_checkpoint` (launch/convert_checkpoint.py) does it
+  ahead of the resume, offline. Stage 0 with an unpartitioned optimizer (fp32, or
   the unfused fp16/bf16 optimizer with its fp32 master weights) keeps the whole state in one file and loads as it is.
 
-Every function is collective: call it on all ranks.
+Every function is collective (call it on all ranks), except the offline `partitioned_roles` and `convert_checkpoint`.
 """
 from __future__ import annotations
 
@@ -22,7 +24,7 @@ from typing import Any
 
 import torch
 
-from ..comm import barrier, rank
+from ..comm import barrier, broadcast_object, rank
 from ..config import TRAINED_ROLES
 
 WEIGHTS_ONLY = ("ema",)
@@ -52,29 +54,94 @@ def needs_universal(ds_engine: Any) -> bool:
     return ds_engine.zero_optimization_stage() > 0 or type(ds_engine.optimizer).__name__ == "BF16_Optimizer"
 
 
-def convert_to_universal(ckpt_dir: str, tag: str) -> str:
-    """`<ckpt_dir>/<tag>/` -> `<ckpt_dir>/universal/<tag>/` with DeepSpeed's ds_to_universal, once (rank 0, the
-    others wait); returns `<ckpt_dir>/universal`. Collective."""
+def partitioned_roles(ckpt_dir: str) -> list[str]:
+    """The role folders of a checkpoint whose optimizer state is partitioned over the ranks (ZeRO 1-3 or DeepSpeed's
+    BF16_Optimizer: `*zero_pp_rank_*_optim_states.pt` files), read from the files alone: what a resume on another
+    world size must convert."""
+    out = []
+    for name in sorted(os.listdir(ckpt_dir)):
+        folder = os.path.join(ckpt_dir, name)
+        if name != UNIVERSAL_DIR and os.path.isdir(folder) and any(
+                "zero_pp_rank_" in f and f.endswith("optim_states.pt") for f in os.listdir(folder)):
+            out.append(name)
+    return out
+
+
+def _convert(ckpt_dir: str, tag: str) -> None:
+    """`<ckpt_dir>/<tag>/` -> `<ckpt_dir>/universal/<tag>/` with DeepSpeed's ds_to_universal, unless done before;
+    `<tag>.done` marks a finished conversion (a cut one leaves only `<tag>.tmp`, redone next time). One process."""
     import argparse
     import shutil
 
     root = os.path.join(ckpt_dir, UNIVERSAL_DIR)
     out = os.path.join(root, tag)
-    if rank() == 0 and not os.path.exists(out + ".done"):
-        from deepspeed.checkpoint.ds_to_universal import main as ds_to_universal
+    if os.path.exists(out + ".done"):
+        return
+    from deepspeed.checkpoint.ds_to_universal import main as ds_to_universal
 
-        tmp = out + ".tmp"
-        shutil.rmtree(tmp, ignore_errors=True)
-        shutil.rmtree(out, ignore_errors=True)
-        os.makedirs(root, exist_ok=True)
-        # inject_missing_state: our checkpoints carry no Megatron-style universal_checkpoint_info
-        ds_to_universal(argparse.Namespace(input_folder=os.path.join(ckpt_dir, tag), output_folder=tmp,
-                                           num_extract_workers=1, num_merge_workers=1, keep_temp_folder=False,
-                                           strict=True, inject_missing_state=True))
-        os.replace(tmp, out)
-        open(out + ".done", "w").close()
+    tmp = out + ".tmp"
+    shutil.rmtree(tmp, ignore_errors=True)
+    shutil.rmtree(out, ignore_errors=True)
+    os.makedirs(root, exist_ok=True)
+    # inject_missing_state: our checkpoints carry no Megatron-style universal_checkpoint_info
+    ds_to_universal(argparse.Namespace(input_folder=os.path.join(ckpt_dir, tag), output_folder=tmp,
+                                       num_extract_workers=1, num_merge_workers=1, keep_temp_folder=False,
+                                       strict=True, inject_missing_state=True))
+    os.replace(tmp, out)
+    open(out + ".done", "w").close()
+
+
+def convert_checkpoint(ckpt_dir: str) -> list[str]:
+    """Convert every partitioned role of a checkpoint folder ahead of a resume on another world size (the offline
+    command `launch/convert_checkpoint.py`); returns the roles. A resume then finds them done and waits for
+    nothing."""
+    roles = partitioned_roles(ckpt_dir)
+    for role in roles:
+        _convert(ckpt_dir, role)
+    return roles
+
+
+def convert_to_universal(ckpt_dir: str, tag: str, poll_s: float = 0.5) -> str:
+    """`<ckpt_dir>/<tag>/` -> `<ckpt_dir>/universal/<tag>/` once, by rank 0; returns `<ckpt_dir>/universal`.
+    Collective.
+
+    A large ZeRO-3 checkpoint converts for longer than the collective timeout (`--dist_timeout_minutes`), so the
+    other ranks do not wait in a barrier: they poll a status file that rank 0 writes when it is done (or failed,
+    with the error, which they raise too). A fresh token per call (broadcast first) keeps a status file left by an
+    earlier attempt from answering this one. Every rank needs the checkpoint folder anyway (a shared filesystem)."""
+    import json
+    import time
+    import uuid
+
+    status = os.path.join(ckpt_dir, UNIVERSAL_DIR, tag + ".status")
+    token = broadcast_object(uuid.uuid4().hex)
+    if rank() == 0:
+        result = {"token": token, "ok": True, "error": ""}
+        try:
+            _convert(ckpt_dir, tag)
+        except Exception as e:  # noqa: BLE001  (reported to the waiting ranks, then raised here too)
+            result.update(ok=False, error=f"{type(e).__name__}: {e}")
+            raise
+        finally:
+            os.makedirs(os.path.dirname(status), exist_ok=True)
+            with open(status + ".tmp", "w") as f:
+                json.dump(result, f)
+            os.replace(status + ".tmp", status)
+    else:
+        while True:  # outside any collective: no timeout applies while rank 0 converts
+            try:
+                with open(status) as f:
+                    result = json.load(f)
+            except (OSError, ValueError):
+                result = {}
+            if result.get("token") == token:
+                break
+            time.sleep(poll_s)
+        if not result["ok"]:
+            raise RuntimeError(f"rank 0 could not convert {os.path.join(ckpt_dir, tag)} to a universal checkpoint: "
+                               f"{result['error']}")
     barrier()
-    return root
+    return os.path.join(ckpt_dir, UNIVERSAL_DIR)
 
 
 def load_trained(ds_engine: Any, ckpt_dir: str, tag: str, universal: bool = False) -> None:

@@ -1,15 +1,20 @@
 """Resume on another world size with the same global batch (CPU, gloo, the deepspeed launcher): a checkpoint of 2
-ranks resumes on 1 (and 1 on 2, slow), ZeRO's partitioned optimizer state going through DeepSpeed's universal
-checkpoints. Right after the load, every trained role's gathered fp32 weights and Adam moments equal the saved ones
-exactly (a conversion that resumes as if untrained would fail here), and training continues."""
+ranks resumes on 1 and 1 on 2 with PPO-ptx on (the default suite; other stages and dtypes slow), ZeRO's partitioned
+optimizer state going through DeepSpeed's universal checkpoints: converted ahead by launch/convert_checkpoint.py in
+one test, by rank 0 during the resume, slower than the collective timeout, in the other. Right after the load,
+every trained role's gathered fp32 weights and Adam moments equal the saved ones exactly (a conversion that resumes
+as if untrained would fail here), the ptx data position is the saved one, and training continues."""
 import os
+import subprocess
+import sys
 
 import pytest
 import torch
 
-from _support import SCRIPTS, check, launch, ppo_args
+from _support import ROOT, SCRIPTS, check, clean_env, launch, ppo_args
 
 HARNESS = os.path.join(SCRIPTS, "elastic_checks.py")
+CONVERT = os.path.join(ROOT, "launch", "convert_checkpoint.py")
 # 8 prompts per generation step and a PPO mini-batch of 4 over all ranks, whatever the world size
 PER_WORLD = {2: dict(per_device_generation_batch_size=4, per_device_training_batch_size=2,
                      gradient_accumulation_steps=1),
@@ -19,14 +24,30 @@ RUN = dict(ppo_epochs=1, seed=13, actor_learning_rate=1e-3, critic_learning_rate
            keep_last=0)
 
 
-def _elastic(tiny, tmp_path, first: int, second: int, stage: int, dtype: str = "fp32"):
+def _ptx_docs(tmp_path) -> dict:
+    """PPO-ptx on: its data position (the cursor of global mini-batches, data/ptx.py) must resume across world
+    sizes, strictly."""
+    path = tmp_path / "unsup.txt"
+    path.write_text("".join(f"unsupervised document {i} with a few more words\n" for i in range(24)))
+    return dict(unsupervised_dataset_name=str(path), unsup_coef=0.5)
+
+
+def _elastic(tiny, tmp_path, first: int, second: int, stage: int, dtype: str = "fp32", ptx: bool = False,
+             resume_flags: tuple = (), resume_args: dict | None = None, offline: bool = False):
     out = str(tmp_path / "run")
-    zero = dict(actor_zero_stage=stage, critic_zero_stage=stage, dtype=dtype)
+    zero = dict(actor_zero_stage=stage, critic_zero_stage=stage, dtype=dtype, **(_ptx_docs(tmp_path) if ptx else {}))
     saved, loaded = str(tmp_path / "saved.pt"), str(tmp_path / "loaded.pt")
     check(launch(HARNESS, ["--out", saved, "--after", "--", *ppo_args(tiny, out, max_steps=2, **zero, **RUN,
                                                                       **PER_WORLD[first])], nproc=first))
-    proc = check(launch(HARNESS, ["--out", loaded, "--", *ppo_args(tiny, out, max_steps=3, resume="auto", **zero,
-                                                                    **RUN, **PER_WORLD[second])], nproc=second))
+    done = os.path.join(out, "checkpoints", "iter_000002", "universal", "actor.done")
+    if offline:  # converted ahead of the resume by the offline command: the resume converts nothing again
+        conv = subprocess.run([sys.executable, CONVERT, out], env=clean_env(), capture_output=True, text=True,
+                              timeout=300)
+        assert conv.returncode == 0 and "actor, critic converted" in conv.stdout, conv.stdout + conv.stderr
+        converted_at = os.stat(done).st_mtime_ns
+    proc = check(launch(HARNESS, ["--out", loaded, *resume_flags, "--",
+                                  *ppo_args(tiny, out, max_steps=3, resume="auto", **zero, **RUN, **PER_WORLD[second],
+                                            **(resume_args or {}))], nproc=second))
     a, b = torch.load(saved, weights_only=True), torch.load(loaded, weights_only=True)
     assert (a["world_size"], b["world_size"], b["iteration"]) == (first, second, 3)
     for role, parts in a["state"].items():
@@ -37,18 +58,34 @@ def _elastic(tiny, tmp_path, first: int, second: int, stage: int, dtype: str = "
                 assert torch.equal(t, got[name]), (role, kind, name, float((t - got[name]).abs().max()))
         assert any(float(t.abs().max()) > 0 for t in parts["exp_avg"].values())  # moments worth carrying
     assert f"written by {first} ranks, on {second}" in proc.stdout + proc.stderr
+    if offline:
+        assert os.stat(done).st_mtime_ns == converted_at
+    if ptx:  # the data position continues where the other world size stopped, in the same global order
+        assert a["ptx"] == b["ptx"] and a["ptx"]["consumed"] > 0, (a["ptx"], b["ptx"])
     return out
 
 
 @pytest.mark.distributed
-def test_two_ranks_resume_on_one_at_zero2(tiny, tmp_path):
-    out = _elastic(tiny, tmp_path, 2, 1, stage=2)
+def test_two_ranks_resume_on_one_at_zero2_with_ptx(tiny, tmp_path):
+    out = _elastic(tiny, tmp_path, 2, 1, stage=2, ptx=True, offline=True)
     assert os.path.isfile(os.path.join(out, "checkpoints", "iter_000002", "universal", "actor.done"))
     assert os.path.isfile(os.path.join(out, "checkpoints", "iter_000003", "COMPLETE"))
 
 
+SLOW_CONVERSION_S = 30  # rank 0 converts for longer than the collective timeout below allows anybody to wait
+
+
+@pytest.mark.distributed
+def test_one_rank_resumes_on_two_at_zero2_with_ptx_and_a_conversion_longer_than_the_timeout(tiny, tmp_path):
+    """Rank 0 converts the 1-rank checkpoint for the 2 new ranks, made slower (30 s) than --dist_timeout_minutes
+    (0.25 = 15 s): rank 1 waits outside any collective (in a barrier it would time out and the launch fail)."""
+    out = _elastic(tiny, tmp_path, 1, 2, stage=2, ptx=True, resume_flags=("--slow_conversion", str(SLOW_CONVERSION_S)),
+                   resume_args=dict(dist_timeout_minutes=0.25))
+    assert os.path.isfile(os.path.join(out, "checkpoints", "iter_000003", "COMPLETE"))
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("first, second, stage, dtype", [(1, 2, 2, "fp32"), (2, 1, 0, "fp32"), (1, 2, 0, "fp32"),
+@pytest.mark.parametrize("first, second, stage, dtype", [(2, 1, 0, "fp32"), (1, 2, 0, "fp32"),
                                                          (2, 1, 3, "fp32"), (1, 2, 3, "fp32"), (2, 1, 0, "bf16")])
 def test_other_world_sizes_and_stages(tiny, tmp_path, first, second, stage, dtype):
     _elastic(tiny, tmp_path, first, second, stage, dtype)

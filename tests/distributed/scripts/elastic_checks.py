@@ -49,24 +49,45 @@ def full_state(trainer) -> dict:
     return out
 
 
+def slow_down_conversion(seconds: float) -> None:
+    import time
+
+    import deepspeed.checkpoint.ds_to_universal as module
+
+    real = module.main
+
+    def slow(*a, **kw):
+        print(f"[elastic_checks] conversion sleeps {seconds:g}s first", file=sys.stderr, flush=True)
+        time.sleep(seconds)
+        return real(*a, **kw)
+
+    module.main = slow
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", required=True)
     ap.add_argument("--after", action="store_true")
     ap.add_argument("--local_rank", type=int, default=None)  # the deepspeed launcher passes it
+    ap.add_argument("--slow_conversion", type=float, default=0.0,
+                    help="seconds rank 0's universal-checkpoint conversion sleeps first (longer than the collective "
+                         "timeout: the other ranks must wait outside any collective)")
     args, rest = ap.parse_known_args()
     rest = [a for a in rest if a != "--"]
+    if args.slow_conversion:
+        slow_down_conversion(args.slow_conversion)
     from rlhf_engine.cli import parse_args
     from rlhf_engine.trainer import build_trainer
 
     trainer = build_trainer(parse_args(rest), rest)
+    ptx = trainer.ptx.cursor if trainer.ptx is not None else None
     if not args.after:
-        state = full_state(trainer)
+        state, ptx_state = full_state(trainer), ptx and ptx.state_dict()
     trainer.train()
     if args.after:
-        state = full_state(trainer)
+        state, ptx_state = full_state(trainer), ptx and ptx.state_dict()
     if trainer.engine.dist.is_main:
-        torch.save({"state": state, "iteration": trainer.iteration,
+        torch.save({"state": state, "iteration": trainer.iteration, "ptx": ptx_state,
                     "world_size": trainer.engine.dist.world_size}, args.out)
     from rlhf_engine.cli import exit_process
 
