@@ -5,8 +5,8 @@
 
 Every role whose optimizer state is partitioned over the ranks (ZeRO 1-3) is converted by DeepSpeed's
 `ds_to_universal` into <checkpoint>/universal/<role>/, the folder a resume on another world size loads. A resume
-also converts on its own (rank 0, the other ranks waiting outside any collective); converting first takes that time
-off the job's allocation and off the start-up of every rank. Exit code 2 on a folder that is not a complete
+also converts on its own (rank 0, the other ranks waiting on a group with a long timeout); converting first takes
+that time off the job's allocation and off the start-up of every rank. Exit code 2 on a folder that is not a complete
 checkpoint.
 """
 import argparse

@@ -85,12 +85,12 @@ def barrier(group: Any = None) -> None:
         torch.distributed.barrier(group=group)
 
 
-def broadcast_object(obj: Any, src: int = 0) -> Any:
+def broadcast_object(obj: Any, src: int = 0, group: Any = None) -> Any:
     """`obj` of rank `src` on every rank (one decision, whatever each rank's own view)."""
     if world_size() <= 1:
         return obj
     box = [obj]
-    torch.distributed.broadcast_object_list(box, src=src)
+    torch.distributed.broadcast_object_list(box, src=src, group=group)
     return box[0]
 
 

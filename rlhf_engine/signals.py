@@ -5,7 +5,8 @@ SLURM, 'auto' leaves SIGTERM its default: launchers (deepspeed, torchrun) send i
 down, and a rank stuck in a collective must die of it at once; torchrun elastic agents and Kubernetes users opt in
 with `--preempt_signals USR1,TERM`. `install()` runs at the start of every launch script (cli.run_main) with 'auto'
 and again with the run's setting once it is parsed; the trainers read `received()` at their boundaries
-(trainer/preemption.py) and `seconds_since()` to log how long a preemption checkpoint took.
+(trainer/preemption.py) and `received_at()` (wall clock, comparable across ranks) to log how long a preemption
+checkpoint took.
 """
 from __future__ import annotations
 
@@ -15,13 +16,13 @@ import threading
 import time
 from typing import Any, Optional
 
-_state: dict = {"received": None, "at": None, "previous": {}}
+_state: dict = {"received": None, "at": None, "wall": None, "previous": {}}
 
 
 def _note(signum: int, frame: Any) -> None:
     if _state["received"] is None:
         _state["received"] = signal.Signals(signum).name
-        _state["at"] = time.monotonic()
+        _state["at"], _state["wall"] = time.monotonic(), time.time()
 
 
 def handled(spec: str = "auto") -> tuple:
@@ -63,11 +64,11 @@ def received() -> Optional[str]:
     return _state["received"]
 
 
-def seconds_since() -> Optional[float]:
-    """Seconds since that signal arrived (None before one)."""
-    return None if _state["at"] is None else time.monotonic() - _state["at"]
+def received_at() -> Optional[float]:
+    """Wall-clock time (time.time()) of that signal, None before one: comparable across the ranks of a job."""
+    return _state["wall"]
 
 
 def reset() -> None:
     """Forget a noted signal (tests that run several trainers in one process)."""
-    _state["received"] = _state["at"] = None
+    _state["received"] = _state["at"] = _state["wall"] = None

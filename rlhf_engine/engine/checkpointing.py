@@ -10,8 +10,8 @@
 * Another world size (`load_engines(..., universal=True)`): a ZeRO-partitioned optimizer state (stages 1-3, and the
   bf16 optimizer of stage 0) is converted once by DeepSpeed's own `ds_to_universal` into
   `<checkpoint folder>/universal/<role>/` (rank 0; a `.done` file marks a finished conversion) and loaded as a
-  universal checkpoint, which re-partitions it for the new ranks. The other ranks wait for the conversion outside
-  any collective (it may outlast the collective timeout); `convert_checkpoint` (launch/convert_checkpoint.py) does it
+  universal checkpoint, which re-partitions it for the new ranks. The other ranks wait for the conversion on a gloo
+  group of its own, with a timeout of hours (it may outlast the collective timeout); `convert_checkpoint` (launch/convert_checkpoint.py) does it
   ahead of the resume, offline. Stage 0 with an unpartitioned optimizer (fp32, or
   the unfused fp16/bf16 optimizer with its fp32 master weights) keeps the whole state in one file and loads as it is.
 
@@ -19,12 +19,13 @@ Every function is collective (call it on all ranks), except the offline `partiti
 """
 from __future__ import annotations
 
+import datetime
 import os
-from typing import Any
+from typing import Any, Optional
 
 import torch
 
-from ..comm import barrier, broadcast_object, rank
+from ..comm import barrier, broadcast_object, destroy_group, new_cpu_group, rank
 from ..config import TRAINED_ROLES
 
 WEIGHTS_ONLY = ("ema",)
@@ -101,46 +102,33 @@ def convert_checkpoint(ckpt_dir: str) -> list[str]:
     return roles
 
 
-def convert_to_universal(ckpt_dir: str, tag: str, poll_s: float = 0.5) -> str:
+CONVERSION_WAIT = datetime.timedelta(hours=12)  # the conversion group's timeout: a dead rank 0 ends the wait sooner
+
+
+def convert_to_universal(ckpt_dir: str, tag: str) -> str:
     """`<ckpt_dir>/<tag>/` -> `<ckpt_dir>/universal/<tag>/` once, by rank 0; returns `<ckpt_dir>/universal`.
     Collective.
 
     A large ZeRO-3 checkpoint converts for longer than the collective timeout (`--dist_timeout_minutes`), so the
-    other ranks do not wait in a barrier: they poll a status file that rank 0 writes when it is done (or failed,
-    with the error, which they raise too). A fresh token per call (broadcast first) keeps a status file left by an
-    earlier attempt from answering this one. Every rank needs the checkpoint folder anyway (a shared filesystem)."""
-    import json
-    import time
-    import uuid
-
-    status = os.path.join(ckpt_dir, UNIVERSAL_DIR, tag + ".status")
-    token = broadcast_object(uuid.uuid4().hex)
-    if rank() == 0:
-        result = {"token": token, "ok": True, "error": ""}
-        try:
-            _convert(ckpt_dir, tag)
-        except Exception as e:  # noqa: BLE001  (reported to the waiting ranks, then raised here too)
-            result.update(ok=False, error=f"{type(e).__name__}: {e}")
-            raise
-        finally:
-            os.makedirs(os.path.dirname(status), exist_ok=True)
-            with open(status + ".tmp", "w") as f:
-                json.dump(result, f)
-            os.replace(status + ".tmp", status)
-    else:
-        while True:  # outside any collective: no timeout applies while rank 0 converts
+    other ranks do not wait on the default group: they wait for rank 0's outcome (None, or its error, which they
+    raise too) on a gloo group of their own whose timeout is CONVERSION_WAIT. A rank 0 that dies closes its
+    connections and ends the wait at once."""
+    group = new_cpu_group(CONVERSION_WAIT)
+    try:
+        failure: Optional[BaseException] = None
+        if rank() == 0:
             try:
-                with open(status) as f:
-                    result = json.load(f)
-            except (OSError, ValueError):
-                result = {}
-            if result.get("token") == token:
-                break
-            time.sleep(poll_s)
-        if not result["ok"]:
-            raise RuntimeError(f"rank 0 could not convert {os.path.join(ckpt_dir, tag)} to a universal checkpoint: "
-                               f"{result['error']}")
-    barrier()
+                _convert(ckpt_dir, tag)
+            except BaseException as e:  # noqa: BLE001  (reported to the waiting ranks first, then raised)
+                failure = e
+        error = broadcast_object(None if failure is None else f"{type(failure).__name__}: {failure}", group=group)
+    finally:
+        destroy_group(group)
+    if failure is not None:
+        raise failure
+    if error is not None:
+        raise RuntimeError(f"rank 0 could not convert {os.path.join(ckpt_dir, tag)} to a universal checkpoint: "
+                           f"{error}")
     return os.path.join(ckpt_dir, UNIVERSAL_DIR)
 
 

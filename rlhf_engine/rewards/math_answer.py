@@ -6,8 +6,9 @@ Use with a data column `answer` (any name works through a wrapper of your own):
     --reward_fn rlhf_engine.rewards.math_answer:exact_answer_formatted  # + FORMAT_BONUS for a marked answer
 
 The final answer of a response is, in order of precedence, the last `\\boxed{...}`, the line after the last
-`####`, the line after the last "answer is" / "answer:" (a marked line's final number when it holds one: "the answer
-is 3 + 4 = 7" reads 7), else the last number anywhere. A ground truth in GSM8K form (a worked solution ending in
+`####`, the line after the last "answer is" / "answer:" (from such a line, what follows its last `=`, and of that
+the first number when it holds one: "the answer is 3 + 4 = 7" reads 7, "the answer is 12, since 3 x 4" reads 12),
+else the last number anywhere. A ground truth in GSM8K form (a worked solution ending in
 `#### 72`) is reduced to its final answer first. Two answers match when both
 read as exact rational numbers and are equal (`1,000` = `1000` = `1000.0`, `0.5` = `1/2` = `\\frac{1}{2}`, `-3` =
 `−3`), else when their normalised texts are equal (case, spaces, `$`, a trailing period ignored). Exact arithmetic,
@@ -24,7 +25,7 @@ FORMAT_BONUS = 0.1  # exact_answer_formatted: added when the answer is marked (b
 
 _NUMBER = r"[-+−]?(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?(?:\s*/\s*\d+)?"
 # a marked answer: the rest of the line after the LAST `####`, else after the last "answer is" / "answer:"
-_MARKED = (re.compile(r"####[ \t]*([^\n]*)"), re.compile(r"answer\s*(?:is|:|=)[ \t]*([^\n]*)", re.I))
+_MARKS = (re.compile(r"####\s*"), re.compile(r"answer\s*(?:is|:|=)[ \t]*", re.I))
 
 
 def _last_boxed(text: str) -> Optional[str]:
@@ -45,13 +46,14 @@ def extract_answer(text: str) -> tuple[Optional[str], bool]:
     boxed = _last_boxed(text)
     if boxed is not None:
         return boxed.strip(), True
-    for pattern in _MARKED:
-        found = [f.strip() for f in pattern.findall(text)]
-        if found and found[-1]:
-            marked = found[-1]  # the last marked answer wins ("#### 5 ... Actually #### 7" reads 7)
-            number = re.findall(_NUMBER, marked)
-            # its final number: "The answer is 3 + 4 = 7" reads 7
-            return (number[-1] if number else marked.rstrip(".")), True
+    for mark in _MARKS:
+        hits = list(mark.finditer(text))
+        marked = text[hits[-1].end():].split("\n", 1)[0].strip() if hits else ""
+        if marked:  # the last marked answer wins ("#### 5 ... Actually #### 7" reads 7)
+            result = marked.rsplit("=", 1)[-1].strip()  # "The answer is 3 + 4 = 7": what follows the last =
+            number = re.findall(_NUMBER, result)
+            # its first number ("the answer is 12, since 3 x 4" reads 12)
+            return (number[0] if number else result.rstrip(".")), True
     numbers = re.findall(_NUMBER, text)
     return (numbers[-1] if numbers else None), False
 

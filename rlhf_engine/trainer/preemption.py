@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 import time
 from typing import Any, Callable, Optional
@@ -49,6 +50,7 @@ class Boundary:
         self.interval_s = float(save_interval_minutes or 0) * 60.0
         self.clock = clock
         self.last_save = clock()
+        self.notice_at: Optional[float] = None  # wall time of the earliest stop request on any rank (after a poll)
 
     @property
     def received(self) -> Optional[str]:
@@ -59,16 +61,32 @@ class Boundary:
         self.last_save = self.clock()
 
     def _requested_here(self) -> bool:
+        return self._notice_here() is not None
+
+    def _notice_here(self) -> Optional[float]:
+        """Wall-clock time of this rank's stop request (its signal, or the request file's mtime), None without."""
         if self.received is not None:
-            return True
-        return self.dist.is_main and os.path.exists(os.path.join(self.output_dir, REQUEST_FILE))
+            return signals.received_at()
+        request = os.path.join(self.output_dir, REQUEST_FILE)
+        if self.dist.is_main and os.path.exists(request):
+            return os.path.getmtime(request)
+        return None
 
     def poll(self) -> tuple[bool, bool]:
-        """(stop, save_due), the same on every rank: one all-reduce (max) of two flags. Collective."""
+        """(stop, save_due), the same on every rank: one all-reduce (max) of two flags and of minus the earliest
+        notice time (kept for `seconds_since_notice`, whichever rank was asked). Collective."""
         due = bool(self.interval_s) and self.clock() - self.last_save >= self.interval_s
-        flags = torch.tensor([float(self._requested_here()), float(due)], dtype=torch.float64)
-        stop, due = all_reduce(flags, "max").tolist()
+        at = self._notice_here()
+        flags = torch.tensor([float(at is not None), float(due), -at if at is not None else -math.inf],
+                             dtype=torch.float64)
+        stop, due, minus_first = all_reduce(flags, "max").tolist()
+        if stop:
+            self.notice_at = -minus_first
         return bool(stop), bool(due)
+
+    def seconds_since_notice(self) -> Optional[float]:
+        """Seconds from the earliest stop request on any rank (signal or request file) to now; None before one."""
+        return None if self.notice_at is None else time.time() - self.notice_at
 
     def why(self) -> str:
         if self.received:
@@ -80,7 +98,7 @@ class Boundary:
         """Rank 0: `PREEMPTED` beside the checkpoint's COMPLETE (when there is one) and in the run directory."""
         if not self.dist.is_main:
             return
-        since = signals.seconds_since()
+        since = self.seconds_since_notice()
         body = {"iteration": int(iteration), "checkpoint": checkpoint, "why": self.why(),
                 "seconds_since_signal": None if since is None else round(since, 3),
                 "time": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
@@ -101,9 +119,9 @@ class Boundary:
         """Write the markers; the exception every rank raises to end the run with code 75."""
         self.write_markers(iteration, checkpoint)
         where = f"checkpoint {checkpoint} written" if checkpoint else "no checkpoint (nothing trained yet)"
-        since = signals.seconds_since()
+        since = self.seconds_since_notice()
         if since is not None:  # the launcher's SIGKILL follows its SIGTERM after 30 s, SLURM's after GraceTime
-            where += f" {since:.1f} s after {self.received}"
+            where += f" {since:.1f} s after the notice"
         if self.dist.is_main:
             log.warning("preempted at iteration %d (%s): %s; exit %d, requeue and --resume auto to continue",
                         iteration, self.why(), where, EXIT_PREEMPTED)

@@ -81,7 +81,8 @@ SLOW_CONVERSION_S = 60
 @pytest.mark.distributed
 def test_one_rank_resumes_on_two_at_zero2_with_ptx_and_a_conversion_longer_than_the_timeout(tiny, tmp_path):
     """Rank 0 converts the 1-rank checkpoint for the 2 new ranks, made slower (60 s) than --dist_timeout_minutes
-    (0.5 = 30 s): rank 1 waits outside any collective (in a barrier it would time out and the launch fail)."""
+    (0.5 = 30 s): rank 1 waits on the conversion's own gloo group (in a barrier of the default group it would time
+    out and the launch fail)."""
     out = _elastic(tiny, tmp_path, 1, 2, stage=2, ptx=True, resume_flags=("--slow_conversion", str(SLOW_CONVERSION_S)),
                    resume_args=dict(dist_timeout_minutes=0.5))
     assert os.path.isfile(os.path.join(out, "checkpoints", "iter_000003", "COMPLETE"))

@@ -71,7 +71,7 @@ def main() -> None:
     ap.add_argument("--local_rank", type=int, default=None)  # the deepspeed launcher passes it
     ap.add_argument("--slow_conversion", type=float, default=0.0,
                     help="seconds rank 0's universal-checkpoint conversion sleeps first (longer than the collective "
-                         "timeout: the other ranks must wait outside any collective)")
+                         "timeout: the other ranks must not wait on the default group)")
     args, rest = ap.parse_known_args()
     rest = [a for a in rest if a != "--"]
     if args.slow_conversion:

@@ -285,8 +285,9 @@ def run_placement(name: str, args, plan: dict, dist, results: dict, start_folder
         if rank == 0:
             trainable = [n for n, p in e.engines[role].module.named_parameters() if p.requires_grad]
             frozen_all = all(not p.requires_grad for p in e.engines[role].module.parameters())
+            flags = [p.requires_grad for _, p in e.engines[role].module.named_parameters()]
             after[role] = {"n_params": len(trainable) if role in ("actor", "critic") else None,
-                           "frozen": frozen_all,
+                           "frozen": frozen_all, "flags": flags,
                            "unchanged": sorted(n for n in trainable if torch.equal(sd[n], start[role][n])),
                            "changed_buffers_or_params": sorted(k for k in start[role]
                                                                if not torch.equal(sd[k], start[role][k])),

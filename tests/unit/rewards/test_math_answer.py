@@ -18,6 +18,9 @@ from rlhf_engine.rewards.math_answer import (FORMAT_BONUS, answers_match, exact_
     ("The answer is 5. Wait, no: the answer is 6.", "6", True),
     ("answer: 2\nanswer: 3 apples", "3", True),
     ("#### 72\n", "72", True),
+    ("####\n72", "72", True),
+    ("The answer is 12, since 3 x 4 = 12 and 4 more", "12", True),
+    ("The answer is 12, because of 3 and 4", "12", True),
     ("The answer is x + y", "x + y", True),  # no number: the marked text (symbolic answers belong in \\boxed{})
 ])
 def test_extracts_the_final_answer(text, answer, marked):
