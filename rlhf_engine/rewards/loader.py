@@ -96,6 +96,8 @@ def call_reward_fn(fn: RewardFn, prompts: Sequence[str], responses: Sequence[str
     columns = {k: list(v) for k, v in (columns or {}).items()}
     try:
         out = fn(list(prompts), list(responses), **columns)
+    except RewardFunctionError:  # a reward server or the worker pool: it names itself and the fix already
+        raise
     except Exception as e:  # noqa: BLE001
         called = "fn(prompts, responses" + "".join(f", {c}=[...]" for c in columns) + ")"
         raise RewardFunctionError(f"reward function {name} raised {type(e).__name__}: {e} (on a batch of "

@@ -112,3 +112,21 @@ def exact_answer_formatted(prompts: Sequence[str], responses: Sequence[str], ans
         predicted, marked = extract_answer(r)
         out.append(float(answers_match(predicted, a)) + (FORMAT_BONUS if marked else 0.0))
     return out
+
+
+def verified_answer(prompts: Sequence[str], responses: Sequence[str], answer: Sequence[Any]) -> list[float]:
+    """1.0 when Hugging Face's `math-verify` finds the response's answer equivalent to the row's `answer` (symbolic:
+    `\\\\sqrt{2}/2` = `\\\\frac{\\\\sqrt{2}}{2}`, `x+1` = `1+x`, sets, percentages), else 0.0. The ground truth is
+    reduced like `exact_answer`'s (`reference_answer`) and read as LaTeX. Needs the extra: `pip install .[math]`.
+    docs/rewards.md lists where it and `exact_answer` disagree."""
+    try:
+        from math_verify import parse, verify
+    except ImportError as e:
+        raise ImportError("verified_answer needs math-verify: pip install '.[math]' (or pip install math-verify); "
+                          "exact_answer needs nothing") from e
+    out = []
+    for response, truth in zip(responses, answer):
+        truth = reference_answer(truth)
+        gold = (parse(f"${truth}$") or parse(truth)) if truth else []
+        out.append(float(bool(gold) and bool(verify(gold, parse(response)))))
+    return out
