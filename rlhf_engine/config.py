@@ -622,6 +622,20 @@ class TrainConfig:
     eval_data_path: str = opt("", "Held-out prompts for evaluation (.jsonl etc.); '' = the eval_split of data_path.")
     reward_fn: str = opt("", "'module:function' scoring (prompts, responses) as text, one float each; replaces the "
                          "reward model (no reward engine is built) and the critic then starts from the actor.")
+    reward_url: str = opt("", "A reward server instead of a reward model or function: each rank POSTs its batch as "
+                          "JSON {prompts, responses, columns} and reads {scores} back (docs/rewards.md; reference "
+                          "server: python -m rlhf_engine.rewards.serve). No reward engine is built.")
+    reward_timeout_s: float = opt(60.0, "Seconds one reward_url request, or one reward_workers call, may take: a "
+                                  "request is then retried, a worker call fails (reward_on_error).")
+    reward_retries: int = opt(3, "reward_url: further attempts after a connection error, a timeout or a 5xx answer "
+                              "(exponential backoff from 0.5 s); then the run stops naming the URL and the last "
+                              "status.")
+    reward_workers: int = opt(0, "Run reward_fn in N worker processes, one call per response, each limited to "
+                              "reward_timeout_s (0 = in the trainer's process, one call per batch, no timeout). For "
+                              "verifiers that run code: a hung or crashed call is contained.")
+    reward_on_error: str = opt("stop", "reward_workers: what a call that raised, timed out or crashed its process "
+                               "scores: 'stop' (the run stops naming the row; the default, so a broken verifier "
+                               "is not mistaken for wrong answers) or a number (e.g. 0).")
     unsupervised_dataset_name: str = opt("", "PPO-ptx (InstructGPT): unsupervised text whose language-modelling loss "
                                          "is added to the actor loss: a local .txt file (one document per line), a "
                                          ".jsonl/.json/.parquet/.csv file with the column unsup_text_column, or a hub "
@@ -667,11 +681,21 @@ class TrainConfig:
         return est is None or est.needs_critic  # an unknown name is reported by validate()
 
     @property
+    def scored_without_model(self) -> bool:
+        """A reward function or a reward server scores the rollouts: no reward engine is built."""
+        return bool(self.reward_fn or self.reward_url)
+
+    @property
+    def reward_on_error_score(self) -> Optional[float]:
+        """reward_on_error as a score, None for 'stop'."""
+        return None if self.reward_on_error == "stop" else float(self.reward_on_error)
+
+    @property
     def active_roles(self) -> tuple:
         """The roles the run has (each gets an engine, except a reference that is the actor's disabled adapter): no
         reward model when a reward function scores the rollouts, no critic when the estimator needs none. The one
         definition of the run's roles."""
-        return tuple(r for r in ROLES if not (r == "reward" and self.reward_fn)
+        return tuple(r for r in ROLES if not (r == "reward" and self.scored_without_model)
                      and not (r == "critic" and not self.has_critic))
 
     @property
@@ -755,13 +779,42 @@ class TrainConfig:
             p.add("unsup_text_column", self.unsup_text_column, "must name a column")
         _positive(p, "", self, "unsup_coef", allow_zero=True)
         for name in ("tokenizer_name_or_path", "use_chat_template"):
-            if getattr(self.reward, name) and self.reward_fn:
-                p.add(f"reward_{name}", getattr(self.reward, name), f"is for a reward model; reward_fn "
-                      f"({self.reward_fn!r}) replaces it: drop one")
+            if getattr(self.reward, name) and self.scored_without_model:
+                by = "reward_fn" if self.reward_fn else "reward_url"
+                p.add(f"reward_{name}", getattr(self.reward, name), f"is for a reward model; {by} "
+                      f"({getattr(self, by)!r}) replaces it: drop one")
+        self._validate_reward_sources(p)
         for role in ("actor", "critic", "reference"):
             if getattr(self, role).use_chat_template:
                 p.add(f"{role}_use_chat_template", True, "is for the reward role only (reward_use_chat_template); "
                       "the actor's prompts follow use_chat_template")
+
+    def _validate_reward_sources(self, p: Problems) -> None:
+        """reward_fn, reward_url and their settings: one source, settings that fit it."""
+        if self.reward_fn and self.reward_url:
+            p.add("reward_url", self.reward_url, f"and reward_fn ({self.reward_fn!r}) both score the rollouts: drop "
+                  "one")
+        if self.reward_url and not str(self.reward_url).startswith(("http://", "https://")):
+            p.add("reward_url", self.reward_url, "must be an http:// or https:// URL")
+        if not (_number(self.reward_timeout_s) and self.reward_timeout_s > 0):
+            p.add("reward_timeout_s", self.reward_timeout_s, "must be > 0 (seconds)")
+        if not (isinstance(self.reward_retries, int) and self.reward_retries >= 0):
+            p.add("reward_retries", self.reward_retries, "must be a whole number >= 0")
+        if not (isinstance(self.reward_workers, int) and self.reward_workers >= 0):
+            p.add("reward_workers", self.reward_workers, "must be a whole number >= 0 (0 = in-process)")
+        elif self.reward_workers and not self.reward_fn:
+            p.add("reward_workers", self.reward_workers, "runs a reward_fn in worker processes: set reward_fn (a "
+                  "reward_url server runs its own workers)")
+        on_error = self.reward_on_error
+        try:
+            ok = on_error == "stop" or math.isfinite(float(on_error))
+        except (TypeError, ValueError):
+            ok = False
+        if not ok:
+            p.add("reward_on_error", on_error, "must be 'stop' or a finite score, e.g. 0")
+        elif on_error != "stop" and not self.reward_workers:
+            p.add("reward_on_error", on_error, "scores failed worker calls: it needs reward_workers >= 1 (in-process "
+                  "a failing reward function stops the run)")
 
     def _validate_engine_extensions(self, p: Problems) -> None:
         """LoRA per role, the adapter-disabled reference, EMA (the Hybrid Engine's checks need the model config and

@@ -71,7 +71,8 @@ def resolve_paths(cfg: TrainConfig) -> dict[str, str]:
     critic = cfg.critic.model_name_or_path
     reward = cfg.reward.model_name_or_path
     if not critic:
-        from_actor = cfg.critic.init_from == "actor" or (cfg.reward_fn and cfg.critic.init_from != "reward")
+        from_actor = cfg.critic.init_from == "actor" or (cfg.scored_without_model and
+                                                          cfg.critic.init_from != "reward")
         critic = actor if from_actor else reward
     if not reward:
         reward = critic

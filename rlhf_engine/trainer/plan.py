@@ -129,7 +129,7 @@ def start(cfg: Any) -> DistInfo:
 
 def _model_side(cfg: TrainConfig) -> tuple[EnginePlan, Optional[Callable]]:
     """The engine plan and the reward function, every problem of both in one error."""
-    from ..rewards import load_reward_fn
+    from ..rewards import ParallelReward, RemoteReward, load_reward_fn
 
     p = Problems()
     engine = reward_fn = None
@@ -139,9 +139,13 @@ def _model_side(cfg: TrainConfig) -> tuple[EnginePlan, Optional[Callable]]:
         p.extend(e.problems)
     if cfg.reward_fn:
         try:
-            reward_fn = load_reward_fn(cfg.reward_fn)
+            reward_fn = (ParallelReward(cfg.reward_fn, cfg.reward_workers, cfg.reward_timeout_s,
+                                        cfg.reward_on_error_score) if cfg.reward_workers
+                         else load_reward_fn(cfg.reward_fn))
         except ValueError as e:
             p.add("reward_fn", cfg.reward_fn, str(e))
+    elif cfg.reward_url:
+        reward_fn = RemoteReward(cfg.reward_url, cfg.reward_timeout_s, cfg.reward_retries)
     elif cfg.reward.use_chat_template:
         _check_reward_chat_template(cfg, p)
     p.raise_if_any("cannot start: model setup")

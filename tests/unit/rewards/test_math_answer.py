@@ -68,3 +68,30 @@ GSM8K_TRUTH = ("Natalia sold 48/2 = <<48/2=24>>24 clips in May.\nNatalia sold 48
 ])
 def test_the_found_bugs(response, truth, score):
     assert exact_answer([""], [response], [truth]) == [score]
+
+
+# where math-verify (0.9.0) and exact_answer agree and where they do not: the table of docs/rewards.md
+VERIFY_CASES = [
+    ("The answer is \\boxed{\\frac{1}{2}}", "0.5", 1.0, 1.0),
+    ("The answer is 3 + 4 = 7", "7", 1.0, 1.0),
+    ("#### 5\nActually #### 7", "7", 1.0, 1.0),
+    ("She sold 72 clips.", GSM8K_TRUTH, 1.0, 1.0),
+    ("\\boxed{0.333}", "1/3", 0.0, 0.0),
+    ("I do not know", "7", 0.0, 0.0),
+    ("\\boxed{\\sqrt{2}/2}", "\\frac{\\sqrt{2}}{2}", 0.0, 1.0),
+    ("\\boxed{x+1}", "1+x", 0.0, 1.0),
+    ("\\boxed{50\\%}", "0.5", 0.0, 1.0),
+    ("The answer is 10%", "0.1", 0.0, 1.0),
+    ("\\boxed{\\{1,2\\}}", "\\{2,1\\}", 0.0, 1.0),
+    ("The result: 1 000 people", "1000", 0.0, 1.0),
+    ("The answer is −3", "-3", 1.0, 0.0),
+    ("The answer is x + y", "x+y", 1.0, 0.0),
+]
+
+
+@pytest.mark.parametrize("response, truth, exact, verified", VERIFY_CASES)
+def test_verified_answer_against_exact_answer(response, truth, exact, verified):
+    from rlhf_engine.rewards.math_answer import verified_answer
+
+    assert exact_answer([""], [response], [truth]) == [exact]
+    assert verified_answer([""], [response], [truth]) == [verified]
