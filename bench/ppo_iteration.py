@@ -353,7 +353,7 @@ def equivalence_check(built: list) -> list:
     import torch
 
     from rlhf_engine.data.prompts import collate_prompts
-    from rlhf_engine.trainer.experience import make_experience
+    from rlhf_engine.trainer.experience import build_experience, experience_forwards, global_mean_var, group_ids_of
 
     t0 = built[0].trainer
     ids, mask = collate_prompts(t0.dataset, t0.sampler.indices(0, 0), t0.engine.pad_token_id)
@@ -369,7 +369,10 @@ def equivalence_check(built: list) -> list:
             with torch.random.fork_rng(devices=[]):  # the same seed: the same tokens if the logits are the same
                 torch.manual_seed(0)
                 own = t.engine.generate(ids, mask)
-            exp, entropy = make_experience(t.engine, rollout, t.cfg.ppo, t.kl_ctl.value)
+            fw = experience_forwards(t.engine, rollout)
+            exp = build_experience(rollout, fw, fw.scores, t.cfg.ppo, t.kl_ctl.value, moments=global_mean_var,
+                                   group_ids=group_ids_of(rollout.batch_size, 1, rollout.sequences.device))
+            entropy = fw.entropy
             with torch.no_grad():
                 train_lp, _ = t.engine.actor_forward(rollout)
                 train_values = t.engine.critic_forward(rollout)

@@ -83,6 +83,11 @@ class PPOConfig:
                              "on all ranks: token_mean = sum / tokens; seq_mean_token_mean = mean over responses of "
                              "each response's token mean; seq_mean_token_sum_norm = mean over responses of each "
                              "response's token sum / max_answer_seq_len (Dr. GRPO).")
+    policy_loss: str = opt("ppo_clip", "The actor's policy loss (rlhf_engine/policy_losses.py, a registry): ppo_clip = "
+                           "PPO's clipped surrogate (dual_clip, clip_eps_high); gspo = GSPO, the length-normalised "
+                           "sequence ratio clipped per response (its paper uses loss_agg_mode seq_mean_token_mean "
+                           "and clip_eps ~3e-4); cispo = CISPO, -A x sg(clip(ratio)) x log pi, a clipped token "
+                           "keeps its gradient. docs/estimators.md has the formulas.")
     clip_eps_high: Optional[float] = opt(None, "Upper clip bound of the ratio (DAPO's clip-higher): the ratio is "
                                          "clipped to [1 - clip_eps, 1 + clip_eps_high]; None = clip_eps.")
     filter_uniform_groups: bool = opt(False, "With a group estimator: a group whose responses' shaped scores are all "
@@ -94,10 +99,14 @@ class PPOConfig:
                                    "its shaped score before missing_eos_penalty (0 = off).")
     overlong_penalty_factor: float = opt(1.0, "The penalty of overlong_buffer_len at max_answer_seq_len.")
     rollout_correction: str = opt("none", "Importance correction for a generation backend that does not sample exactly "
-                                  "from the actor (see rollout/logprob_diff_*): none; tis = each token's advantage "
-                                  "weighted by min(pi_old / pi_rollout, rollout_correction_cap); mis = a response "
-                                  "whose sequence ratio pi_old / pi_rollout is above the cap or below 1/cap leaves "
-                                  "the policy loss (the critic still trains on it).")
+                                  "from the actor (see rollout/logprob_diff_*), TRL's modes, with rho = pi_old / "
+                                  "pi_rollout per token or per response (product over its tokens) and C = "
+                                  "rollout_correction_cap: token_truncate = each token's advantage weighted by "
+                                  "min(rho_t, C); token_mask = weighted by rho_t, tokens with rho_t > C leave the "
+                                  "policy loss; sequence_truncate = every token weighted by min(rho, C); "
+                                  "sequence_mask = weighted by rho, responses with rho > C leave the policy loss (the "
+                                  "critic still trains on them); none. (tis and mis were renamed token_truncate and "
+                                  "sequence_mask.)")
     rollout_correction_cap: float = opt(2.0, "The cap C of rollout_correction (> 1).")
     whiten_advantages: Optional[bool] = opt(None, "Whiten GAE advantages (global masked mean/std across ranks) before "
                                             "the update; None = on with gae. Only for gae (the other estimators "
@@ -128,9 +137,19 @@ class PPOConfig:
         _positive(p, prefix, self, "kl_coef", "kl_target", "clip_eps", "value_clip", "reward_clip", "entropy_coef",
                   allow_zero=True)
         from .estimators import ESTIMATORS
-        from .ppo_math import KL_ESTIMATORS, LOSS_AGG_MODES, ROLLOUT_CORRECTIONS
+        from .ppo_math import KL_ESTIMATORS, LOSS_AGG_MODES, RENAMED_CORRECTIONS, ROLLOUT_CORRECTIONS
 
-        _choice(p, prefix, self, "rollout_correction", ROLLOUT_CORRECTIONS)
+        if self.rollout_correction in RENAMED_CORRECTIONS:
+            p.add(prefix + "rollout_correction", self.rollout_correction, f"was renamed: use "
+                  f"{RENAMED_CORRECTIONS[self.rollout_correction]} (docs/sampling.md: the four modes)")
+        else:
+            _choice(p, prefix, self, "rollout_correction", ROLLOUT_CORRECTIONS)
+        from .policy_losses import POLICY_LOSSES
+
+        _choice(p, prefix, self, "policy_loss", tuple(POLICY_LOSSES))
+        if self.dual_clip is not None and self.policy_loss != "ppo_clip":
+            p.add(prefix + "dual_clip", self.dual_clip, f"is a ppo_clip setting; policy_loss {self.policy_loss} has "
+                  "no dual clip: drop it")
         _choice(p, prefix, self, "kl_loss_estimator", KL_ESTIMATORS)
         _choice(p, prefix, self, "loss_agg_mode", LOSS_AGG_MODES)
         _positive(p, prefix, self, "kl_loss_coef", "overlong_buffer_len", "overlong_penalty_factor", allow_zero=True)

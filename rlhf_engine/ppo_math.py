@@ -62,6 +62,9 @@ __all__ = [
     "loss_token_weights",
     "kl_loss",
     "ROLLOUT_CORRECTIONS",
+    "RENAMED_CORRECTIONS",
+    "gspo_loss",
+    "cispo_loss",
     "rollout_correction",
     "value_loss",
     "sft_loss",
@@ -502,51 +505,69 @@ def compute_gae(rewards: torch.Tensor, values: torch.Tensor, action_mask: torch.
 # ----------------------------------------------------------------------------------------------------------------------
 
 
-ROLLOUT_CORRECTIONS = ("none", "tis", "mis")
+ROLLOUT_CORRECTIONS = ("none", "token_truncate", "token_mask", "sequence_truncate", "sequence_mask")
+# the names of an earlier release: refused, naming the mode that replaces them
+RENAMED_CORRECTIONS = {"tis": "token_truncate", "mis": "sequence_mask"}
 
 
 def rollout_correction(old_logprobs: torch.Tensor, rollout_logprobs: torch.Tensor, action_mask: torch.Tensor,
                        mode: str, cap: float) -> Tuple[torch.Tensor, torch.Tensor, Dict[str, torch.Tensor]]:
-    """Importance correction for a generation backend that does not sample exactly from pi_old.
+    """Importance correction for a generation backend that does not sample exactly from pi_old (TRL's four modes).
 
-    With ``d = old_logprobs - rollout_logprobs`` (0 on padding):
+    With ``d_t = old_logprobs - rollout_logprobs`` (0 on padding), the token ratio ``rho_t = exp(d_t)`` and the
+    sequence ratio ``rho = exp(sum_t d_t)`` of each response:
 
-    * ``tis`` (truncated importance sampling): every token's advantage is weighted by ``min(exp(d), cap)``;
-    * ``mis`` (masked importance sampling): a response whose sequence ratio ``exp(sum_t d)`` lies above ``cap`` or
-      below ``1 / cap`` leaves the policy loss (its tokens leave the policy mask; the critic still trains on them);
+    * ``token_truncate``: ``w_t = min(rho_t, C)`` (truncated importance sampling);
+    * ``token_mask``: ``w_t = rho_t`` where ``rho_t <= C``; a token above the cap gets 0 and leaves the policy mask;
+    * ``sequence_truncate``: every token of a response gets ``w = min(rho, C)``;
+    * ``sequence_mask``: every token of a response gets ``w = rho`` where ``rho <= C``; a response above the cap gets
+      0 and leaves the policy mask (the critic still trains on it);
     * ``none``: weights 1, mask unchanged.
+
+    The weights multiply the advantages of the policy loss (w > 0 scales both PPO terms alike, so
+    ``-A w max(r, clip(r))`` holds); masked tokens leave the policy loss's token count too. Only the upper cap is
+    applied, as in TRL (the earlier ``mis`` also dropped responses below 1/C).
 
     Args:
         old_logprobs, rollout_logprobs: ``[B, R]`` recomputed and generation-time log-probs of the sampled tokens.
         action_mask: ``[B, R]`` 0/1.
         mode: one of ``ROLLOUT_CORRECTIONS``.
-        cap: > 1.
+        cap: C > 1.
 
     Returns:
-        ``(advantage weights [B, R] fp32 (0 on padding), policy mask [B, R] (action_mask, minus masked responses),
-        stats)``, all detached; stats: ``capped`` (tis: real tokens whose ratio exceeded the cap), ``masked``
-        (mis: responses masked out), both counts (0-dim fp32).
+        ``(weights [B, R] fp32 (0 on padding and on masked tokens), policy mask [B, R] (action_mask minus masked
+        tokens), stats)``, all detached; stats: ``capped`` (truncate modes: real tokens whose weight was cut to C),
+        ``masked`` (mask modes: real tokens masked out), ``masked_seqs`` (sequence_mask: responses masked out),
+        0-dim fp32 counts.
     """
     old = _tensor("old_logprobs", old_logprobs, ndim=2).detach()
     roll = _tensor("rollout_logprobs", rollout_logprobs, shape=old.shape, shape_of="old_logprobs").detach()
     m = _mask("action_mask", action_mask, old.shape, "old_logprobs", None)
+    if mode in RENAMED_CORRECTIONS:
+        raise ValueError(f"mode {mode!r} is now {RENAMED_CORRECTIONS[mode]!r} (docs/sampling.md)")
     if mode not in ROLLOUT_CORRECTIONS:
         raise ValueError(f"mode: expected one of {', '.join(ROLLOUT_CORRECTIONS)}, got {mode!r}")
     c = _number("cap", cap, gt=1.0)
     d = torch.where(m, old.float() - roll.float(), 0.0)
     zero = torch.zeros((), device=d.device)
-    weights, keep = m.float(), m
-    capped = masked = zero
-    if mode == "tis":
+    stats = {"capped": zero, "masked": zero, "masked_seqs": zero}
+    if mode == "none":
+        return m.float(), m.to(action_mask.dtype), stats
+    if mode.startswith("token"):
         ratio = d.exp()
-        capped = ((ratio > c) & m).sum().float()
-        weights = torch.where(m, ratio.clamp(max=c), 0.0)
-    elif mode == "mis":
-        seq = d.sum(-1)  # log of the sequence ratio
-        ok = (seq <= math.log(c)) & (seq >= -math.log(c))
-        keep = m & ok[:, None]
-        masked = ((~ok) & m.any(-1)).sum().float()
-    return weights, keep.to(action_mask.dtype), {"capped": capped, "masked": masked}
+    else:  # the sequence ratio on every token of its response
+        ratio = d.sum(-1, keepdim=True).exp().expand_as(d)
+    over = (ratio > c) & m
+    if mode.endswith("truncate"):
+        weights, keep = torch.where(m, ratio.clamp(max=c), 0.0), m
+        stats["capped"] = over.sum().float()
+    else:
+        keep = m & ~over
+        weights = torch.where(keep, ratio, 0.0)
+        stats["masked"] = over.sum().float()
+        if mode == "sequence_mask":
+            stats["masked_seqs"] = over.any(-1).sum().float()
+    return weights, keep.to(action_mask.dtype), stats
 
 
 def policy_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: torch.Tensor,
@@ -586,18 +607,9 @@ def policy_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: 
         selected), ``ratio_mean``, ``ratio_max``, ``ratio_min`` (over real tokens; 1 when there is none) and
         ``tokens`` (local real-token count). With no real token the loss is 0 (and still differentiable).
     """
-    lp = _tensor("logprobs", logprobs, ndim=2)
-    old = _tensor("old_logprobs", old_logprobs, shape=lp.shape, shape_of="logprobs").detach()
-    adv = _tensor("advantages", advantages, shape=lp.shape, shape_of="logprobs").detach()
-    eps = _number("clip_eps", clip_eps, ge=0.0)
-    eps_high = eps if clip_eps_high is None else _number("clip_eps_high", clip_eps_high, ge=0.0)
+    lp, old, adv, m, tokens, denom, eps, eps_high = _policy_args(
+        logprobs, old_logprobs, advantages, action_mask, clip_eps, clip_eps_high, num_tokens, check)
     c = None if dual_clip is None else _number("dual_clip", dual_clip, gt=1.0)
-    checks: Optional[List[_Check]] = [] if check else None
-    m = _mask("action_mask", action_mask, lp.shape, "logprobs", checks)
-    tokens = m.sum().float()
-    denom = _num_tokens(num_tokens, tokens, checks)
-    _raise_first(checks)
-
     adv = torch.where(m, adv, 0.0)
     log_ratio = torch.where(m, lp - old, 0.0)
     ratio = log_ratio.exp()
@@ -606,32 +618,112 @@ def policy_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: 
     per_token = torch.maximum(pg1, pg2)
     if c is not None:
         per_token = torch.where(adv < 0, torch.minimum(per_token, -c * adv), per_token)
-    if token_weights is None:
-        loss = torch.where(m, per_token, 0.0).sum() / denom
-    else:
-        w = _tensor("token_weights", token_weights, shape=lp.shape, shape_of="logprobs").detach()
-        loss = torch.where(m, per_token * w, 0.0).sum()
+    return _aggregate(per_token, m, denom, token_weights, lp), _policy_stats(
+        ratio, log_ratio, pg2.detach() > pg1.detach(), m, tokens)
 
-    with torch.no_grad():
-        n = tokens.clamp_min(1.0)
-        r = ratio.detach()
-        lr = log_ratio.detach()
-        has = tokens > 0
-        one = torch.ones((), device=r.device)
-        if r.numel():
-            r_max = torch.where(has, torch.where(m, r, -math.inf).max(), one)
-            r_min = torch.where(has, torch.where(m, r, math.inf).min(), one)
-        else:
-            r_max = r_min = one
-        stats = {
-            "approx_kl": torch.where(m, (r - 1.0) - lr, 0.0).sum() / n,
-            "clipfrac": (m & (pg2.detach() > pg1.detach())).sum().float() / n,
-            "ratio_mean": torch.where(m, r, 0.0).sum() / n,
-            "ratio_max": r_max,
-            "ratio_min": r_min,
-            "tokens": tokens,
-        }
-    return loss, stats
+
+def _policy_args(logprobs, old_logprobs, advantages, action_mask, clip_eps, clip_eps_high, num_tokens, check):
+    """The checked inputs of every policy loss: (logprobs, old (detached), advantages (detached), mask (bool),
+    local token count, denominator, eps, eps_high)."""
+    lp = _tensor("logprobs", logprobs, ndim=2)
+    old = _tensor("old_logprobs", old_logprobs, shape=lp.shape, shape_of="logprobs").detach()
+    adv = _tensor("advantages", advantages, shape=lp.shape, shape_of="logprobs").detach()
+    eps = _number("clip_eps", clip_eps, ge=0.0)
+    eps_high = eps if clip_eps_high is None else _number("clip_eps_high", clip_eps_high, ge=0.0)
+    checks: Optional[List[_Check]] = [] if check else None
+    m = _mask("action_mask", action_mask, lp.shape, "logprobs", checks)
+    tokens = m.sum().float()
+    denom = _num_tokens(num_tokens, tokens, checks)
+    _raise_first(checks)
+    return lp, old, adv, m, tokens, denom, eps, eps_high
+
+
+def _aggregate(per_token: torch.Tensor, m: torch.Tensor, denom: torch.Tensor, token_weights: Optional[torch.Tensor],
+               lp: torch.Tensor) -> torch.Tensor:
+    """sum over real tokens / denom, or with ``token_weights`` the weighted sum (``loss_token_weights``)."""
+    if token_weights is None:
+        return torch.where(m, per_token, 0.0).sum() / denom
+    w = _tensor("token_weights", token_weights, shape=lp.shape, shape_of="logprobs").detach()
+    return torch.where(m, per_token * w, 0.0).sum()
+
+
+@torch.no_grad()
+def _policy_stats(ratio: torch.Tensor, log_ratio: torch.Tensor, clipped: torch.Tensor, m: torch.Tensor,
+                  tokens: torch.Tensor) -> Dict[str, torch.Tensor]:
+    """approx_kl (of the token log-ratios), clipfrac (share of real tokens where ``clipped``), ratio_mean / _max /
+    _min (of ``ratio``, 1 with no real token) and tokens; detached 0-dim fp32."""
+    n = tokens.clamp_min(1.0)
+    r = ratio.detach()
+    lr = log_ratio.detach()
+    has = tokens > 0
+    one = torch.ones((), device=r.device)
+    if r.numel():
+        r_max = torch.where(has, torch.where(m, r, -math.inf).max(), one)
+        r_min = torch.where(has, torch.where(m, r, math.inf).min(), one)
+    else:
+        r_max = r_min = one
+    return {
+        "approx_kl": torch.where(m, (r - 1.0) - lr, 0.0).sum() / n,
+        "clipfrac": (m & clipped).sum().float() / n,
+        "ratio_mean": torch.where(m, r, 0.0).sum() / n,
+        "ratio_max": r_max,
+        "ratio_min": r_min,
+        "tokens": tokens,
+    }
+
+
+def gspo_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: torch.Tensor,
+              action_mask: torch.Tensor, clip_eps: float, dual_clip: Optional[float] = None,
+              num_tokens: Optional[Union[int, float, torch.Tensor]] = None, *, check: bool = True,
+              clip_eps_high: Optional[float] = None, token_weights: Optional[torch.Tensor] = None
+              ) -> Tuple[torch.Tensor, Dict[str, torch.Tensor]]:
+    """GSPO (Zheng et al. 2025, "Group Sequence Policy Optimization"), its GSPO-token form, as verl's ``gspo``.
+
+    The sequence ratio is length-normalised: ``s_i = exp(mean_t (logprobs - old_logprobs))`` over the response's
+    real tokens. Each token carries ``s_it = sg[s_i] * pi(y_it) / sg[pi(y_it)]``: its value is ``s_i``, its
+    gradient ``s_i * grad log pi(y_it)``. The clip is PPO's on that sequence-level value, per token
+    ``max(-A s_it, -A clip(s_it, 1 - eps, 1 + eps_high))``, so a whole response is clipped or not. The paper
+    aggregates per response (``loss_agg_mode seq_mean_token_mean``) with much smaller eps (3e-4 / 4e-4) than PPO's;
+    here the run's ``loss_agg_mode`` and clip settings apply as given. ``dual_clip`` does not apply (ignored,
+    refused by the config). Arguments and stats as ``policy_loss`` (``ratio_*``: the sequence ratios; ``clipfrac``:
+    tokens of clipped responses; ``approx_kl``: of the token log-ratios).
+    """
+    lp, old, adv, m, tokens, denom, eps, eps_high = _policy_args(
+        logprobs, old_logprobs, advantages, action_mask, clip_eps, clip_eps_high, num_tokens, check)
+    adv = torch.where(m, adv, 0.0)
+    log_ratio = torch.where(m, lp - old, 0.0)
+    seq = log_ratio.sum(-1, keepdim=True) / m.sum(-1, keepdim=True).clamp(min=1)  # mean token log-ratio
+    # value log s_i, gradient grad log pi (the addition last: verl's order, no cancellation in the value)
+    log_s = torch.where(m, lp - lp.detach() + seq.detach(), 0.0)
+    ratio = log_s.clamp(max=10.0).exp()
+    pg1 = -adv * ratio
+    pg2 = -adv * ratio.clamp(1.0 - eps, 1.0 + eps_high)
+    per_token = torch.maximum(pg1, pg2)
+    return _aggregate(per_token, m, denom, token_weights, lp), _policy_stats(
+        ratio, log_ratio, pg2.detach() > pg1.detach(), m, tokens)
+
+
+def cispo_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: torch.Tensor,
+               action_mask: torch.Tensor, clip_eps: float, dual_clip: Optional[float] = None,
+               num_tokens: Optional[Union[int, float, torch.Tensor]] = None, *, check: bool = True,
+               clip_eps_high: Optional[float] = None, token_weights: Optional[torch.Tensor] = None
+               ) -> Tuple[torch.Tensor, Dict[str, torch.Tensor]]:
+    """CISPO (MiniMax-M1, Chen et al. 2025): a clipped, detached importance weight times the log-prob, as verl's
+    ``cispo``: per token ``-A * sg(clip(r, 1 - eps, 1 + eps_high)) * logprobs`` with ``r = exp(logprobs -
+    old_logprobs)``. Unlike PPO's clip, a clipped token keeps its gradient (``-A * w * grad log pi``, w the clipped
+    weight). The paper bounds only the top (a large eps_low); here both bounds are the run's ``clip_eps`` /
+    ``clip_eps_high``. ``dual_clip`` does not apply. Arguments and stats as ``policy_loss`` (``clipfrac``: tokens
+    whose weight was clipped).
+    """
+    lp, old, adv, m, tokens, denom, eps, eps_high = _policy_args(
+        logprobs, old_logprobs, advantages, action_mask, clip_eps, clip_eps_high, num_tokens, check)
+    adv = torch.where(m, adv, 0.0)
+    log_ratio = torch.where(m, lp - old, 0.0)
+    ratio = log_ratio.exp()
+    weight = ratio.detach().clamp(1.0 - eps, 1.0 + eps_high)
+    per_token = -adv * weight * torch.where(m, lp, 0.0)
+    return _aggregate(per_token, m, denom, token_weights, lp), _policy_stats(
+        ratio, log_ratio, weight != ratio.detach(), m, tokens)
 
 
 LOSS_AGG_MODES = ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm")

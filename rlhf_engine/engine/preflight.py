@@ -252,6 +252,9 @@ def plan_engine(cfg: TrainConfig, num_training_steps: int = 0) -> EnginePlan:
                   "--generation_backend hf, or hybrid_engine_fallback true to generate with Hugging Face instead "
                   "(logged as a warning)")
         fallback_reasons = reasons
+    if backend in BACKENDS and cfg.ppo.rollout_correction != "none" and not BACKENDS[backend].gives_logprobs:
+        p.add("rollout_correction", cfg.ppo.rollout_correction, f"needs the generation-time log-probs, and the "
+              f"{backend} generation backend gives none; set none, or generate with lean or hf")
     stop = None
     if tokenizer is not None and "actor" in configs:
         stop = stop_tokens(cfg, paths["actor"], tokenizer, configs["actor"].vocab_size, p)

@@ -121,19 +121,10 @@ def build_experience(rollout: Rollout, fw: Forwards, scores: torch.Tensor, ppo: 
                       scores=scores, rewards=rewards, kl=kl, advantages=advantages, returns=returns)
 
 
-def make_experience(engine, rollout: Rollout, ppo: PPOConfig, kl_coef: float,
-                    reward_fn: Optional[RewardFn] = None) -> tuple[Experience, torch.Tensor]:
-    """One rollout batch -> (Experience without whitening, [B, R] rollout entropy).
-
-    Every forward runs in eval mode with the rollout's position ids (engine contract). `reward_fn`, when given,
-    scores the batch instead of the reward model: `reward_fn(rollout.prompts, rollout)` returns [B] scores. A scoring
-    failure raises here (this rank only); the trainer uses `experience_forwards` + `build_experience` instead, to stop
-    every rank together.
-    """
-    fw = experience_forwards(engine, rollout, reward_fn)
-    if fw.error is not None:
-        raise fw.error
-    return build_experience(rollout, fw, fw.scores, ppo, kl_coef), fw.entropy
+def group_ids_of(batch_size: int, n_samples: int, device: torch.device) -> torch.Tensor:
+    """[B] long: the prompt of each row. The n samples of a prompt are consecutive rows of every generation batch
+    (and of their concatenation), so row // n names it."""
+    return torch.arange(batch_size, device=device) // n_samples
 
 
 def global_mean_var(x: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

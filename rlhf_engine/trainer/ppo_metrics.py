@@ -69,18 +69,23 @@ def add_rollout_check(stats: MetricSums, rollout_logprobs: torch.Tensor, old_log
 
 
 def add_correction_stats(stats: MetricSums, mode: str, cs: dict) -> None:
-    """rollout/correction_capped_frac (tis: share of real tokens at the cap), rollout/correction_masked_frac (mis:
-    share of responses masked out of the policy loss)."""
-    if mode == "tis":
+    """rollout/correction_capped_frac (truncate modes: share of real tokens whose weight was cut to the cap),
+    rollout/correction_masked_frac (mask modes: share of real tokens masked out of the policy loss),
+    rollout/correction_masked_seq_frac (sequence_mask: share of responses masked out)."""
+    if mode.endswith("truncate"):
         stats.add("correction_capped", cs["capped"])
-    else:
-        stats.add("correction_masked", cs["masked"])
+        return
+    stats.add("correction_masked", cs["masked"])
+    if mode == "sequence_mask":
+        stats.add("correction_masked_seqs", cs["masked_seqs"])
 
 
 def add_policy_stats(stats: MetricSums, loss: torch.Tensor, ps: dict) -> None:
     """policy/*: one actor micro-batch (`ps`: policy_loss's stats)."""
     t = ps["tokens"]
     stats.add("policy_loss", loss.detach())
+    if "kl_loss" in ps:
+        stats.add("kl_loss", ps["kl_loss"])
     stats.add("approx_kl_sum", ps["approx_kl"] * t)
     stats.add("clipfrac_sum", ps["clipfrac"] * t)
     stats.add("ratio_sum", ps["ratio_mean"] * t)
@@ -146,7 +151,9 @@ def iteration_record(s: dict, world_size: int) -> dict:
     if "correction_capped" in s:
         rec["rollout/correction_capped_frac"] = s["correction_capped"] / tokens if tokens else None
     if "correction_masked" in s:
-        rec["rollout/correction_masked_frac"] = s["correction_masked"] / n_seq
+        rec["rollout/correction_masked_frac"] = s["correction_masked"] / tokens if tokens else None
+    if "correction_masked_seqs" in s:
+        rec["rollout/correction_masked_seq_frac"] = s["correction_masked_seqs"] / n_seq
     rec.update({
         "rollout/response_length": s["response_length_sum"] / n_seq,
         "rollout/eos_rate": s["eos_sum"] / n_seq,

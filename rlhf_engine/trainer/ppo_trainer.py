@@ -38,18 +38,16 @@ from ..hooks import TestHooks
 from ..data.sampler import DataCursor
 from ..comm import all_reduce
 from ..outputs.metrics import MetricsWriter
-from ..errors import ConfigError, Problem
-from ..estimators import uniform_groups
-from ..ppo_math import (AdaptiveKLController, FixedKLController, kl_loss, loss_token_weights, policy_loss,
-                        rollout_correction, value_loss)
+from ..ppo_math import AdaptiveKLController, FixedKLController
 from ..rollout import Experience, Rollout
 from .evaluation import Evaluator
 from .experience import (NonFiniteError, RewardFn, build_experience, decode_rollout, experience_forwards,
-                         global_mean_var, text_reward, whiten_advantages)
+                         global_mean_var, group_ids_of, text_reward, whiten_advantages)
 from .guards import StepGuard
 from .metric_sums import MetricSums
-from .ppo_metrics import (add_correction_stats, add_experience_stats, add_policy_stats, add_rollout_check,
-                          add_value_moments, add_value_stats, iteration_record, max_abs_diff)
+from .objectives import ActorObjective, Counts, CriticObjective, experience_steps
+from .ppo_metrics import (add_experience_stats, add_policy_stats, add_rollout_check, add_value_moments,
+                          add_value_stats, iteration_record)
 from .ptx import build_ptx, ptx_loss
 from .reward_shaping import ScoreShaper, reward_model_scorer
 from .plan import RunPlan
@@ -58,12 +56,6 @@ from .state import Checkpointer, providers_of
 log = logging.getLogger(__name__)
 
 RATIO_TRACE = "ratio_trace/"  # MetricSums keys of the per-mini-batch max |log-ratio| (popped into ratio_trace)
-
-
-def corrected_advantages(micro: Experience) -> torch.Tensor:
-    """The advantages the policy loss sees: weighted by --rollout_correction tis (w > 0 scales both PPO terms alike,
-    i.e. each token's loss term), else as they are."""
-    return micro.advantages if micro.advantage_weights is None else micro.advantages * micro.advantage_weights
 
 
 def cat_generated(gens: list, pad_token_id: int) -> tuple[Rollout, Optional[torch.Tensor]]:
@@ -108,6 +100,10 @@ class PPOTrainer:
         # the trained engines step together or neither; non-finite losses stop every rank (trainer/guards.py)
         self.roles = engine.trained_roles  # ("actor", "critic"), or ("actor",) in a run without a critic
         self.guard = StepGuard(engine, self.roles, ppo.max_consecutive_skips)
+        # the losses, chosen once (trainer/objectives.py), and the experience's corrections and filters in order
+        self.actor_objective = ActorObjective(engine, ppo, cfg.generation.max_answer_seq_len)
+        self.critic_objective = CriticObjective(engine, ppo) if engine.has_critic else None
+        self.experience_steps = experience_steps(ppo, cfg.batch.n_samples_per_prompt)
         self.state_providers["step_guard"] = self.guard  # its skip count
         # TEST HOOKS (rlhf_engine/hooks.py): kill / stall points and non-finite injection; inactive unless set
         self.hooks = TestHooks.from_env(dist.rank, lambda: engine.optimizer_steps("actor"))
@@ -176,30 +172,14 @@ class PPOTrainer:
         self.guard.agree(self.iteration, errors={"score": fw.error})
         raw_scores = fw.scores
         scores = self.shaper(raw_scores, rollout) if self.shaper.active else raw_scores
-        # the n samples of a prompt are consecutive rows of every generation batch, so row // n names its prompt
-        n = self.cfg.batch.n_samples_per_prompt
-        group_ids = torch.arange(rollout.batch_size, device=rollout.sequences.device) // n
+        group_ids = group_ids_of(rollout.batch_size, self.cfg.batch.n_samples_per_prompt, rollout.sequences.device)
         exp = build_experience(rollout, fw, scores, self.cfg.ppo, self.kl_ctl.value, group_ids=group_ids,
                                moments=global_mean_var)
         exp.rollout_logprobs = rollout_logprobs
         if rollout_logprobs is not None:  # the live check: does the backend sample what PPO scores?
             add_rollout_check(stats, rollout_logprobs, exp.old_logprobs, rollout.action_mask)
-        ppo = self.cfg.ppo
-        if ppo.rollout_correction != "none":
-            if rollout_logprobs is None:
-                raise ConfigError([Problem("rollout_correction", ppo.rollout_correction, "the generation backend "
-                                           "gives no generation-time log-probs to correct with; set none")])
-            exp.advantage_weights, exp.policy_mask, cs = rollout_correction(
-                exp.old_logprobs, rollout_logprobs, rollout.action_mask, ppo.rollout_correction,
-                ppo.rollout_correction_cap)
-            add_correction_stats(stats, ppo.rollout_correction, cs)
-        if ppo.filter_uniform_groups:  # groups without signal leave the policy loss (never dropped: shapes stay)
-            mask = rollout.action_mask
-            # equal SCORES (all right, all wrong): the returns also hold each response's KL, never exactly equal
-            uniform = uniform_groups(exp.scores, group_ids)
-            keep = exp.policy_mask if exp.policy_mask is not None else mask
-            exp.policy_mask = keep * (~uniform)[:, None].to(keep.dtype)
-            stats.add("uniform_rows", uniform.sum())
+        for step in self.experience_steps:  # rollout correction, then the uniform-group filter
+            exp = step(exp, stats)
         self.hooks.advantages(exp.advantages, self.iteration)
         self.guard.agree(self.iteration, tensors={"advantage": (exp.advantages, rollout.action_mask)})
         add_experience_stats(stats, exp, fw.entropy, raw_scores, shaped=self.shaper.active)
@@ -209,11 +189,11 @@ class PPOTrainer:
             exp = whiten_advantages(exp)
         return exp
 
-    def _token_counts(self, mini: Experience, ptx_batches) -> tuple[torch.Tensor, ...]:
-        """(tokens, policy tokens, policy responses, ptx tokens) of the mini-batch on ALL ranks: what every
+    def _token_counts(self, mini: Experience, ptx_batches) -> Counts:
+        """The mini-batch's counts on ALL ranks (tokens, policy tokens, policy responses, ptx tokens): what every
         micro-batch's loss is normalised by (one all-reduce). The policy counts differ from the others only where a
-        response leaves the policy loss (--rollout_correction mis, --filter_uniform_groups); they are at least 1: a
-        mini-batch with every response out has policy loss 0."""
+        response or token leaves the policy loss (a mask mode of --rollout_correction, --filter_uniform_groups);
+        they are at least 1: a mini-batch with every response out has policy loss 0."""
         device = self.engine.device
         mask = mini.rollout.action_mask
         pmask = mini.policy_mask if mini.policy_mask is not None else mask
@@ -226,79 +206,53 @@ class PPOTrainer:
             tokens, policy, seqs, ptx = (local * self.engine.dist.world_size).float().unbind()
         else:
             raise ValueError(f"loss_token_mean must be 'global' or 'local', got {self.loss_token_mean!r}")
-        return tokens, policy.clamp(min=1.0), seqs.clamp(min=1.0), ptx
+        return Counts(tokens, policy.clamp(min=1.0), seqs.clamp(min=1.0), ptx)
 
     def train_phase(self, exp: Experience, stats: MetricSums) -> None:
-        b, ppo, engine, hooks, it = self.cfg.batch, self.cfg.ppo, self.engine, self.hooks, self.iteration
+        b, engine, hooks, it = self.cfg.batch, self.engine, self.hooks, self.iteration
         hooks.at("train", it)
-        with_entropy = ppo.entropy_coef > 0
-        train_actor = it >= ppo.critic_warmup_iterations  # critic warm-up: the actor does not train
-        train_critic = engine.has_critic
+        train_actor = it >= self.cfg.ppo.critic_warmup_iterations  # critic warm-up: the actor does not train
         roles = self.roles if train_actor else ("critic",)
         ptx = self.ptx if train_actor else None
+        actor, critic = (self.actor_objective if train_actor else None), self.critic_objective
         minibatches_trained = 0  # actor mini-batches this phase: they name the ratio-trace metrics in order
-        for epoch in range(ppo.ppo_epochs):
+        for epoch in range(self.cfg.ppo.ppo_epochs):
             for m, mini in enumerate(exp.split(b.mini_batch_size)):
-                micros = mini.split(b.per_device_training_batch_size)
                 ptx_batches = ptx.next_mini_batch(engine.device) if ptx is not None else None
-                tokens, policy_tokens, policy_seqs, ptx_tokens = self._token_counts(mini, ptx_batches)
+                counts = self._token_counts(mini, ptx_batches)
                 max_abs_log_ratio = torch.zeros((), dtype=torch.float64, device=engine.device)
-                for k, micro in enumerate(micros):
-                    r = micro.rollout
-                    # check=False: no host sync per micro-batch. Its tensors are slices of `exp`, whose response ids
-                    # (experience forward) and masks (compute_rewards / the estimator) were checked in this
-                    # iteration; `tokens` is an all-reduced sum that includes its tokens. (ptx batches keep theirs.)
-                    if train_actor:
-                        logprobs, entropy = engine.actor_forward(r, with_entropy=with_entropy, check=False)
-                        pmask = r.action_mask if micro.policy_mask is None else micro.policy_mask
-                        # per-token weights: only for the other aggregation modes and the KL loss (token_mean divides)
-                        weights = None
-                        if ppo.loss_agg_mode != "token_mean" or ppo.kl_loss_coef:
-                            weights = loss_token_weights(pmask, ppo.loss_agg_mode, policy_tokens, policy_seqs,
-                                                         self.cfg.generation.max_answer_seq_len)
-                        loss, ps = policy_loss(logprobs=logprobs, old_logprobs=micro.old_logprobs,
-                                               advantages=corrected_advantages(micro), action_mask=pmask,
-                                               clip_eps=ppo.clip_eps, clip_eps_high=ppo.upper_clip,
-                                               dual_clip=ppo.dual_clip, num_tokens=policy_tokens, check=False,
-                                               # token_mean: sum / tokens, as ever (the weights are 1 / tokens)
-                                               token_weights=None if ppo.loss_agg_mode == "token_mean" else weights)
-                        if ppo.kl_loss_coef:
-                            kloss, _ = kl_loss(logprobs, micro.ref_logprobs, pmask, ppo.kl_loss_estimator, weights)
-                            loss = loss + ppo.kl_loss_coef * kloss
-                            stats.add("kl_loss", kloss.detach())
-                        if with_entropy:
-                            loss = loss - ppo.entropy_coef * (entropy * r.action_mask).sum() / tokens
+                for k, micro in enumerate(mini.split(b.per_device_training_batch_size)):
+                    if actor is not None:
+                        loss, ps = actor(micro, counts)
                         loss = hooks.loss("actor", loss, it)
                         self.guard.watch("policy loss", loss)
-                        actor_loss = loss
-                        if ptx_batches is not None:
-                            lm_loss, lm = ptx_loss(engine, ptx_batches[k], ptx_tokens)
-                            self.guard.watch("ptx loss", lm_loss)
-                            actor_loss = actor_loss + self.cfg.unsup_coef * lm_loss
-                            stats.add("ptx_loss", lm_loss.detach())
-                            stats.add("ptx_tokens", lm["tokens"])
-                        # ONE backward: policy (+ entropy) + ptx
-                        engine.backward("actor", actor_loss + hooks.grad("actor", logprobs, it))
+                        actor_loss = loss + (self._ptx_term(ptx_batches[k], counts, stats) if ptx_batches else 0.0)
+                        # ONE backward: policy (+ KL loss, entropy) + ptx
+                        engine.backward("actor", actor_loss + hooks.grad("actor", loss, it))
                         add_policy_stats(stats, loss, ps)
-                        max_abs_log_ratio = torch.maximum(max_abs_log_ratio, max_abs_diff(
-                            logprobs, micro.old_logprobs, r.action_mask))
-                    if train_critic:
-                        values = engine.critic_forward(r)
-                        vloss, vs = value_loss(values=values, old_values=micro.values, returns=micro.returns,
-                                               action_mask=r.action_mask, clip_range=ppo.value_clip,
-                                               num_tokens=tokens, check=False)
+                        max_abs_log_ratio = torch.maximum(max_abs_log_ratio, ps["max_abs_log_ratio"])
+                    if critic is not None:
+                        vloss, vs = critic(micro, counts)
                         vloss = hooks.loss("critic", vloss, it)
                         self.guard.watch("value loss", vloss)
-                        engine.backward("critic", vloss + hooks.grad("critic", values, it))
+                        engine.backward("critic", vloss + hooks.grad("critic", vloss, it))
                         add_value_stats(stats, vloss, vs)
                     # the trained engines step together (boundary: one collective; non-finite gradient: all skip)
                     self.guard.step(roles, it, where=f"PPO epoch {epoch}, mini-batch {m}")
                     hooks.after_step(it)
                     engine.update_ema()  # acts only when the actor's optimizer just stepped (and EMA is on)
-                if train_actor:  # max |log-ratio| of the mini-batch, over every rank with the iteration's metrics
+                if actor is not None:  # max |log-ratio| of the mini-batch, over every rank with the iteration's metrics
                     stats.max(f"{RATIO_TRACE}{minibatches_trained:06d}", max_abs_log_ratio)
                     minibatches_trained += 1
                 stats.add("minibatches", torch.tensor(1.0))
+
+    def _ptx_term(self, batch, counts: Counts, stats: MetricSums) -> torch.Tensor:
+        """unsup_coef x the ptx loss of one micro-batch (its own forward), watched by the guard."""
+        lm_loss, lm = ptx_loss(self.engine, batch, counts.ptx_tokens)
+        self.guard.watch("ptx loss", lm_loss)
+        stats.add("ptx_loss", lm_loss.detach())
+        stats.add("ptx_tokens", lm["tokens"])
+        return self.cfg.unsup_coef * lm_loss
 
     # ---- loop ------------------------------------------------------------------------------------------------
     def step(self) -> dict:

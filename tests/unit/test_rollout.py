@@ -2,7 +2,7 @@
 
 Every expected tensor is built row by row from lists, never with the tensor code under test. The indexing bugs these
 tests guard against: trlx's left-padding-dependent position ids (the same token at a different absolute position in
-make_experience vs. the loss), DeepSpeed-Chat's reward placed one token off, and masks derived from `ids != pad`
+the experience vs. the loss), DeepSpeed-Chat's reward placed one token off, and masks derived from `ids != pad`
 (wrong when pad == EOS or BOS == pad).
 """
 import pytest

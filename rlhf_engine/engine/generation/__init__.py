@@ -81,6 +81,7 @@ class GenerationBackend:
     """Base class: `generate` must be implemented; the rest has defaults."""
 
     name = ""
+    gives_logprobs = True  # `Generated.logprobs` is filled (a rollout correction needs them; the plan checks)
 
     def __init__(self, ctx: GenerationContext):
         self.ctx = ctx

@@ -1,4 +1,4 @@
-"""make_experience on a one-rank engine, checked by index against plain Hugging Face forwards on unpadded rows.
+"""The experience (the trainer's path: experience_forwards + build_experience) on a one-rank engine, checked by index against plain Hugging Face forwards on unpadded rows.
 
 The batch is built by hand so it holds every row kind the indexing bugs hide in (pad == EOS tokenizer): a row ended by
 EOS, a row truncated at the length limit, a length-1 row (EOS first) and a short EOS-ended row, with prompts of
@@ -12,7 +12,19 @@ import pytest
 import torch
 
 from rlhf_engine.rollout import Rollout, pad_prompts
-from rlhf_engine.trainer.experience import NonFiniteError, make_experience
+from rlhf_engine.trainer.experience import (NonFiniteError, build_experience, experience_forwards, global_mean_var,
+                                            group_ids_of)
+
+
+def experience_of(engine, rollout, ppo, kl_coef, reward_fn=None):
+    """The trainer's path: the experience forwards, then `build_experience` with the group ids and global
+    moments (one response per prompt here); a scoring failure raised."""
+    fw = experience_forwards(engine, rollout, reward_fn)
+    if fw.error is not None:
+        raise fw.error
+    exp = build_experience(rollout, fw, fw.scores, ppo, kl_coef, moments=global_mean_var,
+                           group_ids=group_ids_of(rollout.batch_size, 1, rollout.sequences.device))
+    return exp, fw.entropy
 
 EOS = 0  # the tiny tokenizer: <|endoftext|> is id 0 and, with pad_is_eos, also the pad token
 PROMPTS = [[264, 78, 324], [309, 280, 78, 70, 300, 301], [77], [100, 101, 102, 103]]
@@ -77,7 +89,7 @@ def test_experience_by_index(engine1):
     mags = raw.abs().sort().values
     clip = float((mags[1] + mags[2]) / 2)
     ppo = dataclasses.replace(engine1.cfg.ppo, reward_clip=clip, kl_estimator="k1")
-    exp, entropy = make_experience(engine1, rollout, ppo, KL_COEF)
+    exp, entropy = experience_of(engine1, rollout, ppo, KL_COEF)
     direct, hf_reward = direct_forwards(engine1)
     R = rollout.response_width
     assert exp.rewards.shape == exp.kl.shape == exp.old_logprobs.shape == (4, R)
@@ -123,7 +135,7 @@ def test_reward_fn_replaces_the_reward_model(engine1):
         return torch.tensor([10.0, -10.0, 0.25, 1.0])
 
     ppo = dataclasses.replace(engine1.cfg.ppo, reward_clip=2.0)
-    exp, _ = make_experience(engine1, rollout, ppo, KL_COEF, reward_fn=reward_fn)
+    exp, _ = experience_of(engine1, rollout, ppo, KL_COEF, reward_fn=reward_fn)
     assert torch.equal(seen["prompts"], rollout.prompts)
     assert exp.scores.tolist() == [10.0, -10.0, 0.25, 1.0]
     for b, (n, target) in enumerate(zip(LENGTHS, [2.0, -2.0, 0.25, 1.0])):
@@ -135,10 +147,10 @@ def test_non_finite_scores_name_the_rows(engine1, bad):
     rollout = hand_rollout(engine1)
     ppo = engine1.cfg.ppo
     with pytest.raises(NonFiniteError, match=r"non-finite scores for rows \[1, 3\]"):
-        make_experience(engine1, rollout, ppo, KL_COEF, reward_fn=lambda p, r: torch.tensor([0.0, bad, 1.0, bad]))
+        experience_of(engine1, rollout, ppo, KL_COEF, reward_fn=lambda p, r: torch.tensor([0.0, bad, 1.0, bad]))
 
 
 def test_reward_fn_wrong_shape(engine1):
     rollout = hand_rollout(engine1)
     with pytest.raises(ValueError, match=r"reward_fn returned scores of shape \(4, 1\); expected \(4,\)"):
-        make_experience(engine1, rollout, engine1.cfg.ppo, KL_COEF, reward_fn=lambda p, r: torch.zeros(4, 1))
+        experience_of(engine1, rollout, engine1.cfg.ppo, KL_COEF, reward_fn=lambda p, r: torch.zeros(4, 1))

@@ -154,7 +154,7 @@ def test_host_syncs_one_per_guard_collective_and_none_from_ppo_math_in_the_train
     """Per iteration with FLAGS: 4 rollouts = one mini-batch of 2 micro-batches (one boundary), 1 PPO epoch."""
     from _host_syncs import HostSyncs
     from rlhf_engine import ppo_math
-    from rlhf_engine.trainer import ppo_trainer
+    from rlhf_engine.trainer import objectives
     from rlhf_engine.trainer.metric_sums import MetricSums
 
     trainer = _build(tiny, tmp_path, max_steps=2)
@@ -180,12 +180,13 @@ def test_host_syncs_one_per_guard_collective_and_none_from_ppo_math_in_the_train
     assert train_syncs.at("ppo_math.py") == 0, train_syncs.sites
     assert train_syncs.at("trainer/guards.py") == train_syncs.sites["trainer/guards.py:step [tolist]"] == 1, \
         train_syncs.sites
-    assert train_syncs.at("trainer/ppo_trainer.py") == 0, train_syncs.sites
+    assert train_syncs.at("trainer/ppo_trainer.py") == train_syncs.at("trainer/objectives.py") == 0, train_syncs.sites
 
     # negative control: with the checks forced back on, the counter sees them in the training loop too:
     # 2 micro-batches x (actor log-probs, policy loss, value loss) = 6
-    monkeypatch.setattr(ppo_trainer, "policy_loss", lambda *a, check=True, **k: ppo_math.policy_loss(*a, **k))
-    monkeypatch.setattr(ppo_trainer, "value_loss", lambda *a, check=True, **k: ppo_math.value_loss(*a, **k))
+    monkeypatch.setattr(trainer.actor_objective, "policy_loss",
+                        lambda *a, check=True, **k: ppo_math.policy_loss(*a, **k))
+    monkeypatch.setattr(objectives, "value_loss", lambda *a, check=True, **k: ppo_math.value_loss(*a, **k))
     forward = trainer.engine.actor_forward
     monkeypatch.setattr(trainer.engine, "actor_forward", lambda r, check=True, **k: forward(r, **k))
     _, train_syncs = iteration()
