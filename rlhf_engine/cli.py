@@ -25,7 +25,7 @@ import typing
 from typing import Any, Callable, Optional, Sequence
 
 from . import signals
-from .config import TrainConfig, flat_fields
+from .config import TrainConfig, apply_estimator_defaults, flat_fields
 from .errors import (CLEAN_EXIT_CODES, EXIT_FAILED, EXIT_OK, EXIT_USER_ERROR, ConfigError, Problems,
                      TrainingStopped, did_you_mean)
 
@@ -179,9 +179,9 @@ def _read_config_file(path: str) -> dict:
     return data
 
 
-def apply_overrides(cfg: Any, values: dict, source: str) -> Any:
+def apply_overrides(cfg: Any, values: dict, source: str, given: Optional[set] = None) -> Any:
     """Set flat keys on cfg; unknown keys are one error with "did you mean". Aliases (`ALIASES`) are expanded first,
-    so a key of the same source naming one of their targets wins."""
+    so a key of the same source naming one of their targets wins. `given` collects the flat keys set."""
     leaves = {k: (o, f) for k, (o, f, _, _) in flat_fields(cfg).items()}
     aliases = aliases_of(cfg)
     items = [(t, value, f"{key} (alias of {', '.join(aliases[key])})") for key, value in values.items()
@@ -199,6 +199,8 @@ def apply_overrides(cfg: Any, values: dict, source: str) -> Any:
             p.add(f"{source}: {name}", value, str(e))
             continue
         setattr(owner, f.name, value)
+        if given is not None:
+            given.add(key)
     p.raise_if_any(f"invalid {source}")
     return cfg
 
@@ -216,11 +218,14 @@ def parse_args(argv: Optional[Sequence[str]] = None, description: str = "", conf
     ns = vars(args)
     path = ns.pop("config", None)
     ns.pop("local_rank", None)
+    given: set = set()
     if path:
         if not os.path.isfile(path):
             parser.error(f"--config {path}: no such file")
-        apply_overrides(cfg, _read_config_file(path), f"config file {path}")
-    apply_overrides(cfg, ns, "command line")
+        apply_overrides(cfg, _read_config_file(path), f"config file {path}", given)
+    apply_overrides(cfg, ns, "command line", given)
+    if isinstance(cfg, TrainConfig):  # the estimator family's defaults, where the run set nothing itself
+        apply_estimator_defaults(cfg, given)
     return cfg.validate()
 
 

@@ -46,6 +46,34 @@ def _choice(p: Problems, prefix: str, obj: Any, name: str, choices: tuple) -> No
         p.add(prefix + name, v, f"must be one of {', '.join(map(str, choices))}")
 
 
+# What users of the peers expect of each estimator family, applied to the fields a run did not set (command line
+# or config file: explicit flags always win); logged at start-up and tabled in docs/estimators.md. Group estimators
+# put the KL in the loss (verl's GRPO recipe: kl_loss_coef 0.001 with the low-variance k3 estimator), not in the
+# reward (a response's return would carry its KL, and in a group of equal scores the KL differences alone become
+# the advantages); Dr. GRPO also divides each response's token sum by the fixed maximum length (its paper's fix of the
+# length bias). GAE and REINFORCE++ keep the KL penalty in the reward, as InstructGPT and OpenRLHF do.
+GROUP_KL_IN_LOSS = {"kl_coef": 0.0, "kl_loss_coef": 0.001, "kl_loss_estimator": "k3"}
+ESTIMATOR_DEFAULTS = {
+    "gae": {},
+    "reinforce_pp": {},
+    "grpo": GROUP_KL_IN_LOSS,
+    "rloo": GROUP_KL_IN_LOSS,
+    "reinforce_pp_baseline": GROUP_KL_IN_LOSS,
+    "dr_grpo": {**GROUP_KL_IN_LOSS, "loss_agg_mode": "seq_mean_token_sum_norm"},
+}
+
+
+def apply_estimator_defaults(cfg: Any, explicit: set) -> dict:
+    """Set the estimator family's defaults (`ESTIMATOR_DEFAULTS`) on the PPO fields of `cfg` (a TrainConfig) that
+    are not in `explicit` (the flat keys a run gave); returns what was set."""
+    applied = {}
+    for key, value in ESTIMATOR_DEFAULTS.get(cfg.ppo.advantage_estimator, {}).items():
+        if key not in explicit:
+            setattr(cfg.ppo, key, value)
+            applied[key] = value
+    return applied
+
+
 @dataclass
 class PPOConfig:
     """PPO hyperparameters (the values DeepSpeed-Chat hard-codes are fields here)."""

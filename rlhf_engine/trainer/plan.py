@@ -188,6 +188,17 @@ def check_columns(columns: Optional[ColumnRequest], datasets: list) -> None:
                           "cannot start: prompt data")
 
 
+def log_estimator_defaults(cfg: TrainConfig, dist: DistInfo) -> None:
+    """The estimator family's defaults (config.ESTIMATOR_DEFAULTS) and what is in effect, once at start-up."""
+    from ..config import ESTIMATOR_DEFAULTS
+
+    family = ESTIMATOR_DEFAULTS.get(cfg.ppo.advantage_estimator, {})
+    if family and dist.is_main:
+        log.info("advantage_estimator %s: its defaults %s (explicit flags win); in effect %s",
+                 cfg.ppo.advantage_estimator, ", ".join(f"{k} {v}" for k, v in family.items()),
+                 ", ".join(f"{k} {getattr(cfg.ppo, k)}" for k in family))
+
+
 def warn_kl_in_group_returns(cfg: TrainConfig, dist: DistInfo) -> None:
     """A group estimator's return holds kl_coef x the response's KL: in a group whose scores are all equal, the KL
     differences alone become the advantages (grpo divides them by a tiny std). Said once at start-up."""
@@ -205,6 +216,7 @@ def plan_ppo(cfg: TrainConfig, prompt_data: Optional[PromptData] = None) -> RunP
     dist = start(cfg)
     resolve_builtins(cfg)
     engine, reward_fn = _model_side(cfg)  # model-side checks before the data is tokenized
+    log_estimator_defaults(cfg, dist)
     warn_kl_in_group_returns(cfg, dist)
     tok, g = engine.tokenizer, cfg.generation
     columns = reward_columns(reward_fn)  # the data columns the reward function takes, kept with every row

@@ -137,6 +137,8 @@ def run_fingerprint(cfg: Any, roles: Mapping[str, Any], world_size: int, num_pro
                 fp[f"{role}_{name}"] = getattr(rc, name)
     if getattr(getattr(cfg, "engine", None), "enable_ema", False):
         fp["enable_ema"] = True
+    if cfg.ppo.policy_loss != "ppo_clip":  # only then: checkpoints from before the registry resume as they were
+        fp["policy_loss"] = cfg.ppo.policy_loss
     for name in FINGERPRINT_BATCH:
         fp[name] = getattr(cfg.batch, name)
     if any(getattr(cfg, r).lr_scheduler_type in ("linear", "cosine") for r in trained):

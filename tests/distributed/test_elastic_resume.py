@@ -72,15 +72,15 @@ def test_two_ranks_resume_on_one_at_zero2_with_ptx(tiny, tmp_path):
     assert os.path.isfile(os.path.join(out, "checkpoints", "iter_000003", "COMPLETE"))
 
 
-# rank 0 converts for twice the collective timeout (0.5 min): a rank waiting in a barrier would time out (checked
+# rank 0 converts for 1.5 times the collective timeout (0.5 min): a rank waiting in a barrier would time out (checked
 # once by hand with the wait put back in a barrier: gloo "Timed out waiting ... for recv"); 30 s leaves the other
 # collectives of a loaded 2-core CI machine their margin
-SLOW_CONVERSION_S = 60
+SLOW_CONVERSION_S = 45
 
 
 @pytest.mark.distributed
 def test_one_rank_resumes_on_two_at_zero2_with_ptx_and_a_conversion_longer_than_the_timeout(tiny, tmp_path):
-    """Rank 0 converts the 1-rank checkpoint for the 2 new ranks, made slower (60 s) than --dist_timeout_minutes
+    """Rank 0 converts the 1-rank checkpoint for the 2 new ranks, made slower (45 s) than --dist_timeout_minutes
     (0.5 = 30 s): rank 1 waits on the conversion's own gloo group (in a barrier of the default group it would time
     out and the launch fail)."""
     out = _elastic(tiny, tmp_path, 1, 2, stage=2, ptx=True, resume_flags=("--slow_conversion", str(SLOW_CONVERSION_S)),

@@ -59,6 +59,26 @@ CF = dict(per_device_generation_batch_size=2, n_samples_per_prompt=2, generation
           actor_learning_rate=0.0)
 SEQ_AGG = dict(loss_agg_mode="seq_mean_token_mean", kl_loss_coef=0.5)  # per-response means, and a KL loss term
 INV = dict(do_sample="false", max_steps=3, ppo_epochs=2, seed=3, actor_learning_rate=2e-4, critic_learning_rate=2e-4)
+# one update at lr > 0 for every estimator and policy loss: 8 global rollouts (4 prompts x 2 greedy samples made to
+# differ by the `group_spread` hook), ONE mini-batch, one epoch, one iteration; 1 rank vs 2 ranks
+ESTIMATORS = ("gae", "grpo", "dr_grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline")
+LOSSES = ("gspo", "cispo")  # with grpo (ppo_clip is every estimator's run)
+ONE = dict(do_sample="false", max_steps=1, ppo_epochs=1, seed=3, actor_learning_rate=2e-4, n_samples_per_prompt=2,
+           per_device_training_batch_size=2)
+ONE_WORLD = {2: dict(per_device_generation_batch_size=2, gradient_accumulation_steps=2),
+             1: dict(per_device_generation_batch_size=4, gradient_accumulation_steps=4)}
+
+
+def one_update_runs(d, tiny, world: int) -> list:
+    runs = []
+    for name, flags in [*[(est, dict(advantage_estimator=est)) for est in ESTIMATORS],
+                        *[(loss, dict(advantage_estimator="grpo", policy_loss=loss)) for loss in LOSSES]]:
+        if flags["advantage_estimator"] == "gae":
+            flags["critic_learning_rate"] = 2e-4
+        runs.append({"name": f"one_{name}_{world}r", "args": args_for(tiny, d(f"one_{name}_{world}r"), **ONE,
+                                                                     **ONE_WORLD[world], **flags),
+                     "hooks": {"group_spread": True}})
+    return runs
 
 
 @pytest.fixture(scope="module")
@@ -92,6 +112,8 @@ def two_rank(tiny, tmp_path_factory):
           for est in CRITIC_FREE],
         {"name": "cf_grpo_lr", "args": args_for(tiny, d("cf_grpo_lr"), advantage_estimator="grpo",
                                                  **{**CF, "actor_learning_rate": 1e-3})},
+        *[{"name": f"lr0_{loss}", "args": args_for(tiny, d(f"lr0_{loss}"), policy_loss=loss, **LR0)} for loss in LOSSES],
+        *one_update_runs(d, tiny, 2),
     ]
     return run_harness(tmp, "two_rank", runs, 2, "deepspeed")
 
@@ -123,6 +145,7 @@ def one_rank(tiny, tmp_path_factory):
     runs.append({"name": "learn_lr0", "args": args_for(tiny, d("learn_lr0"), seed=1,
                                                        **{**LEARN, "actor_learning_rate": 0.0}),
                  "hooks": LEARN_REWARD})
+    runs += one_update_runs(d, tiny, 1)
     return run_harness(tmp, "one_rank", runs, 1, "python")
 
 
@@ -204,6 +227,35 @@ def test_reference_from_actor_kl_exactly_zero_at_first_iteration(two_rank, one_r
         assert run["records"][0]["objective/kl"] == 0.0, name
 
 
+@pytest.mark.distributed
+@pytest.mark.parametrize("loss", LOSSES)
+def test_lr0_every_ratio_is_one_for_each_policy_loss(two_rank, loss):
+    run = two_rank[f"lr0_{loss}"]
+    assert len(run["ratio_trace"]) == 8 and max(run["ratio_trace"]) <= MAX_LOG_RATIO_LR0, run["ratio_trace"]
+    for rec in run["records"]:
+        assert rec["policy/ratio_max"] - 1 <= 2e-6 and 1 - rec["policy/ratio_min"] <= 2e-6, rec
+        assert rec["policy/clipfrac"] == 0.0 and rec["objective/kl"] == 0.0
+    assert run["max_param_change"] == {"actor": 0.0, "critic": 0.0}
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("name", [*ESTIMATORS, *LOSSES])
+def test_one_update_at_lr_positive_is_the_same_on_one_and_two_ranks(two_rank, one_rank, name):
+    """Every estimator (ppo_clip) and policy loss (grpo): the same 8 rollouts (checked), one mini-batch, one
+    update. The update moved the actor (an estimator or loss computed per rank, or normalised by a local count,
+    would move it differently on 2 ranks), and both world sizes agree within 1e-5."""
+    one, two = one_rank[f"one_{name}_1r"], two_rank[f"one_{name}_2r"]
+    rows_one = _real_rows(one["ranks"][0]["rollouts"][0])
+    rows_two = _real_rows(two["ranks"][0]["rollouts"][0]) + _real_rows(two["ranks"][1]["rollouts"][0])
+    assert rows_one == rows_two and len(set(map(tuple, rows_one))) > len(rows_one) // 2  # groups differ inside
+    assert one["optimizer_steps"]["actor"] == two["optimizer_steps"]["actor"] == [0, 1]
+    assert one["max_param_change"]["actor"] > 1e-4, one["max_param_change"]
+    metric, params = _compare(two, one)
+    assert max(params.values()) <= INVARIANCE_ATOL, params
+    for k in ("policy/loss", "policy/approx_kl", "objective/score"):
+        assert metric[k] <= INVARIANCE_ATOL, (k, metric[k])
+
+
 # ---- 1 rank vs 2 ranks, micro-batch x accumulation ----------------------------------------------------------------
 def _real_rows(rollout_record):
     return [[t for t, m in zip(seq, mask) if m] for seq, mask in
@@ -215,10 +267,10 @@ def _compare(run, ref):
     metric = {}
     for a, b in zip(run["records"], ref["records"]):
         for k in b:
-            if not k.startswith(VOLATILE) and k not in DISCRETE:
+            if not k.startswith(VOLATILE) and k not in DISCRETE and b[k] is not None:
                 metric[k] = max(metric.get(k, 0.0), abs(a[k] - b[k]))
     params = {}
-    for role in ("actor", "critic"):
+    for role in ref["max_param_change"]:  # the trained roles (no critic in a critic-free run)
         x = torch.load(os.path.join(run["output_dir"], f"final_{role}.pt"))
         y = torch.load(os.path.join(ref["output_dir"], f"final_{role}.pt"))
         assert x.keys() == y.keys()

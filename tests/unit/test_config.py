@@ -172,3 +172,34 @@ def test_config_error_pickles_with_its_problems():
     err = ConfigError([Problem("kl_coef", -1, "must be >= 0")], "invalid command line")
     back = pickle.loads(pickle.dumps(err))
     assert isinstance(back, ConfigError) and back.problems == err.problems and str(back) == str(err)
+
+
+@pytest.mark.parametrize("est, want", [
+    ("gae", dict(kl_coef=0.1, kl_loss_coef=0.0, kl_loss_estimator="k2", loss_agg_mode="token_mean")),
+    ("reinforce_pp", dict(kl_coef=0.1, kl_loss_coef=0.0)),
+    ("grpo", dict(kl_coef=0.0, kl_loss_coef=0.001, kl_loss_estimator="k3", loss_agg_mode="token_mean")),
+    ("rloo", dict(kl_coef=0.0, kl_loss_coef=0.001, kl_loss_estimator="k3")),
+    ("dr_grpo", dict(kl_coef=0.0, kl_loss_coef=0.001, loss_agg_mode="seq_mean_token_sum_norm")),
+])
+def test_estimator_family_defaults(est, want):
+    """A group estimator puts the KL in the loss unless the run says otherwise (config.ESTIMATOR_DEFAULTS)."""
+    from rlhf_engine.cli import parse_args
+
+    base = ["--actor_model_name_or_path", "/x", "--data_path", "/x.jsonl", "--advantage_estimator", est]
+    if est != "gae" and est != "reinforce_pp":
+        base += ["--n_samples_per_prompt", "2"]
+    ppo = parse_args(base).ppo
+    assert {k: getattr(ppo, k) for k in want} == want
+
+
+def test_explicit_flags_and_config_file_keys_win_over_the_family_defaults(tmp_path):
+    from rlhf_engine.cli import parse_args
+
+    base = ["--actor_model_name_or_path", "/x", "--data_path", "/x.jsonl", "--advantage_estimator", "grpo",
+            "--n_samples_per_prompt", "2"]
+    ppo = parse_args(base + ["--kl_coef", "0.05", "--loss_agg_mode", "seq_mean_token_mean"]).ppo
+    assert (ppo.kl_coef, ppo.kl_loss_coef, ppo.loss_agg_mode) == (0.05, 0.001, "seq_mean_token_mean")
+    cfg_file = tmp_path / "c.yaml"
+    cfg_file.write_text("kl_loss_coef: 0.0\n")
+    ppo = parse_args(base + ["--config", str(cfg_file)]).ppo
+    assert (ppo.kl_coef, ppo.kl_loss_coef) == (0.0, 0.0)

@@ -21,7 +21,9 @@ Hooks (all default off): "use_position_ids": false  -> engine.use_position_ids =
 "loss_token_mean": "local" -> the per-rank token mean (negative control of the global token mean);
 "left_pad_training": k -> every actor TRAINING forward gets k extra left-padding columns (harness-only: wraps
 engine.actor_forward), so it sees another left padding than the experience forward of the same rows;
-"reward_fn": "fraction:<lo>:<hi>" -> score = fraction of response tokens with lo <= id < hi (a programmatic reward).
+"reward_fn": "fraction:<lo>:<hi>" -> score = fraction of response tokens with lo <= id < hi (a programmatic reward);
+"group_spread": true -> member k of each prompt's group keeps all but the last k tokens of its greedy response
+(`spread_groups`: samples that differ within a group, the same on any number of ranks).
 """
 from __future__ import annotations
 
@@ -59,6 +61,24 @@ def left_padded(rollout, k: int, pad_token_id: int):
                                prompt_length=rollout.prompt_length + k)
 
 
+def spread_groups(gen, n: int, pad_token_id: int):
+    """Greedy decoding gives the n samples of a prompt the same response (no advantage to learn from); a
+    deterministic stand-in for sampling that every world size reproduces: member k keeps all but its last k tokens
+    (at least one). The generation log-probs are cut alike."""
+    from rlhf_engine.engine.generation import Generated
+    from rlhf_engine.rollout import Rollout
+
+    r = gen.rollout
+    P = r.prompt_length
+    keep = [max(1, int(length) - (i % n)) for i, length in enumerate(r.response_lengths)]
+    responses = [row[:k].tolist() for row, k in zip(r.responses, keep)]
+    cut = Rollout.from_responses(r.prompts, r.attention_mask[:, :P], responses, pad_token_id,
+                                 ended_with_eos=[bool(e) and k == int(length) for e, k, length in
+                                                 zip(r.ended_with_eos, keep, r.response_lengths)])
+    logprobs = None if gen.logprobs is None else gen.logprobs[:, :cut.response_width] * cut.action_mask
+    return Generated(cut, logprobs)
+
+
 def gather(obj):
     """Every rank's `obj`, in rank order (on every rank)."""
     world = torch.distributed.get_world_size()
@@ -83,6 +103,10 @@ def run_one(spec: dict) -> dict | None:
     if "left_pad_training" in hooks:  # the actor's TRAINING forward sees k more left padding than its experience
         k, orig_actor_forward = int(hooks["left_pad_training"]), engine.actor_forward
         engine.actor_forward = lambda r, **kw: orig_actor_forward(left_padded(r, k, engine.pad_token_id), **kw)
+    if "group_spread" in hooks:  # greedy samples differ within a group: member k of a prompt is cut by k tokens
+        n, orig_sample = cfg.batch.n_samples_per_prompt, engine.sample
+        engine.sample = lambda ids, mask, params=None: spread_groups(orig_sample(ids, mask, params), n,
+                                                                     engine.pad_token_id)
     if "reward_fn" in hooks:
         kind, lo, hi = hooks["reward_fn"].split(":")
         assert kind == "fraction", kind
