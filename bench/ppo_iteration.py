@@ -180,13 +180,9 @@ def build_variant(args, v: dict, world: int, models: dict, prompts: list, run_di
 
 
 def gather(obj):
-    import torch
+    from rlhf_engine import comm
 
-    if not (torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1):
-        return [obj]
-    out = [None] * torch.distributed.get_world_size()
-    torch.distributed.all_gather_object(out, obj)
-    return out
+    return comm.all_gather_object(obj)
 
 
 def run_iteration(b: Built, it: int, warmup: bool, count_syncs: bool) -> dict:

@@ -39,9 +39,7 @@ def main() -> None:
     ap.add_argument("--local_rank", type=int, default=None)
     args = ap.parse_args()
 
-    import torch
-
-    from rlhf_engine import assets
+    from rlhf_engine import assets, comm
     from rlhf_engine.config import DataConfig
     from rlhf_engine.data import load_prompt_data
     from rlhf_engine.engine import init_distributed, load_tokenizer
@@ -59,34 +57,31 @@ def main() -> None:
                 for p in assets.tiny_prompts(args.prompts):
                     f.write(json.dumps({"prompt": p}) + "\n")
             os.replace(data_file + ".tmp", data_file)
-    torch.distributed.barrier()
+    comm.barrier()
     tok = load_tokenizer(tok_dir)
     base = DataConfig(data_path=data_file, prompt_template="Question: {prompt}\nAnswer:", eval_split=0.01)
     cache_dir = os.path.join(work, "cache")
 
     def timed(data) -> tuple[float, float, str]:
-        torch.distributed.barrier()
+        comm.barrier()
         w0, c0 = time.perf_counter(), time.process_time()
         out = load_prompt_data(data, tok, 512, seed=1, verbose=False)
         cpu = time.process_time() - c0
-        torch.distributed.barrier()
-        wall = torch.tensor([time.perf_counter() - w0, cpu], dtype=torch.float64)
-        stats = [torch.zeros_like(wall) for _ in range(dist.world_size)]
-        torch.distributed.all_gather(stats, wall)
-        return max(float(s[0]) for s in stats), sum(float(s[1]) for s in stats), out.cache.status
+        comm.barrier()
+        stats = comm.all_gather_object((time.perf_counter() - w0, cpu))
+        return max(w for w, _ in stats), sum(c for _, c in stats), out.cache.status
 
     rounds = []
     for r in range(args.rounds):
         if dist.is_main and os.path.isdir(cache_dir):
             shutil.rmtree(cache_dir)  # cold: no entry
-        torch.distributed.barrier()
+        comm.barrier()
         rec = {}
         # no_cache and cold swap places every round (warm needs cold's entry): an order effect cancels out
         for name in (VARIANTS if r % 2 == 0 else ("cold", "no_cache", "warm")):
             data = dataclasses.replace(base, data_cache_dir="none" if name == "no_cache" else cache_dir)
             wall, cpu, status = timed(data)
-            statuses = [None] * dist.world_size
-            torch.distributed.all_gather_object(statuses, status)
+            statuses = comm.all_gather_object(status)
             rec[name] = {"wall_s": wall, "cpu_s_all_ranks": cpu, "cache_status_by_rank": statuses}
         rounds.append(rec)
         if dist.is_main:
@@ -112,8 +107,7 @@ def main() -> None:
             "entry_mib": os.path.getsize(os.path.join(cache_dir, entry[0])) / 2 ** 20 if entry else None,
             "data_file_mib": os.path.getsize(data_file) / 2 ** 20, "rounds": rounds, "summary": summary})
         print(json.dumps(summary, indent=1))
-    torch.distributed.barrier()
-    torch.distributed.destroy_process_group()
+    comm.shutdown(ok=True)
 
 
 if __name__ == "__main__":
