@@ -12,8 +12,9 @@ other module off torch.distributed's collectives.
 """
 from __future__ import annotations
 
+import datetime
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
 
@@ -103,8 +104,8 @@ def all_gather_object(obj: Any) -> list:
     return out
 
 
-def new_cpu_group(timeout: Any) -> Optional[Any]:
-    """A gloo group of every rank with its own collective timeout (a datetime.timedelta; CPU tensors, whatever the default backend), or
+def new_cpu_group(timeout: datetime.timedelta) -> Optional[Any]:
+    """A gloo group of every rank with its own collective timeout (CPU tensors, whatever the default backend), or
     None when not distributed. Every rank must call it; end it with `destroy_group`."""
     return torch.distributed.new_group(backend="gloo", timeout=timeout) if initialized() else None
 
@@ -112,6 +113,36 @@ def new_cpu_group(timeout: Any) -> Optional[Any]:
 def destroy_group(group: Optional[Any]) -> None:
     if group is not None:
         torch.distributed.destroy_process_group(group)
+
+
+# how long the other ranks wait for rank 0's single-rank step in `run_on_main` (a dead rank 0 ends it sooner)
+MAIN_RANK_WAIT = datetime.timedelta(hours=12)
+
+
+def run_on_main(fn: Callable[[], Any], what: str, timeout: datetime.timedelta = MAIN_RANK_WAIT) -> Any:
+    """`fn()` on rank 0 while every other rank waits for its outcome, then every rank goes on together. Collective.
+
+    A single-rank step (converting a checkpoint, writing a large model) may outlast the default group's collective
+    timeout (`--dist_timeout_minutes`), so the others do not wait in a barrier of that group: they wait for rank 0's
+    outcome on a gloo group of their own with `timeout`. A rank 0 that dies closes its connections and ends the wait
+    at once. Returns fn's value on rank 0 (None elsewhere); an exception of fn is raised on rank 0 as it is and on
+    the other ranks as a RuntimeError naming `what` and the error."""
+    group = new_cpu_group(timeout)
+    result, failure = None, None
+    try:
+        if rank() == 0:
+            try:
+                result = fn()
+            except BaseException as e:  # noqa: BLE001  (told to the waiting ranks first, then raised)
+                failure = e
+        error = broadcast_object(None if failure is None else f"{type(failure).__name__}: {failure}", group=group)
+    finally:
+        destroy_group(group)
+    if failure is not None:
+        raise failure
+    if error is not None:
+        raise RuntimeError(f"rank 0 failed to {what}: {error}")
+    return result
 
 
 def shutdown(ok: bool) -> None:

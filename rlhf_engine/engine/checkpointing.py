@@ -11,7 +11,7 @@
   bf16 optimizer of stage 0) is converted once by DeepSpeed's own `ds_to_universal` into
   `<checkpoint folder>/universal/<role>/` (rank 0; a `.done` file marks a finished conversion) and loaded as a
   universal checkpoint, which re-partitions it for the new ranks. The other ranks wait for the conversion on a gloo
-  group of its own, with a timeout of hours (it may outlast the collective timeout); `convert_checkpoint` (launch/convert_checkpoint.py) does it
+  group of its own, with a timeout of hours (`comm.run_on_main`: it may outlast the collective timeout); `convert_checkpoint` (launch/convert_checkpoint.py) does it
   ahead of the resume, offline. Stage 0 with an unpartitioned optimizer (fp32, or
   the unfused fp16/bf16 optimizer with its fp32 master weights) keeps the whole state in one file and loads as it is.
 
@@ -19,13 +19,12 @@ Every function is collective (call it on all ranks), except the offline `partiti
 """
 from __future__ import annotations
 
-import datetime
 import os
-from typing import Any, Optional
+from typing import Any
 
 import torch
 
-from ..comm import barrier, broadcast_object, destroy_group, new_cpu_group, rank
+from ..comm import barrier, rank, run_on_main
 from ..config import TRAINED_ROLES
 
 WEIGHTS_ONLY = ("ema",)
@@ -102,33 +101,12 @@ def convert_checkpoint(ckpt_dir: str) -> list[str]:
     return roles
 
 
-CONVERSION_WAIT = datetime.timedelta(hours=12)  # the conversion group's timeout: a dead rank 0 ends the wait sooner
-
-
 def convert_to_universal(ckpt_dir: str, tag: str) -> str:
     """`<ckpt_dir>/<tag>/` -> `<ckpt_dir>/universal/<tag>/` once, by rank 0; returns `<ckpt_dir>/universal`.
-    Collective.
-
-    A large ZeRO-3 checkpoint converts for longer than the collective timeout (`--dist_timeout_minutes`), so the
-    other ranks do not wait on the default group: they wait for rank 0's outcome (None, or its error, which they
-    raise too) on a gloo group of their own whose timeout is CONVERSION_WAIT. A rank 0 that dies closes its
-    connections and ends the wait at once."""
-    group = new_cpu_group(CONVERSION_WAIT)
-    try:
-        failure: Optional[BaseException] = None
-        if rank() == 0:
-            try:
-                _convert(ckpt_dir, tag)
-            except BaseException as e:  # noqa: BLE001  (reported to the waiting ranks first, then raised)
-                failure = e
-        error = broadcast_object(None if failure is None else f"{type(failure).__name__}: {failure}", group=group)
-    finally:
-        destroy_group(group)
-    if failure is not None:
-        raise failure
-    if error is not None:
-        raise RuntimeError(f"rank 0 could not convert {os.path.join(ckpt_dir, tag)} to a universal checkpoint: "
-                           f"{error}")
+    Collective: the other ranks wait on a group of their own (`comm.run_on_main`), since a large ZeRO-3 checkpoint
+    converts for longer than the collective timeout."""
+    run_on_main(lambda: _convert(ckpt_dir, tag),
+                f"convert {os.path.join(ckpt_dir, tag)} to a universal checkpoint")
     return os.path.join(ckpt_dir, UNIVERSAL_DIR)
 
 
@@ -181,13 +159,13 @@ def save_weights(ds_engine: Any, out_dir: str) -> None:
         sd = ds_engine._zero3_consolidated_16bit_state_dict()  # dtype of the parameters, despite the name
     else:
         sd = ds_engine.module.state_dict()
-    if rank() == 0:
+    def write() -> None:
         os.makedirs(out_dir, exist_ok=True)
-        sd = {k: v.detach().cpu().clone() for k, v in sd.items()}
         tmp = os.path.join(out_dir, EMA_FILE + ".tmp")
-        torch.save(sd, tmp)
+        torch.save({k: v.detach().cpu().clone() for k, v in sd.items()}, tmp)
         os.replace(tmp, os.path.join(out_dir, EMA_FILE))
-    barrier()
+
+    run_on_main(write, f"write {os.path.join(out_dir, EMA_FILE)}")
 
 
 def load_weights(ds_engine: Any, in_dir: str) -> None:

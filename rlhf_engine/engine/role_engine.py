@@ -18,7 +18,7 @@ from typing import Any, Optional
 
 import torch
 
-from ..comm import barrier
+from ..comm import run_on_main
 from ..config import RoleConfig
 from ..rollout import Rollout, gather_at
 from .ds_config import _merge, build_ds_config, load_json, torch_dtype
@@ -127,11 +127,13 @@ def export_engine(engine: Any, stage: int, out_dir: str, tokenizer: Any, is_main
     A model with a LoRA adapter is exported merged (`models.merged_copy`: the consolidated weights loaded into a
     fresh CPU copy, then peft's `merge_and_unload`): a plain model, no peft needed to load it."""
     sd = full_state_dict(engine, stage, is_main)
-    if is_main:
+
+    def write() -> None:  # rank 0 alone, for as long as a large model takes: the others wait off the default group
         os.makedirs(out_dir, exist_ok=True)
         if peft_model_of(engine.module) is not None:
             merged_copy(engine.module, sd).save_pretrained(out_dir)
         else:
             engine.module.save_pretrained(out_dir, state_dict=sd)
         tokenizer.save_pretrained(out_dir)
-    barrier()
+
+    run_on_main(write, f"export {out_dir}")

@@ -29,7 +29,7 @@ import numpy as np
 import torch
 
 from .. import faults  # TEST HOOK: the `checkpoint` fault point inside a save
-from ..comm import all_gather_object, barrier, broadcast_object
+from ..comm import all_gather_object, barrier, broadcast_object, run_on_main
 from ..data.sampler import DataCursor
 from ..errors import ConfigError, Problem
 from ..outputs import checkpoint as ckpt
@@ -250,7 +250,8 @@ class Checkpointer:
             os.fsync(f.fileno())
         os.replace(target + ".tmp", target)
         barrier()  # every rank has finished every file
-        if dist.is_main:
+
+        def complete() -> None:  # rank 0: the marker, then the rotation (deleting large folders takes its time)
             ckpt.write_marker(path, {
                 "tag": tag, "iteration": it, "world_size": dist.world_size, "roles": roles,
                 "state_files": [ckpt.state_file(r) for r in range(dist.world_size)],
@@ -260,7 +261,8 @@ class Checkpointer:
             log.info("checkpoint %s saved in %.2fs%s", path, time.perf_counter() - t0,
                      f"; removed {', '.join(os.path.basename(d) for d in deleted)} (keep_last {self.keep_last})"
                      if deleted else "")
-        barrier()
+
+        run_on_main(complete, f"complete the checkpoint {path}")
         self.last_saved = it
         self.boundary.saved()
         return path

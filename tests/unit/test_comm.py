@@ -89,3 +89,15 @@ def test_single_process_needs_no_group():
     x = torch.tensor([3.0])
     assert comm.all_reduce(x) is x and x.item() == 3.0
     assert comm.agree(True) is True and comm.agree(False) is False
+
+
+def test_run_on_main_returns_rank_0s_value_and_raises_its_error(dist_single):
+    """One real rank (gloo): the value comes back, an exception comes out as it is. The waiting ranks' side (a
+    conversion slower than the collective timeout) is the 2-rank elastic-resume test's."""
+    assert comm.run_on_main(lambda: 41 + 1, "add") == 42
+
+    def fails():
+        raise OSError("disk full")
+
+    with pytest.raises(OSError, match="disk full"):
+        comm.run_on_main(fails, "write")
