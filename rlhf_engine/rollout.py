@@ -293,8 +293,8 @@ class Experience:
     returns: Optional[torch.Tensor]  # [B, R] value targets (None: no critic, or an estimator without returns)
     # [B, R] generation-time log-probs of the sampled tokens (None: the generation backend gives none)
     rollout_logprobs: Optional[torch.Tensor] = None
-    # --rollout_correction: [B, R] weights of the advantages in the policy loss (tis), and the policy loss's own mask
-    # (mis: responses masked out); None: no correction
+    # --rollout_correction: [B, R] weights of the advantages in the policy loss, and the policy loss's own mask (the
+    # mask modes' tokens out; --filter_uniform_groups' groups out); None: no correction or filter
     advantage_weights: Optional[torch.Tensor] = None
     policy_mask: Optional[torch.Tensor] = None
 
