@@ -16,13 +16,13 @@ import threading
 import time
 from typing import Any, Optional
 
-_state: dict = {"received": None, "at": None, "wall": None, "previous": {}}
+_state: dict = {"received": None, "wall": None, "previous": {}}
 
 
 def _note(signum: int, frame: Any) -> None:
     if _state["received"] is None:
         _state["received"] = signal.Signals(signum).name
-        _state["at"], _state["wall"] = time.monotonic(), time.time()
+        _state["wall"] = time.time()
 
 
 def handled(spec: str = "auto") -> tuple:
@@ -71,4 +71,4 @@ def received_at() -> Optional[float]:
 
 def reset() -> None:
     """Forget a noted signal (tests that run several trainers in one process)."""
-    _state["received"] = _state["at"] = _state["wall"] = None
+    _state["received"] = _state["wall"] = None

@@ -10,7 +10,8 @@ text, blank, or shorter than 2 tokens are skipped (counted).
 Sampling: a `PromptSampler` over the documents (order from `seed` and the epoch, rank r takes slice r of each global
 mini-batch of `per_device_training_batch_size x gradient_accumulation_steps x world_size` documents, the short last
 one dropped) behind a `DataCursor`, registered as the checkpoint state provider "ptx_data": a resumed run continues
-with the same documents, on another world size too (the global mini-batch is what a resume keeps). The loss is the trainer's (trainer/ptx.py).
+with the same documents, on another world size too (the global mini-batch is what a resume keeps). The loss is the
+trainer's (trainer/ptx.py).
 """
 from __future__ import annotations
 

@@ -11,9 +11,10 @@
   bf16 optimizer of stage 0) is converted once by DeepSpeed's own `ds_to_universal` into
   `<checkpoint folder>/universal/<role>/` (rank 0; a `.done` file marks a finished conversion) and loaded as a
   universal checkpoint, which re-partitions it for the new ranks. The other ranks wait for the conversion on a gloo
-  group of its own, with a timeout of hours (`comm.run_on_main`: it may outlast the collective timeout); `convert_checkpoint` (launch/convert_checkpoint.py) does it
-  ahead of the resume, offline. Stage 0 with an unpartitioned optimizer (fp32, or
-  the unfused fp16/bf16 optimizer with its fp32 master weights) keeps the whole state in one file and loads as it is.
+  group of its own, with a timeout of hours (`comm.run_on_main`: it may outlast the collective timeout);
+  `convert_checkpoint` (launch/convert_checkpoint.py) does it ahead of the resume, offline. Stage 0 with an
+  unpartitioned optimizer (fp32, or the unfused fp16/bf16 optimizer with its fp32 master weights) keeps the whole
+  state in one file and loads as it is.
 
 Every function is collective (call it on all ranks), except the offline `partitioned_roles` and `convert_checkpoint`.
 """
@@ -159,6 +160,7 @@ def save_weights(ds_engine: Any, out_dir: str) -> None:
         sd = ds_engine._zero3_consolidated_16bit_state_dict()  # dtype of the parameters, despite the name
     else:
         sd = ds_engine.module.state_dict()
+
     def write() -> None:
         os.makedirs(out_dir, exist_ok=True)
         tmp = os.path.join(out_dir, EMA_FILE + ".tmp")

@@ -58,9 +58,9 @@ class ParallelReward:
     wrapped function's signature (so the data columns it asks for are the same)."""
 
     def __init__(self, spec: str, workers: int, timeout_s: float = 60.0, on_error: Optional[float] = None):
-        self.fn = load_reward_fn(spec)  # here first: a bad spec is a start-up error, before any process
+        fn = load_reward_fn(spec)  # here first: a bad spec is a start-up error, before any process
         self.spec, self.workers, self.timeout_s, self.on_error = spec, int(workers), float(timeout_s), on_error
-        self.__signature__ = inspect.signature(self.fn)
+        self.__signature__ = inspect.signature(fn)
         self.__rlhf_spec__ = f"{spec} (in {self.workers} worker processes)"
         self._ctx = mp.get_context("spawn")  # no fork of a process holding process groups and threads
         self._pool: list[_Worker] = []
