@@ -33,31 +33,36 @@ ALLOWED = {
 }
 
 
+def _sources(root: str):
+    """(path relative to root, parsed module) of every .py file of the package below `root`."""
+    for d, _, files in os.walk(root):
+        for f in files:
+            if f.endswith(".py"):
+                path = os.path.join(d, f)
+                yield os.path.relpath(path, root), ast.parse(open(path).read())
+
+
 def _imports():
     """(importing room, imported module) for every import statement of the package."""
     out = []
-    for d, _, files in os.walk(ROOT):
-        for f in files:
-            if not f.endswith(".py"):
-                continue
-            path = os.path.join(d, f)
-            rel = os.path.relpath(path, ROOT)[:-3].split(os.sep)
-            pkg = rel if f == "__init__.py" else rel[:-1]
-            pkg = [p for p in pkg if p != "__init__"]
-            room = rel[0]
-            for node in ast.walk(ast.parse(open(path).read())):
-                if isinstance(node, ast.ImportFrom):
-                    if node.level:
-                        base = pkg[:len(pkg) - (node.level - 1)] if node.level > 1 else pkg
-                        names = base + (node.module.split(".") if node.module else [])
-                        if not node.module:  # `from .. import faults`
-                            out += [(room, ".".join(["rlhf_engine", *names, a.name])) for a in node.names]
-                            continue
-                        out.append((room, ".".join(["rlhf_engine", *names])))
-                    else:
-                        out.append((room, node.module or ""))
-                elif isinstance(node, ast.Import):
-                    out += [(room, a.name) for a in node.names]
+    for rel_path, tree in _sources(ROOT):
+        rel = rel_path[:-3].split(os.sep)
+        pkg = rel if rel[-1] == "__init__" else rel[:-1]
+        pkg = [p for p in pkg if p != "__init__"]
+        room = rel[0]
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom):
+                if node.level:
+                    base = pkg[:len(pkg) - (node.level - 1)] if node.level > 1 else pkg
+                    names = base + (node.module.split(".") if node.module else [])
+                    if not node.module:  # `from .. import faults`
+                        out += [(room, ".".join(["rlhf_engine", *names, a.name])) for a in node.names]
+                        continue
+                    out.append((room, ".".join(["rlhf_engine", *names])))
+                else:
+                    out.append((room, node.module or ""))
+            elif isinstance(node, ast.Import):
+                out += [(room, a.name) for a in node.names]
     return out
 
 
@@ -111,26 +116,20 @@ def _collective_calls(root: str) -> list:
     """(file, line, name) of every torch.distributed collective named outside comm.py: `torch.distributed.X`,
     `<alias of torch.distributed>.X`, and `from torch.distributed import X`."""
     out = []
-    for d, _, files in os.walk(root):
-        for f in files:
-            if not f.endswith(".py"):
-                continue
-            path = os.path.join(d, f)
-            rel = os.path.relpath(path, root)
-            if rel == "comm.py":
-                continue
-            tree = ast.parse(open(path).read())
-            aliases = {"torch.distributed"}
-            for node in ast.walk(tree):
-                if isinstance(node, ast.Import):
-                    aliases |= {a.asname for a in node.names if a.name == "torch.distributed" and a.asname}
-                elif isinstance(node, ast.ImportFrom) and node.module == "torch.distributed":
-                    out += [(rel, node.lineno, a.name) for a in node.names if a.name in COLLECTIVES]
-                elif isinstance(node, ast.ImportFrom) and node.module == "torch":
-                    aliases |= {a.asname or a.name for a in node.names if a.name == "distributed"}
-            for node in ast.walk(tree):
-                if isinstance(node, ast.Attribute) and node.attr in COLLECTIVES and ast.unparse(node.value) in aliases:
-                    out.append((rel, node.lineno, node.attr))
+    for rel, tree in _sources(root):
+        if rel == "comm.py":
+            continue
+        aliases = {"torch.distributed"}
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Import):
+                aliases |= {a.asname for a in node.names if a.name == "torch.distributed" and a.asname}
+            elif isinstance(node, ast.ImportFrom) and node.module == "torch.distributed":
+                out += [(rel, node.lineno, a.name) for a in node.names if a.name in COLLECTIVES]
+            elif isinstance(node, ast.ImportFrom) and node.module == "torch":
+                aliases |= {a.asname or a.name for a in node.names if a.name == "distributed"}
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Attribute) and node.attr in COLLECTIVES and ast.unparse(node.value) in aliases:
+                out.append((rel, node.lineno, node.attr))
     return out
 
 
