@@ -509,6 +509,52 @@ class LoggingConfig:
             p.add(prefix + "wandb_sample_interval", self.wandb_sample_interval, "must be a whole number")
 
 
+ENV_ERRORS = ("stop", "score_zero")
+
+
+@dataclass
+class EnvConfig:
+    """Multi-turn rollouts (docs/environments.md): the model writes a turn, an environment answers with an
+    observation and a reward, until it says done. Observations are context, never trained on."""
+
+    environment: str = opt("", "'module:factory': factory(row) gets a data row (its columns and 'prompt') and "
+                           "returns an environment with reset() -> first user message or None (the row's prompt) "
+                           "and step(response) -> Step(observation, reward, done). '' = single-turn rollouts "
+                           "scored by the reward model or function.")
+    max_turns: int = opt(4, "Most model turns per episode; the episode ends after the last one whatever the "
+                         "environment says.")
+    max_episode_tokens: int = opt(0, "Most tokens of an episode after the prompt, model turns and observations "
+                                  "together (0 = max_turns x max_answer_seq_len). An episode that reaches it ends "
+                                  "truncated (env/truncated_rate).")
+    env_timeout_s: float = opt(30.0, "Seconds one reset() or step() call may take before it counts as an error.")
+    env_workers: int = opt(8, "Environment calls of a turn run in this many threads, across the batch's rows.")
+    env_errors: str = opt("stop", "What an environment call that raised or timed out does: 'stop' (the default: "
+                          "the run stops naming the row, so a broken environment is not mistaken for a failing "
+                          "model) or 'score_zero' (the episode ends there with reward 0, counted in env/errors).")
+
+    @property
+    def on(self) -> bool:
+        return bool(self.environment)
+
+    def episode_tokens(self, max_answer_seq_len: int) -> int:
+        """The episode's token budget after the prompt."""
+        return self.max_episode_tokens or self.max_turns * max_answer_seq_len
+
+    def validate(self, p: Problems, prefix: str = "") -> None:
+        if not isinstance(self.environment, str) or (self.environment and ":" not in self.environment):
+            p.add(prefix + "environment", self.environment, "must be 'module:factory' (or '' for single-turn)")
+        for name in ("max_turns", "env_workers"):
+            v = getattr(self, name)
+            if not (isinstance(v, int) and not isinstance(v, bool) and v >= 1):
+                p.add(prefix + name, v, "must be a whole number >= 1")
+        v = self.max_episode_tokens
+        if not (isinstance(v, int) and not isinstance(v, bool) and v >= 0):
+            p.add(prefix + "max_episode_tokens", v, "must be a whole number >= 0 (0 = max_turns x "
+                  "max_answer_seq_len)")
+        _positive(p, prefix, self, "env_timeout_s")
+        _choice(p, prefix, self, "env_errors", ENV_ERRORS)
+
+
 GATHER_ONCE_MODES = ("auto", "replica", "on", "off")
 
 
@@ -657,6 +703,7 @@ class TrainConfig:
     data: DataConfig = opt(None, "Prompt data.")
     logging: LoggingConfig = opt(None, "Metrics sinks besides metrics.jsonl.")
     engine: EngineConfig = opt(None, "Engine extensions: LoRA reference, EMA, gather-once generation, Hybrid Engine.")
+    env: EnvConfig = opt(None, "Multi-turn environments.")
     output_dir: str = opt("runs/ppo", "Run directory: metrics.jsonl, resolved configs, checkpoints.")
     max_steps: int = opt(10, "PPO iterations to run (one iteration = rollouts + ppo_epochs of updates).")
     num_train_epochs: int = opt(0, "Passes over the prompt data: the run stops after min(max_steps, "
@@ -715,7 +762,7 @@ class TrainConfig:
         for name, cls in (("actor", RoleConfig), ("critic", RoleConfig), ("reference", RoleConfig),
                           ("reward", RoleConfig), ("ppo", PPOConfig), ("generation", GenerationConfig),
                           ("batch", BatchConfig), ("data", DataConfig), ("logging", LoggingConfig),
-                          ("engine", EngineConfig)):
+                          ("engine", EngineConfig), ("env", EnvConfig)):
             if getattr(self, name) is None:
                 setattr(self, name, cls())
 
@@ -729,8 +776,14 @@ class TrainConfig:
 
     @property
     def scored_without_model(self) -> bool:
-        """A reward function or a reward server scores the rollouts: no reward engine is built."""
-        return bool(self.reward_fn or self.reward_url)
+        """A reward function, a reward server or an environment scores the rollouts: no reward engine is built."""
+        return bool(self.reward_fn or self.reward_url or self.env.on)
+
+    @property
+    def response_budget(self) -> int:
+        """The most tokens after the prompt: max_answer_seq_len, or an episode's budget with an environment."""
+        g = self.generation
+        return self.env.episode_tokens(g.max_answer_seq_len) if self.env.on else g.max_answer_seq_len
 
     @property
     def reward_on_error_score(self) -> Optional[float]:
@@ -773,6 +826,8 @@ class TrainConfig:
         self.batch.validate(p)
         self.data.validate(p)
         self.logging.validate(p)
+        self.env.validate(p)
+        self._validate_environment(p)
         _validate_checkpointing(p, self)
         _choice(p, "", self, "dtype", DTYPES)
         _validate_dist_timeout(p, self.dist_timeout_minutes)
@@ -785,6 +840,23 @@ class TrainConfig:
             p.add("eval_interval", self.eval_interval, "needs held-out prompts: set eval_data_path or eval_split")
         p.raise_if_any()
         return self
+
+    def _validate_environment(self, p: Problems) -> None:
+        """An environment scores its episodes itself; what shapes or cuts a single response does not apply."""
+        if not self.env.on:
+            return
+        for name in ("reward_fn", "reward_url"):
+            if getattr(self, name):
+                p.add(name, getattr(self, name), f"and environment ({self.env.environment!r}) both score the "
+                      "rollouts: the environment's step rewards are the episode's rewards; drop one")
+        ppo, g = self.ppo, self.generation
+        for name, off in (("normalize_reward", False), ("missing_eos_penalty", 0.0), ("overlong_buffer_len", 0)):
+            if getattr(ppo, name) != off:
+                p.add(name, getattr(ppo, name), "shapes a single response's score; with an environment the step "
+                      "rewards are used as they are (shape them in the environment)")
+        if _number(g.min_answer_seq_len) and g.min_answer_seq_len > 0:
+            p.add("min_answer_seq_len", g.min_answer_seq_len, "counts from the response's start, which an episode's "
+                  "later turns do not share: not supported with an environment")
 
     def _validate_estimator(self, p: Problems) -> None:
         """Group sizes, and no critic setting in a run without a critic (it would be silently ignored)."""

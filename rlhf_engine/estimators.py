@@ -124,20 +124,22 @@ def reinforce_pp_advantages(rewards: torch.Tensor, action_mask: torch.Tensor, ga
 
     Args:
         rewards: ``[B, R]`` per-token rewards (KL penalty on every action, clipped score on the last real one).
-        action_mask: ``[B, R]`` 0/1, right-padded.
+        action_mask: ``[B, R]`` 0/1 (holes between an episode's turns allowed).
         gamma: discount in [0, 1].
         mean, var: global statistics of the returns over real tokens (else local).
 
     Returns:
-        ``(advantages [B, R], returns [B, R])`` fp32: ``returns_t = sum_{k >= t} gamma^(k - t) rewards_k`` over real
-        tokens; advantages are the whitened returns; both 0 on padding.
+        ``(advantages [B, R], returns [B, R])`` fp32: ``returns_t = sum_k gamma^k rewards`` over the actions from
+        ``t`` on (k counts actions: context tokens between turns are skipped); advantages are the whitened returns;
+        both 0 off actions.
     """
     m = action_mask.float()
     r = rewards.float() * m
     returns = torch.zeros_like(r)
     running = torch.zeros(r.shape[0], device=r.device)
     for t in range(r.shape[1] - 1, -1, -1):
-        running = r[:, t] + gamma * running * m[:, t]  # padding (m = 0) contributes nothing and resets nothing real
+        # padding and context tokens (m = 0) pass the running return through unchanged
+        running = torch.where(m[:, t] > 0, r[:, t] + gamma * running, running)
         returns[:, t] = running
     returns = returns * m
     return masked_whiten_tokens(returns, action_mask, mean=mean, var=var), returns

@@ -8,13 +8,16 @@ every result is fp32.
 Conventions
 -----------
 * Per-token tensors cover the response actions only and have shape ``[B, R]`` (batch, response length).
-* ``action_mask[b, t] == 1`` iff response token ``t`` of row ``b`` is a real generated token (EOS included). Responses
-  are right-padded, so every mask row reads ``1 ... 1 0 ... 0``; ``action_mask.sum(-1)`` is the response length.
-  Masks may be bool, integer or floating tensors holding only 0/1.
+* ``action_mask[b, t] == 1`` iff response token ``t`` of row ``b`` is a token the model wrote (EOS included). A
+  single-turn response is right-padded, so its mask row reads ``1 ... 1 0 ... 0``; a multi-turn episode's row has
+  holes ``1 1 0 0 1 1 0 0`` where observation and chat-template tokens sit (context: real tokens, no actions). Every
+  function here takes either: per-token terms are computed at actions only, the score lands on the LAST action, and
+  GAE and discounted returns pass over the holes (the next action's value is the next state's). Masks may be bool,
+  integer or floating tensors holding only 0/1.
 * Values at masked (padding) positions of any input are junk and never influence any result: inputs are selected
   with ``torch.where`` (not multiplied by the mask, so even NaN/inf junk cannot leak), and every per-token output is
   exactly 0 at padding.
-* Bad input (shape/dtype mismatch, non-0/1 masks, masks that are not right-padded where that matters, out-of-range
+* Bad input (shape/dtype mismatch, non-0/1 masks, out-of-range
   hyperparameters, unknown estimator names) raises ``ValueError`` naming the argument. Data-dependent checks (mask
   values, label range, finite scores) are batched into one host sync per call. The functions a trainer calls per
   micro-batch (:func:`logprobs_from_logits`, :func:`policy_loss`, :func:`value_loss`) take ``check=False`` to skip
@@ -57,6 +60,7 @@ __all__ = [
     "kl_penalty",
     "compute_rewards",
     "compute_gae",
+    "last_action_index",
     "policy_loss",
     "LOSS_AGG_MODES",
     "loss_token_weights",
@@ -102,8 +106,8 @@ def _tensor(name: str, x: object, *, shape: Optional[Sequence[int]] = None,
     return x.float()
 
 
-def _mask(name: str, mask: object, shape: Sequence[int], shape_of: str, checks: Optional[List[_Check]], *,
-          right_padded: bool = False) -> torch.Tensor:
+def _mask(name: str, mask: object, shape: Sequence[int], shape_of: str, checks: Optional[List[_Check]]
+          ) -> torch.Tensor:
     """Check a 0/1 mask of the given shape (value checks are appended to `checks`; None skips them, and their
     kernels); return it as a bool tensor."""
     if not isinstance(mask, torch.Tensor):
@@ -119,14 +123,6 @@ def _mask(name: str, mask: object, shape: Sequence[int], shape_of: str, checks: 
             checks.append((not01.any(), lambda: f"{name}: expected only 0/1 values, got e.g. "
                                                 f"{raw[not01][0].item()!r}"))
         mask = raw != 0
-    if checks is not None and right_padded and mask.shape[-1] > 1:
-        gaps = mask[..., 1:] & ~mask[..., :-1]  # a 1 right after a 0
-
-        def bad_rows() -> str:
-            rows = gaps.reshape(-1, gaps.shape[-1]).any(-1).nonzero().flatten().tolist()
-            return f"{name}: expected right-padded rows (1...1 0...0), got a 1 after a 0 in rows {rows}"
-
-        checks.append((gaps.any(), bad_rows))
     return mask
 
 
@@ -413,18 +409,20 @@ def kl_penalty(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, estimator: st
 def compute_rewards(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, scores: torch.Tensor,
                     action_mask: torch.Tensor, kl_coef: float, reward_clip: float,
                     kl_estimator: str = "k1") -> Tuple[torch.Tensor, torch.Tensor]:
-    """Per-token rewards: ``-kl_coef * KL`` on every real token plus the clipped score on the last real token.
+    """Per-token rewards: ``-kl_coef * KL`` on every action plus the clipped score on the last action.
 
-    The score, clamped to ``[-reward_clip, reward_clip]``, is added at index ``length - 1`` (``length =
-    action_mask.sum(-1)``): the last action the loss trains. (DeepSpeed-Chat put it at ``length``, the first padding
-    position, a masked action, so the score never reached the loss.) EOS-ended and truncated rows follow the same rule;
-    a row without real tokens stays all 0. Computed without gradient.
+    A ``[B]`` score, clamped to ``[-reward_clip, reward_clip]``, is added at the row's last action (index
+    ``length - 1`` for a right-padded response, ``length = action_mask.sum(-1)``): the last action the loss trains.
+    (DeepSpeed-Chat put it at ``length``, the first padding position, a masked action, so the score never reached the
+    loss.) EOS-ended and truncated rows follow the same rule; a row without actions stays all 0. ``[B, R]`` scores are
+    an episode's per-turn rewards already placed on the last action of each turn: each is clamped and added where it
+    is (0 off actions). Computed without gradient.
 
     Args:
         logprobs: ``[B, R]`` actor log-probs of the response tokens.
         ref_logprobs: ``[B, R]`` reference log-probs.
-        scores: ``[B]`` reward-model scores; must be finite.
-        action_mask: ``[B, R]`` 0/1, right-padded.
+        scores: ``[B]`` scores, or ``[B, R]`` placed turn rewards; must be finite.
+        action_mask: ``[B, R]`` 0/1 (holes between an episode's turns allowed).
         kl_coef: >= 0.
         reward_clip: >= 0 (``float('inf')`` disables clipping).
         kl_estimator: one of ``KL_ESTIMATORS``.
@@ -435,11 +433,13 @@ def compute_rewards(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, scores: 
     est = _estimator("kl_estimator", kl_estimator)
     lp = _tensor("logprobs", logprobs, ndim=2)
     ref = _tensor("ref_logprobs", ref_logprobs, shape=lp.shape, shape_of="logprobs")
-    sc = _tensor("scores", scores, shape=lp.shape[:1], shape_of="logprobs[:, 0]")
+    placed = isinstance(scores, torch.Tensor) and scores.dim() == 2
+    sc = _tensor("scores", scores, shape=lp.shape if placed else lp.shape[:1],
+                 shape_of="logprobs" if placed else "logprobs[:, 0]")
     beta = _number("kl_coef", kl_coef, ge=0.0)
     clip = _number("reward_clip", reward_clip, ge=0.0)
     checks: List[_Check] = []
-    m = _mask("action_mask", action_mask, lp.shape, "logprobs", checks, right_padded=True)
+    m = _mask("action_mask", action_mask, lp.shape, "logprobs", checks)
     bad_scores = ~torch.isfinite(sc)
     checks.append((bad_scores.any(), lambda: f"scores: expected finite values, got non-finite scores in rows "
                                              f"{bad_scores.nonzero().flatten().tolist()}"))
@@ -448,26 +448,37 @@ def compute_rewards(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, scores: 
         # Select before the estimator so junk at padding cannot overflow (k3 exponentiates); log r = 0 there.
         kl = torch.where(m, _kl(torch.where(m, lp, 0.0), torch.where(m, ref, 0.0), est), 0.0)
         rewards = torch.where(m, -beta * kl, 0.0)
-        if rewards.shape[1] > 0:
-            length = m.sum(-1)
-            last = (length - 1).clamp_min(0)  # rows with length 0 get index 0 and add exactly 0 there
-            bonus = torch.where(length > 0, sc.clamp(-clip, clip), 0.0)
+        if placed:
+            rewards = rewards + torch.where(m, sc.clamp(-clip, clip), 0.0)
+        elif rewards.shape[1] > 0:
+            last = last_action_index(m)  # rows without actions get index 0 and add exactly 0 there
+            bonus = torch.where(m.any(-1), sc.clamp(-clip, clip), 0.0)
             rewards = rewards.scatter_add(1, last[:, None], bonus[:, None])
     return rewards, kl
+
+
+def last_action_index(action_mask: torch.Tensor) -> torch.Tensor:
+    """``[B, R]`` 0/1 -> ``[B]`` long: the index of each row's last action (0 for a row without one)."""
+    m = action_mask.long()
+    R = m.shape[-1]
+    return torch.where(m.any(-1), R - 1 - m.flip(-1).argmax(-1), 0)
 
 
 def compute_gae(rewards: torch.Tensor, values: torch.Tensor, action_mask: torch.Tensor, gamma: float,
                 lam: float) -> Tuple[torch.Tensor, torch.Tensor]:
     """Generalised advantage estimation over the response, computed without gradient.
 
-    ``delta_t = r_t + gamma * V_{t+1} * m_{t+1} - V_t``, ``A_t = delta_t + gamma * lam * m_{t+1} * A_{t+1}``, with
-    rewards and values masked to 0 at padding first, so the value after the last real token is 0 (episode end, also
-    for truncated rows) and junk at padding changes nothing. ``returns = advantages + values``.
+    Over the actions of a row, in order (``t'`` = the next action after ``t``):
+    ``delta_t = r_t + gamma * V_{t'} - V_t``, ``A_t = delta_t + gamma * lam * A_{t'}``, with ``V`` and ``A`` of the
+    (absent) action after the last one 0: the episode ends there, also for truncated rows. In a right-padded response
+    ``t' = t + 1``; in an episode the context tokens between turns are skipped, so the last action of a turn
+    bootstraps from the value of the next turn's first action, read after the observation. Junk at padding and
+    context changes nothing. ``returns = advantages + values`` at actions.
 
     Args:
         rewards: ``[B, R]`` per-token rewards (see :func:`compute_rewards`).
         values: ``[B, R]`` critic values at the response tokens (rollout-time values).
-        action_mask: ``[B, R]`` 0/1, right-padded.
+        action_mask: ``[B, R]`` 0/1 (holes between an episode's turns allowed).
         gamma: discount in [0, 1].
         lam: GAE lambda in [0, 1].
 
@@ -479,22 +490,22 @@ def compute_gae(rewards: torch.Tensor, values: torch.Tensor, action_mask: torch.
     g = _number("gamma", gamma, ge=0.0, le=1.0)
     lmb = _number("lam", lam, ge=0.0, le=1.0)
     checks: List[_Check] = []
-    mb = _mask("action_mask", action_mask, r.shape, "rewards", checks, right_padded=True)
+    mb = _mask("action_mask", action_mask, r.shape, "rewards", checks)
     _raise_first(checks)
     with torch.no_grad():
         m = mb.float()
         r = torch.where(mb, r, 0.0)
         v = torch.where(mb, v, 0.0)
         n_rows, length = r.shape
-        next_value = r.new_zeros(n_rows)  # V_{t+1} * m_{t+1} (values already masked)
+        next_value = r.new_zeros(n_rows)  # V and A of the next action (0 after the last one)
         next_adv = r.new_zeros(n_rows)
-        next_mask = r.new_zeros(n_rows)
         advantages = [r.new_zeros(n_rows)] * length
         for t in range(length - 1, -1, -1):
-            delta = r[:, t] + g * next_value - v[:, t]
-            next_adv = delta + g * lmb * next_mask * next_adv
-            advantages[t] = next_adv
-            next_value, next_mask = v[:, t], m[:, t]
+            adv_t = r[:, t] + g * next_value - v[:, t] + g * lmb * next_adv
+            advantages[t] = adv_t
+            # at an action the recursion moves on; padding and context tokens pass the next action's terms through
+            next_value = torch.where(mb[:, t], v[:, t], next_value)
+            next_adv = torch.where(mb[:, t], adv_t, next_adv)
         adv = (torch.stack(advantages, dim=1) if length else r.clone()) * m
         returns = (adv + v) * m
     return adv, returns

@@ -3,12 +3,20 @@
 Layout of one batch (P = padded prompt length, R = padded response length, L = P + R):
 
     sequences       [B, L]  prompt left-padded | response right-padded (padding filled with pad_token_id)
-    attention_mask  [B, L]  the prompt mask as the tokenizer returned it | action_mask
+    attention_mask  [B, L]  the prompt mask as the tokenizer returned it | the response's real tokens (right-padded)
     position_ids    [B, L]  attention_mask.cumsum(-1) - 1, clamped at 0: the first real token is position 0 whatever
                             the left padding, so absolute-position models see the same positions in every batch split
-    action_mask     [B, R]  1 for every real generated token, the first stop token (EOS) included
-    response_lengths [B]    action_mask.sum(-1)
-    ended_with_eos  [B]     the response ended at a stop token (False: truncated at max length)
+    action_mask     [B, R]  1 for every token the model wrote, the first stop token (EOS) included
+    response_lengths [B]    real tokens of the response: attention_mask[:, P:].sum(-1)
+    ended_with_eos  [B]     the response (an episode: its last turn) ended at a stop token (False: truncated)
+    turn_rewards    [B, R]  episodes only (None otherwise): each turn's environment reward on its last action
+
+A single-turn response is all actions: action_mask == attention_mask[:, P:]. A multi-turn episode (rlhf_engine/envs)
+keeps its observation and chat-template tokens in the response as context: real tokens (attended, with positions)
+whose action_mask is 0, so the action mask has holes between turns. Every consumer of the layout holds to this:
+log-probs, KL, entropy, values and every loss are taken at actions only; rewards land on actions
+(`ppo_math.compute_rewards`), GAE and returns pass over context tokens (`ppo_math.compute_gae`, the REINFORCE++
+returns), trimming keeps every real token, and samples decode the whole episode.
 
 Per-action tensors are `[B, R]`. Response token t sits at sequence position P + t and is predicted by the logits at
 position P - 1 + t; the critic's value for action t is read at the same position P - 1 + t (the state before the
@@ -94,6 +102,7 @@ class Rollout:
     # per sample, its data row (PromptRow: prompt text, requested columns); None when the batch does not come from
     # a prompt dataset. Not a tensor: it travels with the rows through select and cat, never to a device.
     rows: Optional[list[PromptRow]] = None
+    turn_rewards: Optional[torch.Tensor] = None  # [B, R] fp32, episodes only (module docstring)
 
     def with_rows(self, rows: Optional[Sequence[PromptRow]]) -> "Rollout":
         if rows is not None and len(rows) != self.batch_size:
@@ -153,12 +162,17 @@ class Rollout:
     @classmethod
     def from_responses(cls, prompt_ids: torch.Tensor, prompt_attention_mask: torch.Tensor,
                        responses: Sequence[Sequence[int]], pad_token_id: int,
-                       ended_with_eos: Optional[Sequence[bool]] = None) -> "Rollout":
-        """The layout of known responses (SFT and preference data), exactly as if the actor had generated them.
+                       ended_with_eos: Optional[Sequence[bool]] = None,
+                       actions: Optional[Sequence[Sequence[int]]] = None,
+                       turn_rewards: Optional[Sequence[Sequence[float]]] = None) -> "Rollout":
+        """The layout of known responses (SFT and preference data, and episodes), exactly as if the actor had
+        generated them.
 
         prompt_ids, prompt_attention_mask [B, P] left-padded (e.g. `pad_prompts`); `responses` B lists of token ids,
         each non-empty and already ending with its EOS when it has one (every id is a real token: nothing is cut at
-        a stop token, unlike `from_generation`). `ended_with_eos[b]` defaults to True.
+        a stop token, unlike `from_generation`). `ended_with_eos[b]` defaults to True. Episodes: `actions` B 0/1
+        lists as long as their responses (1 = the model wrote the token; default all 1) and `turn_rewards` B lists
+        of per-token rewards, nonzero only at actions.
         """
         if prompt_ids.dim() != 2 or prompt_attention_mask.shape != prompt_ids.shape:
             raise ValueError(f"prompt_ids and prompt_attention_mask must both be [B, P]; got "
@@ -178,12 +192,23 @@ class Rollout:
         for i, r in enumerate(responses):
             response[i, : len(r)] = torch.as_tensor(list(r), dtype=torch.long)
             action_mask[i, : len(r)] = 1
+        real = action_mask.clone()
+        rewards = None
+        if actions is not None:
+            action_mask = _per_token(actions, lengths, R, torch.long, "actions", prompt_ids.device)
+            if ((action_mask != 0) & (action_mask != 1)).any() or not bool((action_mask.sum(-1) > 0).all()):
+                raise ValueError("actions: expected 0/1 lists with at least one 1 (a model-written token) per row")
+        if turn_rewards is not None:
+            rewards = _per_token(turn_rewards, lengths, R, torch.float32, "turn_rewards", prompt_ids.device)
+            if bool(((rewards != 0) & (action_mask == 0)).any()):
+                raise ValueError("turn_rewards: a reward sits on a token the model did not write (actions 0)")
         ended = torch.ones(B, dtype=torch.bool) if ended_with_eos is None else torch.as_tensor(
             list(ended_with_eos), dtype=torch.bool)
-        attention_mask = torch.cat([pm, action_mask], dim=1)
+        attention_mask = torch.cat([pm, real], dim=1)
         return cls(sequences=torch.cat([prompt_ids.long(), response], dim=1), attention_mask=attention_mask,
                    position_ids=position_ids_from_mask(attention_mask), action_mask=action_mask,
-                   response_lengths=action_mask.sum(-1), ended_with_eos=ended.to(prompt_ids.device), prompt_length=P)
+                   response_lengths=real.sum(-1), ended_with_eos=ended.to(prompt_ids.device), prompt_length=P,
+                   turn_rewards=rewards)
 
     # ---- the conversions every consumer uses -------------------------------------------------------------------
     @property
@@ -212,6 +237,15 @@ class Rollout:
         P, R = self.prompt_length, self.response_width
         return per_position[:, P - 1: P - 1 + R]
 
+    @property
+    def response_attention(self) -> torch.Tensor:
+        """[B, R] the response's real tokens (actions and, in episodes, context), right-padded."""
+        return self.attention_mask[:, self.prompt_length:]
+
+    @property
+    def is_episode(self) -> bool:
+        return self.turn_rewards is not None
+
     def score_index(self) -> torch.Tensor:
         """[B] sequence index of the last real token (EOS included) where the reward model reads its score."""
         return last_token_index(self.attention_mask)
@@ -230,7 +264,8 @@ class Rollout:
         cols = slice(lead, P + width)
         return dataclasses.replace(self, sequences=self.sequences[:, cols], attention_mask=self.attention_mask[:, cols],
                                    position_ids=self.position_ids[:, cols], action_mask=self.action_mask[:, :width],
-                                   prompt_length=P - lead)
+                                   prompt_length=P - lead,
+                                   turn_rewards=None if self.turn_rewards is None else self.turn_rewards[:, :width])
 
     # ---- batching ----------------------------------------------------------------------------------------------
     def select(self, index: torch.Tensor | slice | Sequence[int]) -> "Rollout":
@@ -266,15 +301,17 @@ class Rollout:
             seq = torch.nn.functional.pad(r.prompts, (lp, 0), value=pad_token_id)
             seqs.append(torch.cat([seq, torch.nn.functional.pad(r.responses, (0, rp), value=pad_token_id)], 1))
             pm = torch.nn.functional.pad(r.attention_mask[:, : r.prompt_length], (lp, 0), value=0)
-            am = torch.nn.functional.pad(r.action_mask, (0, rp), value=0)
-            masks.append(torch.cat([pm, am], 1))
-            amasks.append(am)
+            real = torch.nn.functional.pad(r.response_attention, (0, rp), value=0)
+            masks.append(torch.cat([pm, real], 1))
+            amasks.append(torch.nn.functional.pad(r.action_mask, (0, rp), value=0))
         attention_mask = torch.cat(masks)
         return cls(sequences=torch.cat(seqs), attention_mask=attention_mask,
                    position_ids=position_ids_from_mask(attention_mask), action_mask=torch.cat(amasks),
                    response_lengths=torch.cat([r.response_lengths for r in rs]),
                    ended_with_eos=torch.cat([r.ended_with_eos for r in rs]), prompt_length=P,
-                   rows=None if any(r.rows is None for r in rs) else [row for r in rs for row in r.rows])
+                   rows=None if any(r.rows is None for r in rs) else [row for r in rs for row in r.rows],
+                   turn_rewards=None if any(r.turn_rewards is None for r in rs) else torch.cat(
+                       [torch.nn.functional.pad(r.turn_rewards, (0, R - r.response_width)) for r in rs]))
 
 
 @dataclass
@@ -330,6 +367,19 @@ class Experience:
             kw[name] = torch.cat([torch.nn.functional.pad(getattr(x, name), (0, R - getattr(x, name).shape[1]))
                                   for x in xs])
         return cls(**kw)
+
+
+def _per_token(values: Sequence[Sequence[float]], lengths: Sequence[int], width: int, dtype: torch.dtype, name: str,
+               device: torch.device) -> torch.Tensor:
+    """B lists, each as long as its response -> [B, width] right-padded with 0."""
+    if len(values) != len(lengths):
+        raise ValueError(f"{name}: {len(values)} lists for {len(lengths)} responses")
+    out = torch.zeros((len(lengths), width), dtype=dtype, device=device)
+    for i, (v, n) in enumerate(zip(values, lengths)):
+        if len(v) != n:
+            raise ValueError(f"{name}[{i}]: {len(v)} entries for a response of {n} tokens")
+        out[i, :n] = torch.as_tensor(list(v), dtype=dtype)
+    return out
 
 
 def pad_prompts(prompts: Sequence[Sequence[int]], pad_token_id: int,

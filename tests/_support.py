@@ -100,7 +100,8 @@ def clean_env(**extra: str) -> dict:
     """The environment for a child launch: no inherited rank variables, one thread per rank, offline."""
     env = {k: v for k, v in os.environ.items() if k not in _RANK_VARS}
     env.update(OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", WANDB_MODE="offline", DS_ACCELERATOR="cpu",
-               TOKENIZERS_PARALLELISM="false", DEEPSPEED_TIMEOUT="3", PYTHONPATH=ROOT)
+               TOKENIZERS_PARALLELISM="false", DEEPSPEED_TIMEOUT="3",
+               PYTHONPATH=os.pathsep.join([ROOT, os.path.join(ROOT, "tests")]))  # tests/: the test environments (_envs)
     env.update(extra)
     return env
 

@@ -224,14 +224,15 @@ def plan_engine(cfg: TrainConfig, num_training_steps: int = 0) -> EnginePlan:
         except Exception as e:  # noqa: BLE001
             p.add("reward_tokenizer_name_or_path", reward_tok, f"cannot load a tokenizer there ({type(e).__name__}: "
                   f"{e})")
-    need = cfg.generation.max_prompt_seq_len + cfg.generation.max_answer_seq_len
+    need = cfg.generation.max_prompt_seq_len + cfg.response_budget
+    what = "max_prompt_seq_len + " + ("max_episode_tokens" if cfg.env.on else "max_answer_seq_len")
     seen = set()
     for role, config in configs.items():
         limit = _max_positions(config)
         if limit is not None and need > limit and paths[role] not in seen:
             seen.add(paths[role])
-            p.add("max_prompt_seq_len + max_answer_seq_len", need, f"exceeds the {role} model's maximum positions "
-                  f"({limit}); lower max_prompt_seq_len or max_answer_seq_len")
+            p.add(what, need, f"exceeds the {role} model's maximum positions ({limit}); lower "
+                  f"{what.replace(' + ', ' or ')}")
     for role in cfg.trained_roles:
         rc = getattr(cfg, role)
         config = configs.get(role) or (configs.get("actor") if role == "critic" and cfg.critic.init_from == "actor"

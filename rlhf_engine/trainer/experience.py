@@ -109,7 +109,9 @@ def build_experience(rollout: Rollout, fw: Forwards, scores: torch.Tensor, ppo: 
     estimator (by name from the registry) -> Experience. `group_ids` [B]: the prompt of each response (None: one
     response per prompt); `moments(x, mask) -> (mean, var)`: global statistics, for the estimators that whiten."""
     mask = rollout.action_mask
-    rewards, kl = compute_rewards(logprobs=fw.old_logprobs, ref_logprobs=fw.ref_logprobs, scores=scores,
+    # an episode's turn rewards enter where they sit, on each turn's last action; a response's score on its last
+    placed = rollout.turn_rewards.to(scores.device) if rollout.is_episode else scores
+    rewards, kl = compute_rewards(logprobs=fw.old_logprobs, ref_logprobs=fw.ref_logprobs, scores=placed,
                                   action_mask=mask, kl_coef=kl_coef, reward_clip=ppo.reward_clip,
                                   kl_estimator=ppo.kl_estimator)
     estimator = estimators.get(ppo.advantage_estimator)

@@ -44,6 +44,7 @@ class RunPlan:
     updates_per_iteration: int  # optimizer steps per trained engine per iteration
     ptx: Optional[PtxDataset] = field(repr=False)  # PPO-ptx documents (None: ptx off)
     reward_fn: Optional[Callable] = field(repr=False)  # the loaded --reward_fn (text level), None: a reward model
+    env_factory: Optional[Callable] = field(repr=False)  # the loaded --environment factory, None: single-turn
     fingerprint: Mapping[str, Any]  # written into every checkpoint; a resume must match it
     resume_path: Optional[str]  # the checkpoint this run continues (None: a fresh start)
     run_dir: RunDir
@@ -127,12 +128,12 @@ def start(cfg: Any) -> DistInfo:
     return dist
 
 
-def _model_side(cfg: TrainConfig) -> tuple[EnginePlan, Optional[Callable]]:
-    """The engine plan and the reward function, every problem of both in one error."""
+def _model_side(cfg: TrainConfig) -> tuple[EnginePlan, Optional[Callable], Optional[Callable]]:
+    """The engine plan, the reward function and the environment factory, every problem of all three in one error."""
     from ..rewards import ParallelReward, RemoteReward, load_reward_fn
 
     p = Problems()
-    engine = reward_fn = None
+    engine = reward_fn = env_factory = None
     try:
         engine = plan_engine(cfg)
     except ConfigError as e:
@@ -148,8 +149,22 @@ def _model_side(cfg: TrainConfig) -> tuple[EnginePlan, Optional[Callable]]:
         reward_fn = RemoteReward(cfg.reward_url, cfg.reward_timeout_s, cfg.reward_retries)
     elif cfg.reward.use_chat_template:
         _check_reward_chat_template(cfg, p)
+    if cfg.env.on:
+        from ..envs import load_environment_factory
+
+        try:
+            env_factory = load_environment_factory(cfg.env.environment)
+        except ValueError as e:
+            p.add("environment", cfg.env.environment, str(e))
+        if engine is not None and cfg.data.use_chat_template:
+            from ..envs.turns import wrapping
+
+            try:
+                wrapping(engine.tokenizer)
+            except ValueError as e:
+                p.add("use_chat_template", True, f"environment: {e}")
     p.raise_if_any("cannot start: model setup")
-    return engine, reward_fn
+    return engine, reward_fn, env_factory
 
 
 def _check_reward_chat_template(cfg: TrainConfig, p: Problems) -> None:
@@ -215,11 +230,13 @@ def plan_ppo(cfg: TrainConfig, prompt_data: Optional[PromptData] = None) -> RunP
     `prompt_data`: already tokenized prompts (a benchmark's, a notebook's) instead of loading `cfg.data`."""
     dist = start(cfg)
     resolve_builtins(cfg)
-    engine, reward_fn = _model_side(cfg)  # model-side checks before the data is tokenized
+    engine, reward_fn, env_factory = _model_side(cfg)  # model-side checks before the data is tokenized
     log_estimator_defaults(cfg, dist)
     warn_kl_in_group_returns(cfg, dist)
     tok, g = engine.tokenizer, cfg.generation
-    columns = reward_columns(reward_fn)  # the data columns the reward function takes, kept with every row
+    # the data columns the reward function takes (an environment's factory gets every column), kept with every row
+    columns = (ColumnRequest(all_columns=True, field="environment") if env_factory is not None
+               else reward_columns(reward_fn))
     data = prompt_data or load_prompt_data(cfg.data, tok, g.max_prompt_seq_len, seed=cfg.seed, verbose=dist.is_main,
                                            columns=columns)
     eval_prompts = data.eval
@@ -247,6 +264,7 @@ def plan_ppo(cfg: TrainConfig, prompt_data: Optional[PromptData] = None) -> RunP
     return RunPlan(cfg=cfg, dist=dist, engine=dataclasses.replace(engine, num_training_steps=iterations * updates),
                    prompts=data.train, eval_prompts=eval_prompts if cfg.eval_interval else None, sampler=sampler,
                    iterations=iterations, updates_per_iteration=updates, ptx=ptx, reward_fn=reward_fn,
+                   env_factory=env_factory,
                    fingerprint=fingerprint, resume_path=resume_path, run_dir=run_dir)
 
 

@@ -154,9 +154,24 @@ def iteration_record(s: dict, world_size: int) -> dict:
         rec["rollout/correction_masked_frac"] = s["correction_masked"] / tokens if tokens else None
     if "correction_masked_seqs" in s:
         rec["rollout/correction_masked_seq_frac"] = s["correction_masked_seqs"] / n_seq
+    if "env_episodes" in s:
+        rec.update(episode_record(s))
     rec.update({
         "rollout/response_length": s["response_length_sum"] / n_seq,
         "rollout/eos_rate": s["eos_sum"] / n_seq,
         "rollout/truncated_rate": 1.0 - s["eos_sum"] / n_seq,
     })
+    return rec
+
+
+def episode_record(s: dict) -> dict:
+    """env/*: multi-turn episodes (rlhf_engine/envs), over every rank's episodes of the iteration."""
+    n = max(s["env_episodes"], 1.0)
+    rec = {"env/turns_mean": s["env_turns"] / n, "env/observation_tokens_mean": s["env_observation_tokens"] / n,
+           "env/truncated_rate": s["env_truncated"] / n, "env/errors": s["env_errors"]}
+    k = 1
+    while f"env_turn{k}_count" in s:
+        count = s[f"env_turn{k}_count"]
+        rec[f"env/turn{k}_reward_mean"] = s[f"env_turn{k}_reward_sum"] / count if count else None
+        k += 1
     return rec

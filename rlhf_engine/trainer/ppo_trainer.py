@@ -26,6 +26,7 @@ num_train_epochs).
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from typing import Optional
@@ -70,6 +71,26 @@ def cat_generated(gens: list, pad_token_id: int) -> tuple[Rollout, Optional[torc
     return rollout, torch.cat([torch.nn.functional.pad(g.logprobs, (0, R - g.logprobs.shape[1])) for g in gens])
 
 
+def episode_return(prompt_ids: torch.Tensor, rollout: Rollout) -> torch.Tensor:
+    """[B] the score of an episode: the sum of its turns' rewards (they enter the per-token rewards where they sit,
+    `build_experience`)."""
+    return rollout.turn_rewards.sum(-1)
+
+
+def episode_runner(plan: RunPlan, engine) -> "EpisodeRunner":
+    from ..envs import EpisodeRunner, TurnFormat
+    from ..envs.calls import EnvCalls
+
+    cfg = plan.cfg
+    env, g = cfg.env, cfg.generation
+    return EpisodeRunner(plan.env_factory, TurnFormat(engine.tokenizer, bool(cfg.data.use_chat_template)),
+                         engine.sample, engine.generator.lockstep, max_turns=env.max_turns,
+                         max_episode_tokens=cfg.response_budget, max_prompt_len=g.max_prompt_seq_len,
+                         stop_token_ids=engine.sampling.stop_token_ids, pad_token_id=engine.pad_token_id,
+                         calls=EnvCalls(env.env_workers, env.env_timeout_s), on_error=env.env_errors,
+                         device=engine.device)
+
+
 class PPOTrainer:
     """Built from the run plan (trainer/plan.py) and the engine built from it; `metrics` is the run's logger. With
     `plan.resume_path` the checkpoint is loaded last, right before training continues."""
@@ -101,7 +122,7 @@ class PPOTrainer:
         self.roles = engine.trained_roles  # ("actor", "critic"), or ("actor",) in a run without a critic
         self.guard = StepGuard(engine, self.roles, ppo.max_consecutive_skips)
         # the losses, chosen once (trainer/objectives.py), and the experience's corrections and filters in order
-        self.actor_objective = ActorObjective(engine, ppo, cfg.generation.max_answer_seq_len)
+        self.actor_objective = ActorObjective(engine, ppo, cfg.response_budget)
         self.critic_objective = CriticObjective(engine, ppo) if engine.has_critic else None
         self.experience_steps = experience_steps(ppo, cfg.batch.n_samples_per_prompt)
         self.state_providers["step_guard"] = self.guard  # its skip count
@@ -113,8 +134,11 @@ class PPOTrainer:
         # Optional programmatic reward replacing the reward model: reward_fn(prompt_ids [B, P], rollout) -> [B]
         # scores (see experience.experience_forwards): `--reward_fn module:function` (loaded by the plan). A reward
         # model with its own tokenizer (reward_tokenizer_name_or_path) scores through a re-tokenizing one.
-        self.reward_fn: Optional[RewardFn] = (text_reward(plan.reward_fn, engine.tokenizer) if plan.reward_fn
+        self.reward_fn: Optional[RewardFn] = (episode_return if plan.env_factory is not None
+                                              else text_reward(plan.reward_fn, engine.tokenizer) if plan.reward_fn
                                               else reward_model_scorer(engine, cfg))
+        # multi-turn rollouts (rlhf_engine/envs): the environment's turns between the model's
+        self.episodes = episode_runner(plan, engine) if plan.env_factory is not None else None
         self.evaluator = (Evaluator(plan.eval_prompts, cfg.batch.per_device_generation_batch_size, dist.rank,
                                     dist.world_size) if plan.eval_prompts is not None else None)
         self.samples_per_iteration = 4  # prompt / response / score rows logged per iteration (samples.jsonl, wandb)
@@ -153,9 +177,15 @@ class PPOTrainer:
             ids, mask = collate_prompts(self.dataset, idx, self.engine.pad_token_id)
             if n > 1:  # each prompt n times in a row: a group is contiguous, on this rank (no collective for it)
                 ids, mask = ids.repeat_interleave(n, 0), mask.repeat_interleave(n, 0)
-            gen = self.engine.sample(ids, mask)  # Generated: the rollout and its generation log-probs
+            rows = self.dataset.rows(idx, repeat=n)
+            if self.episodes is not None:  # every rank learns whether an environment failed on any rank
+                rollout, logprobs, episode_stats, failure = self.episodes.run(ids, mask, rows)
+                self.guard.agree(self.iteration, errors={"environment": failure})
+                gen = Generated(rollout, logprobs, episode_stats)
+            else:
+                gen = self.engine.sample(ids, mask)  # Generated: the rollout and its generation log-probs
             # each sample keeps its data row (prompt text, the reward function's columns) for the scoring
-            rollouts.append(Generated(gen.rollout.with_rows(self.dataset.rows(idx, repeat=n)), gen.logprobs))
+            rollouts.append(dataclasses.replace(gen, rollout=gen.rollout.with_rows(rows)))
         return rollouts
 
     def experience_phase(self, rollouts, stats: MetricSums) -> Experience:
@@ -166,6 +196,9 @@ class PPOTrainer:
         # layout also removes the fp32 kernel noise of a different row width (a few ulps, ~1e-6 in log-prob), so at
         # lr = 0 every PPO ratio is exactly 1.
         rollout, rollout_logprobs = cat_generated(rollouts, self.engine.pad_token_id)
+        for gen in rollouts:
+            if gen.episode_stats is not None:
+                gen.episode_stats.add_to(stats)
         reward_fn = self.hooks.scores(self.reward_fn, self.iteration, lambda p, r: self.engine.reward_scores(r))
         fw = experience_forwards(self.engine, rollout, reward_fn)
         # every rank learns whether any rank's scoring failed before the next collective (normalizer, whitening)

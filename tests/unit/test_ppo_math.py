@@ -534,13 +534,6 @@ class TestBadInput:
         with pytest.raises(ValueError, match="mask.*0/1"):
             masked_whiten(self.z, mask)
 
-    def test_mask_not_right_padded(self):
-        mask = torch.tensor([[1, 1, 1], [0, 1, 1]])
-        with pytest.raises(ValueError, match=r"action_mask.*right-padded.*\[1\]"):
-            compute_rewards(self.z, self.z, torch.zeros(2), mask, kl_coef=0.1, reward_clip=5.0)
-        with pytest.raises(ValueError, match="action_mask.*right-padded"):
-            compute_gae(self.z, self.z, mask, gamma=1.0, lam=0.95)
-
     def test_negative_clip_values(self):
         with pytest.raises(ValueError, match="clip_eps"):
             policy_loss(self.z, self.z, self.z, self.m, clip_eps=-0.1)
@@ -650,3 +643,55 @@ class TestCheckKeyword:
             checked.sites
         assert sum(unchecked.sites.values()) == 0, unchecked.sites
         torch.testing.assert_close(got, want, atol=0.0, rtol=0.0)  # the same numbers
+
+
+class TestEpisodeHoles:
+    """A multi-turn episode's action mask has holes where observation and template tokens sit (rollout.py)."""
+
+    # actions at 0, 1 (turn 1) and 4 (turn 2); 2 and 3 are an observation; 5 is padding
+    m = torch.tensor([[1, 1, 0, 0, 1, 0]])
+    junk = 7.0  # at context and padding: must change nothing
+
+    def test_score_on_the_last_action(self):
+        z = torch.zeros(1, 6)
+        rewards, _ = compute_rewards(z, z, torch.tensor([2.0]), self.m, kl_coef=0.0, reward_clip=5.0)
+        assert rewards.tolist() == [[0.0, 0.0, 0.0, 0.0, 2.0, 0.0]]
+
+    def test_placed_turn_rewards(self):
+        z = torch.zeros(1, 6)
+        placed = torch.tensor([[0.0, 0.5, 0.0, 0.0, 9.0, 0.0]])
+        lp = torch.tensor([[-1.0, -1.0, self.junk, self.junk, -2.0, self.junk]])
+        rewards, kl = compute_rewards(lp, z, placed, self.m, kl_coef=0.1, reward_clip=5.0, kl_estimator="k1")
+        # k1 KL = lp - ref at actions; the 9.0 is clipped at 5
+        assert torch.allclose(rewards, torch.tensor([[0.1, 0.1 + 0.5, 0.0, 0.0, 0.2 + 5.0, 0.0]]), atol=1e-6)
+        assert kl[0, 2:4].tolist() == [0.0, 0.0]
+
+    def test_gae_skips_the_observation(self):
+        j = self.junk
+        r = torch.tensor([[0.0, 0.5, j, j, 1.0, j]])
+        v = torch.tensor([[1.0, 2.0, j, j, 3.0, j]])
+        adv, ret = compute_gae(r, v, self.m, gamma=0.9, lam=0.8)
+        # by hand: A4 = 1 - 3 = -2; A1 = 0.5 + 0.9 * 3 - 2 + 0.72 * A4 = -0.24; A0 = 0.9 * 2 - 1 + 0.72 * A1 = 0.6272
+        assert torch.allclose(adv, torch.tensor([[0.6272, -0.24, 0.0, 0.0, -2.0, 0.0]]), atol=1e-6)
+        assert torch.allclose(ret, torch.tensor([[1.6272, 1.76, 0.0, 0.0, 1.0, 0.0]]), atol=1e-6)
+        # negative control: the turn-1 end bootstrapping from 0 (a recursion reset at the hole) gives another A1
+        assert abs(float(adv[0, 1]) - (0.5 - 2.0)) > 1.0
+
+    def test_gae_equals_the_squeezed_row(self):
+        g = torch.Generator().manual_seed(0)
+        mask = (torch.rand(4, 12, generator=g) > 0.4).long()
+        mask[:, 0] = 1
+        r, v = torch.randn(4, 12, generator=g), torch.randn(4, 12, generator=g)
+        adv, ret = compute_gae(r, v, mask, gamma=0.95, lam=0.9)
+        for b in range(4):
+            keep = mask[b].bool()
+            a1, r1 = compute_gae(r[b][keep][None], v[b][keep][None], torch.ones(1, int(keep.sum())), 0.95, 0.9)
+            assert torch.allclose(adv[b][keep], a1[0], atol=1e-6) and torch.allclose(ret[b][keep], r1[0], atol=1e-6)
+            assert adv[b][~keep].abs().sum() == 0
+
+    def test_reinforce_pp_returns_cross_the_hole(self):
+        from rlhf_engine.estimators import reinforce_pp_advantages
+
+        r = torch.tensor([[0.0, 0.5, self.junk, self.junk, 1.0, self.junk]])
+        _, ret = reinforce_pp_advantages(r, self.m, gamma=0.5)
+        assert ret.tolist() == [[0.5, 1.0, 0.0, 0.0, 1.0, 0.0]]

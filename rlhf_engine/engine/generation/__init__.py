@@ -64,6 +64,7 @@ class SamplingParams:
 class Generated:
     rollout: Rollout
     logprobs: Optional[torch.Tensor] = None  # [B, R] generation-time log-probs, None: not available
+    episode_stats: Optional[Any] = None  # multi-turn batches: their envs.EpisodeStats (env/* metrics)
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,218 @@
+"""Playing a batch of episodes: generate a turn for every unfinished row, let each row's environment answer, append
+its observation as context, until every episode is done, out of turns or out of tokens.
+
+Each turn is one generation call over the unfinished rows, their whole context (prompt and every earlier turn) as the
+prompt: the backend prefills it again (docs/environments.md has the measurement against continuing from the cache).
+Every call asks for max_answer_seq_len tokens; a turn is then cut at the environment's stop strings and at the
+episode's remaining budget, on the sampled ids (a prefix of a sample is a sample). Under per-layer ZeRO-3 the ranks
+generate in lockstep, so every rank makes the same number of calls: a rank whose episodes are all over generates a
+throw-away turn while another rank still plays.
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any, Callable, Optional, Sequence
+
+import torch
+
+from ..comm import all_reduce
+from ..rollout import PromptRow, Rollout, pad_prompts
+from .base import EnvironmentFailure, as_step
+from .calls import EnvCalls
+from .turns import TurnFormat, cut_at_stop_strings
+
+
+@dataclass
+class Episode:
+    env: Any
+    prompt: list[int]
+    prompt_mask: list[int]
+    tokens: list[int] = field(default_factory=list)  # after the prompt: actions and context
+    actions: list[int] = field(default_factory=list)  # 1 = the model wrote it
+    logprobs: list[float] = field(default_factory=list)  # generation-time, 0 at context
+    rewards: list[float] = field(default_factory=list)  # each turn's reward on its last action
+    turn_rewards: list[float] = field(default_factory=list)
+    observation_tokens: int = 0
+    over: bool = False
+    truncated: bool = False
+    ended_with_eos: bool = False
+    error: Optional[str] = None
+
+
+@dataclass
+class EpisodeStats:
+    """Sums over one batch of episodes (trainer/ppo_metrics.py turns them into env/* metrics)."""
+
+    episodes: int = 0
+    turns: int = 0
+    observation_tokens: int = 0
+    truncated: int = 0
+    errors: int = 0
+    turn_reward_sums: list = field(default_factory=list)  # [k]: the summed reward of every episode's turn k
+    turn_counts: list = field(default_factory=list)  # [k]: episodes that played a turn k
+
+    def add_to(self, stats: Any) -> None:
+        """Into a MetricSums (every key a sum, all-reduced with the iteration's metrics)."""
+        for key in ("episodes", "turns", "observation_tokens", "truncated", "errors"):
+            stats.add(f"env_{key}", torch.tensor(float(getattr(self, key))))
+        for k, (s, n) in enumerate(zip(self.turn_reward_sums, self.turn_counts)):
+            stats.add(f"env_turn{k + 1}_reward_sum", torch.tensor(float(s)))
+            stats.add(f"env_turn{k + 1}_count", torch.tensor(float(n)))
+
+
+class EpisodeRunner:
+    """Built once per run. `sample(ids, mask)` is the engine's generation with the run's sampling (an object with
+    `.rollout` and `.logprobs`, engine/generation);
+    `lockstep()` says whether the ranks must make the same number of calls; `on_error` is env_errors."""
+
+    def __init__(self, factory: Callable, turns: TurnFormat, sample: Callable[..., Any],
+                 lockstep: Callable[[], bool], *, max_turns: int, max_episode_tokens: int, max_prompt_len: int,
+                 stop_token_ids: Sequence[int], pad_token_id: int, calls: EnvCalls, on_error: str = "stop",
+                 device: Optional[torch.device] = None):
+        self.factory, self.turns, self.sample, self.lockstep = factory, turns, sample, lockstep
+        self.max_turns, self.budget, self.max_prompt_len = max_turns, max_episode_tokens, max_prompt_len
+        self.stops, self.pad = set(int(t) for t in stop_token_ids), int(pad_token_id)
+        self.calls, self.on_error, self.device = calls, on_error, device or torch.device("cpu")
+        self.tokenizer = turns.tokenizer
+
+    # ---- one batch ---------------------------------------------------------------------------------------------
+    def run(self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, rows: Sequence[PromptRow]
+            ) -> tuple[Optional[Rollout], Optional[torch.Tensor], EpisodeStats, Optional[EnvironmentFailure]]:
+        """Episodes of a left-padded prompt batch [B, P] and its data rows -> (the rollout, its [B, R] generation
+        log-probs (0 at context), the batch's sums, None), or (None, None, sums, the failure) after an environment
+        failure under env_errors 'stop': the other episodes end at once and the trainer stops every rank
+        together."""
+        # one entry per possible turn on every rank: the metric keys must be the same everywhere
+        stats = EpisodeStats(episodes=len(rows), turn_reward_sums=[0.0] * self.max_turns,
+                             turn_counts=[0] * self.max_turns)
+        failure: list[EnvironmentFailure] = []
+        episodes = self._start(prompt_ids, prompt_mask, rows, stats, failure)
+        for turn in range(self.max_turns):
+            live = [e for e in episodes if not e.over]
+            if not self._any_rank(bool(live)):
+                break
+            self._play_turn(live, episodes, turn, rows, stats, failure)
+        if failure:
+            return None, None, stats, failure[0]
+        for e in episodes:
+            stats.turns += len(e.turn_rewards)
+            stats.observation_tokens += e.observation_tokens
+            stats.truncated += int(e.truncated)
+        ids, mask = pad_prompts([e.prompt for e in episodes], self.pad, [e.prompt_mask for e in episodes])
+        rollout = Rollout.from_responses(ids, mask, [e.tokens for e in episodes], self.pad,
+                                         ended_with_eos=[e.ended_with_eos for e in episodes],
+                                         actions=[e.actions for e in episodes],
+                                         turn_rewards=[e.rewards for e in episodes])
+        logprobs = torch.zeros(rollout.action_mask.shape, dtype=torch.float32)
+        for i, e in enumerate(episodes):
+            logprobs[i, :len(e.logprobs)] = torch.tensor(e.logprobs, dtype=torch.float32)
+        return rollout.to(self.device), logprobs.to(self.device), stats, None
+
+    def _start(self, prompt_ids, prompt_mask, rows, stats, failure) -> list[Episode]:
+        def start(row: PromptRow) -> tuple[Any, Optional[str]]:
+            env = self.factory({**row.columns, "prompt": row.text})
+            return env, env.reset()
+
+        outcomes = self.calls.run([lambda r=r: start(r) for r in rows])
+        episodes = []
+        for i, (row, out) in enumerate(zip(rows, outcomes)):
+            real = prompt_mask[i].bool()
+            first = int(real.long().argmax()) if bool(real.any()) else prompt_mask.shape[1]
+            ids, mask = prompt_ids[i, first:].tolist(), prompt_mask[i, first:].tolist()
+            env, message = out.value if out.error is None else (None, None)
+            if out.error is None and message is not None:
+                if not isinstance(message, str) or not message:
+                    out.error = f"reset() returned {message!r}; expected a non-empty first user message or None"
+                else:
+                    ids = self.turns.first_prompt(message)
+                    mask = [1] * len(ids)
+                    if len(ids) > self.max_prompt_len:
+                        out.error = (f"reset()'s first message is {len(ids)} tokens, longer than max_prompt_seq_len "
+                                     f"({self.max_prompt_len})")
+            e = Episode(env, ids, mask)
+            if out.error is not None:  # under score_zero the row still plays one turn (every row needs a response)
+                self._fail(e, f"environment reset for row {i} (prompt {row.text[:80]!r}): {out.error}", stats,
+                           failure)
+                e.env, e.over = None, False
+            episodes.append(e)
+        if failure:
+            for e in episodes:
+                e.over = True
+        return episodes
+
+    def _fail(self, e: Episode, message: str, stats: EpisodeStats, failure: list) -> None:
+        e.over, e.error = True, message
+        stats.errors += 1
+        if self.on_error == "stop" and not failure:
+            failure.append(EnvironmentFailure(message + " (env_errors 'score_zero' scores such an episode 0 "
+                                              "instead of stopping)"))
+
+    def _any_rank(self, here: bool) -> bool:
+        if not self.lockstep():
+            return here
+        flag = torch.tensor([float(here)], device=self.device)
+        return bool(all_reduce(flag, "max").item() > 0)
+
+    def _play_turn(self, live: list[Episode], episodes: list[Episode], turn: int, rows, stats, failure) -> None:
+        batch = live or episodes[:1]  # a rank without live episodes keeps its lockstep peers company
+        ids, mask = pad_prompts([e.prompt + e.tokens for e in batch], self.pad,
+                                [e.prompt_mask + [1] * len(e.tokens) for e in batch])
+        gen = self.sample(ids, mask)
+        if not live:
+            return
+        r = gen.rollout
+        responses = r.responses.tolist()
+        lengths = r.response_lengths.tolist()
+        lps = gen.logprobs.tolist() if gen.logprobs is not None else None
+        texts = []
+        for j, e in enumerate(live):
+            resp = responses[j][:int(lengths[j])]
+            keep = cut_at_stop_strings(self.tokenizer, resp, getattr(e.env, "stop_strings", ()) or ())
+            room = self.budget - len(e.tokens)
+            cut_by_budget = keep > room
+            keep = min(keep, room)
+            resp = resp[:keep]
+            closed_by = resp[-1] if resp and resp[-1] in self.stops else None
+            e.tokens += resp
+            e.actions += [1] * len(resp)
+            e.logprobs += (lps[j][:keep] if lps is not None else [0.0] * keep)
+            e.rewards += [0.0] * len(resp)
+            e.ended_with_eos = closed_by is not None
+            e.truncated = cut_by_budget
+            texts.append(self.tokenizer.decode(resp, skip_special_tokens=True))
+        playing = [(e, t) for e, t in zip(live, texts) if e.env is not None]  # None: its reset failed
+        outcomes = iter(self.calls.run([lambda e=e, t=t: as_step(e.env.step(t)) for e, t in playing]))
+        index = {id(e): i for i, e in enumerate(episodes)}
+        for e in live:
+            stats.turn_counts[turn] += 1
+            if e.env is None:
+                e.turn_rewards.append(0.0)
+                e.over = True
+                continue
+            out = next(outcomes)
+            if out.error is not None:
+                i = index[id(e)]
+                self._fail(e, f"environment step {turn + 1} for row {i} (prompt {rows[i].text[:80]!r}): "
+                              f"{out.error}", stats, failure)
+                e.turn_rewards.append(0.0)
+                continue
+            step = out.value
+            e.rewards[-1] += step.reward  # on the turn's last action
+            e.turn_rewards.append(step.reward)
+            stats.turn_reward_sums[turn] += step.reward
+            if step.done or e.truncated or turn == self.max_turns - 1:
+                e.over = True
+                continue
+            context = self.turns.context(step.observation, e.tokens[-1] if e.ended_with_eos else None)
+            if len(e.tokens) + len(context) >= self.budget:  # no room for the observation and a model token
+                e.over, e.truncated = True, True
+                continue
+            e.tokens += context
+            e.actions += [0] * len(context)
+            e.logprobs += [0.0] * len(context)
+            e.rewards += [0.0] * len(context)
+            e.observation_tokens += len(context)
+        if failure:
+            for e in episodes:
+                e.over = True
