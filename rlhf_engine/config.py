@@ -857,6 +857,9 @@ class TrainConfig:
         if _number(g.min_answer_seq_len) and g.min_answer_seq_len > 0:
             p.add("min_answer_seq_len", g.min_answer_seq_len, "counts from the response's start, which an episode's "
                   "later turns do not share: not supported with an environment")
+        if _number(self.eval_interval) and self.eval_interval > 0:
+            p.add("eval_interval", self.eval_interval, "evaluates single responses with a reward model or function; "
+                  "evaluation by playing episodes is not built yet: set it to 0 with an environment")
 
     def _validate_estimator(self, p: Problems) -> None:
         """Group sizes, and no critic setting in a run without a critic (it would be silently ignored)."""

@@ -46,3 +46,23 @@ class Hanging(Counting):
 
 def hanging(row):
     return Hanging(row)
+
+
+class Varying(Counting):
+    """1 to 3 turns, by the prompt's length in characters: ranks and batches play different numbers of turns.
+    Rewards depend on the responses."""
+
+    def __init__(self, row):
+        super().__init__(row)
+        self.turns = 1 + len(row["prompt"]) % 3
+
+    def step(self, response):
+        self.turn += 1
+        reward = 0.1 * (len(response) % 5)
+        if self.turn >= self.turns:
+            return Step(None, reward, True)
+        return Step(f" obs{self.turn}", reward, False)
+
+
+def varying(row):
+    return Varying(row)

@@ -132,3 +132,36 @@ def check(proc: subprocess.CompletedProcess) -> subprocess.CompletedProcess:
         tail = (proc.stdout[-6000:] + "\n--- stderr ---\n" + proc.stderr[-6000:])
         raise AssertionError(f"launch failed (rc={proc.returncode}):\n{tail}")
     return proc
+
+
+def run_harness(tmp: str, name: str, runs: list, nproc: int, launcher: str, script: str = "ppo_checks.py") -> dict:
+    """Launch a harness script (tests/distributed/scripts) on a spec of runs; rank 0's results by run name."""
+    spec, result = os.path.join(tmp, f"{name}_spec.json"), os.path.join(tmp, f"{name}_result.json")
+    with open(spec, "w") as f:
+        json.dump({"runs": runs}, f)
+    check(launch(os.path.join(SCRIPTS, script), ["--spec", spec, "--out", result], nproc, launcher))
+    with open(result) as f:
+        return {r["name"]: r for r in json.load(f)["runs"]}
+
+
+VOLATILE = ("time/", "throughput/")  # wall-clock keys: the only metrics allowed to differ between identical runs
+DISCRETE = ("policy/clipfrac", "value/clipfrac")  # counts of tokens at a boundary: 1e-7 noise can flip one token
+
+
+def compare_runs(run: dict, ref: dict) -> tuple[dict, dict]:
+    """Largest metric and parameter differences of harness run `run` against `ref` (volatile and discrete keys
+    aside; the parameters from the final_<role>.pt files the harness saves)."""
+    import torch
+
+    metric = {}
+    for a, b in zip(run["records"], ref["records"]):
+        for k in b:
+            if not k.startswith(VOLATILE) and k not in DISCRETE and b[k] is not None:
+                metric[k] = max(metric.get(k, 0.0), abs(a[k] - b[k]))
+    params = {}
+    for role in ref["max_param_change"]:  # the trained roles (no critic in a critic-free run)
+        x = torch.load(os.path.join(run["output_dir"], f"final_{role}.pt"))
+        y = torch.load(os.path.join(ref["output_dir"], f"final_{role}.pt"))
+        assert x.keys() == y.keys()
+        params[role] = max(float((x[k].float() - y[k].float()).abs().max()) for k in x)
+    return metric, params

@@ -10,7 +10,6 @@ throw-away turn while another rank still plays.
 """
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional, Sequence
 

@@ -77,7 +77,7 @@ def episode_return(prompt_ids: torch.Tensor, rollout: Rollout) -> torch.Tensor:
     return rollout.turn_rewards.sum(-1)
 
 
-def episode_runner(plan: RunPlan, engine) -> "EpisodeRunner":
+def episode_runner(plan: RunPlan, engine):
     from ..envs import EpisodeRunner, TurnFormat
     from ..envs.calls import EnvCalls
 

@@ -137,6 +137,9 @@ def run_fingerprint(cfg: Any, roles: Mapping[str, Any], world_size: int, num_pro
                 fp[f"{role}_{name}"] = getattr(rc, name)
     if getattr(getattr(cfg, "engine", None), "enable_ema", False):
         fp["enable_ema"] = True
+    if cfg.env.on:  # only then: single-turn checkpoints resume as they were
+        fp.update(environment=cfg.env.environment, max_turns=cfg.env.max_turns,
+                  max_episode_tokens=cfg.response_budget)
     if cfg.ppo.policy_loss != "ppo_clip":  # only then: checkpoints from before the registry resume as they were
         fp["policy_loss"] = cfg.ppo.policy_loss
     for name in FINGERPRINT_BATCH:

@@ -18,29 +18,17 @@ import json
 import os
 
 import pytest
-import torch
 
-from _support import ROOT, SCRIPTS, check, launch, ppo_args
+from _support import VOLATILE, ROOT, check, compare_runs as _compare, launch, ppo_args, run_harness
 
 # A pseudo-random ~2/7 of the vocabulary ends a response (besides EOS). The tiny random model almost never samples
 # EOS itself, and its greedy output repeats the last prompt token, so this is what makes response lengths uneven
 # (1 to 8 tokens) in both sampled and greedy runs; each test that relies on it also checks it happened.
-VOLATILE = ("time/", "throughput/")  # wall-clock keys: the only metrics allowed to differ between identical runs
-DISCRETE = ("policy/clipfrac", "value/clipfrac")  # counts of tokens at a boundary: 1e-7 noise can flip one token
 MAX_LOG_RATIO_LR0 = 1e-6  # fp32
 INVARIANCE_ATOL = 1e-5
 
 
 args_for = ppo_args
-
-
-def run_harness(tmp, name, runs, nproc, launcher):
-    spec, result = os.path.join(tmp, f"{name}_spec.json"), os.path.join(tmp, f"{name}_result.json")
-    with open(spec, "w") as f:
-        json.dump({"runs": runs}, f)
-    check(launch(os.path.join(SCRIPTS, "ppo_checks.py"), ["--spec", spec, "--out", result], nproc, launcher))
-    with open(result) as f:
-        return {r["name"]: r for r in json.load(f)["runs"]}
 
 
 # lr = 0 runs: 2 generation batches of 4 per rank (their prompt widths differ), re-padded into one buffer of 8 by
@@ -260,22 +248,6 @@ def test_one_update_at_lr_positive_is_the_same_on_one_and_two_ranks(two_rank, on
 def _real_rows(rollout_record):
     return [[t for t, m in zip(seq, mask) if m] for seq, mask in
             zip(rollout_record["sequences"], rollout_record["attention_mask"])]
-
-
-def _compare(run, ref):
-    """Largest metric and parameter differences of `run` against `ref` (volatile and discrete keys aside)."""
-    metric = {}
-    for a, b in zip(run["records"], ref["records"]):
-        for k in b:
-            if not k.startswith(VOLATILE) and k not in DISCRETE and b[k] is not None:
-                metric[k] = max(metric.get(k, 0.0), abs(a[k] - b[k]))
-    params = {}
-    for role in ref["max_param_change"]:  # the trained roles (no critic in a critic-free run)
-        x = torch.load(os.path.join(run["output_dir"], f"final_{role}.pt"))
-        y = torch.load(os.path.join(ref["output_dir"], f"final_{role}.pt"))
-        assert x.keys() == y.keys()
-        params[role] = max(float((x[k].float() - y[k].float()).abs().max()) for k in x)
-    return metric, params
 
 
 @pytest.mark.distributed

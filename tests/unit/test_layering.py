@@ -23,7 +23,7 @@ ALLOWED = {
     "signals": set(),
     "hooks": {"faults"},
     "rewards": {"errors"},
-    "envs": {"comm", "rollout"},
+    "envs": {"comm", "rollout", "rewards"},
     "outputs": {"errors"},
     "data": {"comm", "config", "errors", "rollout", "pretrained"},
     "engine": {"comm", "config", "errors", "ppo_math", "rollout"},

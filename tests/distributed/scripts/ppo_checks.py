@@ -15,7 +15,8 @@ trains `max_steps` iterations and records, on rank 0:
   ranks           per rank (gathered): "rollouts" (per iteration: prompt_length of each generation batch, their
                   response lengths, and the sequences/attention masks of the first generation batch, so tests can
                   compare rollouts), "minibatch_tokens" (per iteration: real tokens of each of this rank's
-                  mini-batches) and "experience" (the last iteration's response lengths, prompt length, scores)
+                  mini-batches) and "experience" (the last iteration's response lengths, prompt length, scores, and
+                  the model turns of each row)
 
 Hooks (all default off): "use_position_ids": false  -> engine.use_position_ids = False (trlx's left-padding bug);
 "loss_token_mean": "local" -> the per-rank token mean (negative control of the global token mean);
@@ -77,6 +78,13 @@ def spread_groups(gen, n: int, pad_token_id: int):
                                                  zip(r.ended_with_eos, keep, r.response_lengths)])
     logprobs = None if gen.logprobs is None else gen.logprobs[:, :cut.response_width] * cut.action_mask
     return Generated(cut, logprobs)
+
+
+def model_turns(action_mask: torch.Tensor) -> list[int]:
+    """Per row, the runs of model-written tokens (a single-turn response has 1; an episode one per turn)."""
+    m = action_mask.long()
+    starts = m[:, :1] + (m[:, 1:] > m[:, :-1]).long().sum(-1, keepdim=True)
+    return starts.flatten().tolist()
 
 
 def gather(obj):
@@ -149,7 +157,8 @@ def run_one(spec: dict) -> dict | None:
         "minibatch_tokens": minibatch_tokens,
         "experience": {"response_lengths": exp.rollout.response_lengths.tolist(),
                        "prompt_length": exp.rollout.prompt_length,
-                       "scores": exp.scores.tolist()},
+                       "scores": exp.scores.tolist(),
+                       "turns": model_turns(exp.rollout.action_mask)},
     }
     per_rank = gather(mine)
     result = None
