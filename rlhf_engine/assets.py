@@ -10,7 +10,7 @@ import random
 import re
 
 EOS, PAD, BOS = "<|endoftext|>", "<pad>", "<s>"
-ARCHS = ("gpt2", "llama")
+ARCHS = ("gpt2", "llama", "opt")
 HEADS = ("causal_lm", "score")
 
 
@@ -53,13 +53,13 @@ def build_tiny_model(out_dir: str, tokenizer_dir: str, arch: str = "gpt2", head:
                      seed: int = 0) -> str:
     """Save a random-weight model (safetensors) plus its tokenizer into `out_dir`; return `out_dir`.
 
-    arch "gpt2" (absolute position embeddings) or "llama" (rotary); head "causal_lm" or "score" (a sequence
+    arch "gpt2" (absolute position embeddings), "llama" (rotary) or "opt" (learned positions, offset 2); head "causal_lm" or "score" (a sequence
     classification model with one label: a reward model / critic). The weights depend on `seed` only, and the
     caller's global torch RNG is left untouched.
     """
     import torch
     from transformers import (AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer, GPT2Config,
-                              LlamaConfig)
+                              LlamaConfig, OPTConfig)
 
     if arch not in ARCHS or head not in HEADS:
         raise ValueError(f"arch must be one of {ARCHS} and head one of {HEADS}; got arch={arch!r}, head={head!r}")
@@ -69,6 +69,10 @@ def build_tiny_model(out_dir: str, tokenizer_dir: str, arch: str = "gpt2", head:
     if arch == "gpt2":
         config = GPT2Config(n_layer=n_layer, n_embd=hidden, n_head=n_head, n_positions=max_positions,
                             resid_pdrop=dropout, embd_pdrop=dropout, attn_pdrop=dropout, **common)
+    elif arch == "opt":  # learned positions with an offset of 2
+        config = OPTConfig(num_hidden_layers=n_layer, hidden_size=hidden, ffn_dim=2 * hidden, num_attention_heads=n_head,
+                           max_position_embeddings=max_positions, word_embed_proj_dim=hidden, dropout=dropout,
+                           attention_dropout=dropout, **common)
     else:
         config = LlamaConfig(num_hidden_layers=n_layer, hidden_size=hidden, intermediate_size=2 * hidden,
                              num_attention_heads=n_head, num_key_value_heads=n_head,

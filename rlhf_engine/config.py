@@ -580,6 +580,12 @@ class EngineConfig:
                                       "weights fit gather_once_max_bytes, else off (logged).")
     gather_once_max_bytes: int = opt(8 * 2**30, "Largest actor (bytes of its full weights) gathered at once for "
                                      "generation; a larger actor falls back to per-layer fetching (logged once).")
+    packing: str = opt("auto", "Forwards on packed rows (rlhf_engine/packing.py): every experience and training "
+                       "forward of actor, reference, critic and reward lays its rows' real tokens end to end, each "
+                       "sequence with its own position ids and a block-diagonal causal mask, instead of padded "
+                       "rows. auto = on where the start-up probe says the model computes packed rows right (else "
+                       "off, logged); on = refused by name where it does not; off = padded rows. The experience "
+                       "forwards then run in training micro-batches (as with trim_padding).")
     trim_padding: bool = opt(False, "Every actor, reference, critic and reward forward drops the columns that are "
                              "padding in all of its rows (left prompt padding, right response padding); the "
                              "experience forwards then run in training micro-batches (per_device_training_batch_size "
@@ -610,6 +616,7 @@ class EngineConfig:
         if self.ema_dtype and self.ema_dtype not in DTYPES:
             p.add(prefix + "ema_dtype", self.ema_dtype, f"must be one of {', '.join(DTYPES)} (or '' for the actor's)")
         _choice(p, prefix, self, "generation_gather_once", GATHER_ONCE_MODES)
+        _choice(p, prefix, self, "packing", ("auto", "on", "off"))
         if not isinstance(self.generation_backend, str) or not self.generation_backend:
             p.add(prefix + "generation_backend", self.generation_backend, "must name a generation backend (lean, "
                   "hf, hybrid)")  # the name itself is checked against the registry by engine/preflight.py

@@ -14,14 +14,17 @@ from typing import Optional
 import torch
 
 from ..config import TrainConfig
-from ..ppo_math import entropy_from_logits, logprobs_and_entropy_from_logits, logprobs_from_logits, mask_stop_tokens_
-from ..rollout import Rollout
+from ..packing import pack_rows
+from ..ppo_math import (STOP_MASK_VALUE, entropy_from_logits, logprobs_and_entropy_from_logits, logprobs_from_logits,
+                        mask_stop_tokens_)
+from ..rollout import Rollout, gather_at
 from .distributed import DistInfo
 from .freezing import mirror_requires_grad
-from .models import ScalarHeadModel, accepts_logits_to_keep, adapter_disabled
+from .models import ScalarHeadModel, accepts_logits_to_keep, adapter_disabled, unwrap_peft
 from .generation import BACKENDS, GenerationContext, Generated, SamplingParams
 from .models import load_tokenizer  # noqa: F401  (re-exported)
 from .preflight import EnginePlan, RolePlan, resolve_dtype
+from .packed_forward import model_dtype, packed_inputs, packed_logits_at
 from .role_engine import (backward_global, build_role_engine, export_engine, full_state_dict, rollout_inputs,
                           sequence_scores)
 from .zero3 import ema_update_
@@ -46,8 +49,6 @@ class RLHFEngine:
         # then run on the training micro-batches' rows exactly, so that old and new log-probs come from identical
         # tensors (the lr = 0 ratio stays exactly 1)
         self.trim_padding = bool(cfg.engine.trim_padding)
-        self.experience_chunk = (cfg.batch.per_device_training_batch_size if self.trim_padding
-                                 else self.experience_micro_batch)
         g = cfg.generation
         self.temperature = g.temperature if g.do_sample else 1.0
         self.sampling = SamplingParams.from_config(g, self.stop_token_ids, self.pad_token_id)
@@ -76,6 +77,36 @@ class RLHFEngine:
         if ext.enable_ema:
             self._build_ema(num_training_steps)
         self.generator = backend(GenerationContext(self.actor, dist, self.plans["actor"].stage, cfg))
+        # packing: forwards on packed rows where every model computes them right (engine/packed_forward.py)
+        self.packing = self._resolve_packing(ext.packing)
+        # with trimmed or packed rows the experience forwards run on the training micro-batches' rows exactly, so
+        # old and new log-probs come from identical tensors (the lr = 0 ratio stays exactly 1)
+        self.experience_chunk = (cfg.batch.per_device_training_batch_size if self.trim_padding or self.packing
+                                 else self.experience_micro_batch)
+        # slots of every forward since the last `take_slot_counts`: real tokens, padded slots, packed slots
+        self.slot_counts = {"real": 0, "padded": 0, "packed": 0}
+
+    def _resolve_packing(self, setting: str) -> bool:
+        """'off' -> False; 'auto' -> whether every model passes the packing probe; 'on' -> True, or a ConfigError
+        naming the model that does not."""
+        from ..errors import ConfigError, Problem
+        from .packed_forward import packing_works
+
+        if setting == "off":
+            return False
+        failing = []
+        if self.hybrid_engine:
+            failing.append("the hybrid generation backend (its inference kernels take no block-diagonal mask)")
+        for role, engine in self.engines.items():
+            if role != "ema" and not failing and not packing_works(engine.module, len(self.tokenizer)):
+                model_type = getattr(getattr(unwrap_peft(engine.module), "config", None), "model_type", "?")
+                failing.append(f"the {role} model ({model_type}) does not compute packed rows as padded ones")
+        if failing and setting == "on":
+            raise ConfigError([Problem("packing", "on", f"{failing[0]}; set packing off (or auto)")],
+                              "cannot pack")
+        if failing and self.dist.is_main:
+            log.info("packing auto: off, %s", failing[0])
+        return not failing
 
     def _build_ema(self, num_training_steps: int) -> None:
         """The EMA of the actor: an eval-only engine built from the actor's weights, at ZeRO 3 when the actor is at 3
@@ -155,7 +186,54 @@ class RLHFEngine:
     def _trim(self, r: Rollout) -> Rollout:
         return r.trimmed() if self.trim_padding else r
 
+    def _pack(self, r: Rollout):
+        """The packing of a forward's rows, counted in `slot_counts`."""
+        packed = pack_rows(r.attention_mask)
+        self.slot_counts["real"] += int(r.response_lengths.sum()) + int(r.attention_mask[:, :r.prompt_length].sum())
+        self.slot_counts["padded"] += r.attention_mask.numel()
+        self.slot_counts["packed"] += packed.segment.numel()
+        return packed
+
+    def take_slot_counts(self) -> dict:
+        """The forwards' slot counts since the last call (then reset): real tokens, padded and packed slots."""
+        counts, self.slot_counts = self.slot_counts, {"real": 0, "padded": 0, "packed": 0}
+        return counts
+
+    def _packed_lm_forward(self, engine, r: Rollout, with_entropy: bool, check: bool):
+        """`_lm_forward` on packed rows: the head runs only where a response token is predicted (positions P-1+t of
+        the real response tokens t), and the results go back to [B, R]."""
+        P, R = r.prompt_length, r.response_width
+        packed = self._pack(r)
+        inputs = packed_inputs(packed, r.sequences, r.position_ids, model_dtype(engine.module))
+        where = packed.slot[:, P - 1:P - 1 + R]  # [B, R] slot predicting response token t (-1: padding)
+        keep = (where >= 0) & r.response_attention.bool()
+        logits = packed_logits_at(engine.module, packed, inputs, where[keep])[None]  # [1, K, V]
+        n = self.sampling.min_new_tokens
+        if n > 0 and self._stop_ids.numel():  # the sampled distribution: no stop token before min_new_tokens
+            early = (torch.arange(R, device=keep.device).expand_as(keep)[keep] < n).nonzero().flatten()
+            logits[0, early[:, None], self._stop_ids[None, :]] = STOP_MASK_VALUE
+        labels = r.responses[keep][None]
+
+        def back(x: torch.Tensor) -> torch.Tensor:
+            return torch.zeros(keep.shape, dtype=x.dtype, device=x.device).index_put((keep,), x[0]) * r.action_mask
+
+        if with_entropy and not torch.is_grad_enabled():
+            lp, ent = logprobs_and_entropy_from_logits(logits, labels, temperature=self.temperature, check=check)
+            return back(lp), back(ent)
+        lp = logprobs_from_logits(logits, labels, temperature=self.temperature, check=check)
+        ent = back(entropy_from_logits(logits, temperature=self.temperature)) if with_entropy else None
+        return back(lp), ent
+
+    def _scalar_per_position(self, engine, r: Rollout) -> torch.Tensor:
+        """[B, L] outputs of a ScalarHeadModel engine, padded or packed."""
+        if not self.packing:
+            return engine(**self._inputs(r))
+        packed = self._pack(r)
+        return packed.unpack(engine(**packed_inputs(packed, r.sequences, r.position_ids, model_dtype(engine.module))))
+
     def _lm_forward(self, engine, full: Rollout, with_entropy: bool, check: bool = True):
+        if self.packing:
+            return self._packed_lm_forward(engine, full, with_entropy, check)
         r = self._trim(full)  # outputs are padded back to full's width (0 there, like every padding position)
         R = r.response_width
         if accepts_logits_to_keep(engine.module):
@@ -212,8 +290,8 @@ class RLHFEngine:
 
     def _values(self, engine, full: Rollout) -> torch.Tensor:
         """[B, R] values of a ScalarHeadModel engine (per position [B, L], read at the action positions)."""
-        r = self._trim(full)
-        return _widen(r.action_slice(engine(**self._inputs(r))) * r.action_mask, full)
+        r = full if self.packing else self._trim(full)
+        return _widen(r.action_slice(self._scalar_per_position(engine, r)) * r.action_mask, full)
 
     def critic_values(self, rollout: Rollout) -> torch.Tensor:
         """[B, R] fp32 values V(state before action t), read at positions P-1+t; 0 on padding."""
@@ -222,6 +300,9 @@ class RLHFEngine:
     def reward_scores(self, rollout: Rollout) -> torch.Tensor:
         """[B] fp32 reward-model score at the last real token of each sequence (EOS included): `sequence_scores`, the
         function the reward-model trainer scores with."""
+        if self.packing:
+            return torch.cat(self._eval_chunks(
+                "reward", rollout, lambda e, mb: gather_at(self._scalar_per_position(e, mb), mb.score_index())))
         return torch.cat(self._eval_chunks(
             "reward", rollout, lambda e, mb: sequence_scores(e, self._trim(mb), self.use_position_ids)))
 
