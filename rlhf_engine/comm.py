@@ -81,6 +81,15 @@ def agree(failed_here: bool, group: Any = None) -> bool:
     return bool(all_reduce(flag, "max", group).item() > 0)
 
 
+def max_over_ranks(values: list[int], group: Any = None) -> list[int]:
+    """The element-wise maximum of every rank's `values` (equal lengths), in one all-reduce: how ranks agree on
+    counts of collective work (micro-batches) that they would otherwise each decide alone."""
+    if world_size() <= 1 or not values:
+        return list(values)
+    t = torch.tensor(values, dtype=torch.float64)
+    return [int(v) for v in all_reduce(t, "max", group).tolist()]
+
+
 def barrier(group: Any = None) -> None:
     if initialized():
         torch.distributed.barrier(group=group)

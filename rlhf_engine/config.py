@@ -261,6 +261,12 @@ class BatchConfig:
     gradient_accumulation_steps: int = opt(1, "Micro-batches per optimizer step (one mini-batch).")
     experience_micro_batch_size: int = opt(0, "Micro-batch of the experience forwards (0 = the rollouts of one "
                                            "generation batch).")
+    max_tokens_per_micro_batch: int = opt(0, "Micro-batches by a token budget instead of a row count: each mini-batch "
+                                          "(per_device_training_batch_size x gradient_accumulation_steps rollouts) is "
+                                          "cut, in order, into micro-batches of at most N real tokens (a longer "
+                                          "rollout is one of its own); the ranks agree on the count (a rank with "
+                                          "fewer runs empty ones). The experience forwards use the same "
+                                          "micro-batches. 0 = per_device_training_batch_size rows.")
     n_samples_per_prompt: int = opt(1, "Responses sampled per prompt, on the same rank, one after another (a group). "
                                     "per_device_generation_batch_size keeps counting prompts; every rollout count "
                                     "(rollout_size, mini-batches) counts rollouts = prompts x n_samples_per_prompt. "
@@ -270,8 +276,8 @@ class BatchConfig:
         names = ("per_device_generation_batch_size", "generation_batches", "per_device_training_batch_size",
                  "gradient_accumulation_steps", "n_samples_per_prompt")
         _positive(p, prefix, self, *names)
-        _positive(p, prefix, self, "experience_micro_batch_size", allow_zero=True)
-        for n in names + ("experience_micro_batch_size",):  # 2.5 passes `> 0` but is no batch size
+        _positive(p, prefix, self, "experience_micro_batch_size", "max_tokens_per_micro_batch", allow_zero=True)
+        for n in names + ("experience_micro_batch_size", "max_tokens_per_micro_batch"):  # 2.5 is no batch size
             if _number(getattr(self, n)) and not isinstance(getattr(self, n), int):
                 p.add(prefix + n, getattr(self, n), "must be a whole number")
         if any(not isinstance(getattr(self, n), int) or getattr(self, n) <= 0 for n in names):
@@ -907,6 +913,10 @@ class TrainConfig:
         if not isinstance(self.unsup_text_column, str) or not self.unsup_text_column:
             p.add("unsup_text_column", self.unsup_text_column, "must name a column")
         _positive(p, "", self, "unsup_coef", allow_zero=True)
+        if self.unsupervised_dataset_name and self.batch.max_tokens_per_micro_batch:
+            p.add("max_tokens_per_micro_batch", self.batch.max_tokens_per_micro_batch, "PPO-ptx pairs each "
+                  "micro-batch with gradient_accumulation_steps ptx micro-batches; token-budget micro-batches vary "
+                  "in number: not with unsupervised_dataset_name")
         for name in ("tokenizer_name_or_path", "use_chat_template"):
             if getattr(self.reward, name) and self.scored_without_model:
                 by = "reward_fn" if self.reward_fn else "reward_url"

@@ -94,3 +94,30 @@ def padding_fraction(attention_mask: torch.Tensor, packed: Optional[Packed] = No
     real = float(attention_mask.sum())
     total = attention_mask.numel() if packed is None else packed.segment.numel()
     return 1.0 - real / max(total, 1)
+
+
+def token_groups(lengths: list[int], budget: int) -> list[list[int]]:
+    """Consecutive rows in groups of at most `budget` real tokens (a longer row is a group of its own): the
+    micro-batches of --max_tokens_per_micro_batch, by row index."""
+    groups: list[list[int]] = []
+    tokens = 0
+    for i, n in enumerate(lengths):
+        if not groups or tokens + n > budget:
+            groups.append([])
+            tokens = 0
+        groups[-1].append(i)
+        tokens += n
+    return groups
+
+
+def micro_batch_rows(lengths: list[int], mini_batch: int, rows: int, budget: int) -> list[list[list[int]]]:
+    """Per mini-batch (`mini_batch` consecutive rows), its micro-batches as row indices of the whole buffer: `rows`
+    rows each, or by a token budget. The experience forwards and the training use the same ones, so both see the same
+    packed rows."""
+    out = []
+    for start in range(0, len(lengths), mini_batch):
+        n = min(mini_batch, len(lengths) - start)
+        groups = (token_groups(lengths[start:start + n], budget) if budget
+                  else [list(range(i, min(i + rows, n))) for i in range(0, n, rows)])
+        out.append([[start + i for i in g] for g in groups])
+    return out

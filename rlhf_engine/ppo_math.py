@@ -366,7 +366,8 @@ def _kl(lp: torch.Tensor, ref: torch.Tensor, estimator: str) -> torch.Tensor:
 STOP_MASK_VALUE = -1e4  # exp(-1e4 - max) is exactly 0 in fp32; finite, so entropy's p * log p stays 0 (never NaN)
 
 
-def mask_stop_tokens_(logits: torch.Tensor, stop_token_ids: torch.Tensor, min_new_tokens: int) -> torch.Tensor:
+def mask_stop_tokens_(logits: torch.Tensor, stop_token_ids: torch.Tensor, min_new_tokens: int,
+                      response_index: Optional[torch.Tensor] = None) -> torch.Tensor:
     """The distribution sampling used under `min_new_tokens`: stop tokens cannot end a response before it.
 
     Args:
@@ -375,13 +376,21 @@ def mask_stop_tokens_(logits: torch.Tensor, stop_token_ids: torch.Tensor, min_ne
             and the masked entries get gradient 0).
         stop_token_ids: ``[K]`` long, the stop tokens.
         min_new_tokens: positions ``t < min_new_tokens`` get ``STOP_MASK_VALUE`` at the stop tokens.
+        response_index: ``[B, R]`` long, the response position ``t`` of each logit row when they are not in order
+            (packed rows: ``[1, K]``); None: column ``t`` predicts token ``t``.
 
     Returns:
         ``logits`` (the same tensor).
     """
-    n = min(int(min_new_tokens), logits.shape[1])
-    if n > 0 and stop_token_ids.numel():
-        logits[:, :n].index_fill_(-1, stop_token_ids.to(logits.device), STOP_MASK_VALUE)
+    n = min(int(min_new_tokens), logits.shape[1] if response_index is None else int(min_new_tokens))
+    if n <= 0 or not stop_token_ids.numel():
+        return logits
+    stops = stop_token_ids.to(logits.device)
+    if response_index is None:
+        logits[:, :n].index_fill_(-1, stops, STOP_MASK_VALUE)
+    else:
+        rows, cols = (response_index < n).nonzero(as_tuple=True)
+        logits[rows[:, None], cols[:, None], stops[None, :]] = STOP_MASK_VALUE
     return logits
 
 

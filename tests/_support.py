@@ -146,6 +146,7 @@ def run_harness(tmp: str, name: str, runs: list, nproc: int, launcher: str, scri
 
 VOLATILE = ("time/", "throughput/")  # wall-clock keys: the only metrics allowed to differ between identical runs
 DISCRETE = ("policy/clipfrac", "value/clipfrac")  # counts of tokens at a boundary: 1e-7 noise can flip one token
+SPLIT = ("batch/",)  # micro-batch counts and padding: what differs between splits by design
 
 
 def compare_runs(run: dict, ref: dict) -> tuple[dict, dict]:
@@ -156,7 +157,7 @@ def compare_runs(run: dict, ref: dict) -> tuple[dict, dict]:
     metric = {}
     for a, b in zip(run["records"], ref["records"]):
         for k in b:
-            if not k.startswith(VOLATILE) and k not in DISCRETE and b[k] is not None:
+            if not k.startswith(VOLATILE + SPLIT) and k not in DISCRETE and b[k] is not None:
                 metric[k] = max(metric.get(k, 0.0), abs(a[k] - b[k]))
     params = {}
     for role in ref["max_param_change"]:  # the trained roles (no critic in a critic-free run)

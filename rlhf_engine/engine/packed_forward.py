@@ -48,10 +48,12 @@ def model_dtype(module: Any) -> torch.dtype:
     return p.dtype if p is not None and p.is_floating_point() else torch.float32
 
 
-def packing_works(module: Any, vocab_size: int) -> bool:
-    """Packed and padded forwards agree on a probe (two sequences of 5 and 3 tokens, left-padded). Collective
-    under ZeRO-3 (every rank runs the same probe)."""
+def packing_works(module: Any) -> bool:
+    """Packed and padded forwards agree on a probe (two sequences of 5 and 3 tokens, left-padded, ids below the
+    model's vocabulary size). Collective under ZeRO-3 (every rank runs the same probe)."""
     device = next(iter(module.parameters())).device
+    hf = module.hf_model if isinstance(module, ScalarHeadModel) else unwrap_peft(module)
+    vocab_size = int(hf.config.vocab_size)
     gen = torch.Generator().manual_seed(0)
     ids = torch.randint(3, max(vocab_size, 4), (2, 5), generator=gen).to(device)
     mask = torch.tensor([[1, 1, 1, 1, 1], [0, 0, 1, 1, 1]], device=device)

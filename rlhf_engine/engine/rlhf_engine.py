@@ -14,9 +14,9 @@ from typing import Optional
 import torch
 
 from ..config import TrainConfig
-from ..packing import pack_rows
-from ..ppo_math import (STOP_MASK_VALUE, entropy_from_logits, logprobs_and_entropy_from_logits, logprobs_from_logits,
-                        mask_stop_tokens_)
+from .. import comm
+from ..packing import micro_batch_rows, pack_rows
+from ..ppo_math import entropy_from_logits, logprobs_and_entropy_from_logits, logprobs_from_logits, mask_stop_tokens_
 from ..rollout import Rollout, gather_at
 from .distributed import DistInfo
 from .freezing import mirror_requires_grad
@@ -98,7 +98,7 @@ class RLHFEngine:
         if self.hybrid_engine:
             failing.append("the hybrid generation backend (its inference kernels take no block-diagonal mask)")
         for role, engine in self.engines.items():
-            if role != "ema" and not failing and not packing_works(engine.module, len(self.tokenizer)):
+            if role != "ema" and not failing and not packing_works(engine.module):
                 model_type = getattr(getattr(unwrap_peft(engine.module), "config", None), "model_type", "?")
                 failing.append(f"the {role} model ({model_type}) does not compute packed rows as padded ones")
         if failing and setting == "on":
@@ -186,16 +186,21 @@ class RLHFEngine:
     def _trim(self, r: Rollout) -> Rollout:
         return r.trimmed() if self.trim_padding else r
 
-    def _pack(self, r: Rollout):
-        """The packing of a forward's rows, counted in `slot_counts`."""
-        packed = pack_rows(r.attention_mask)
-        self.slot_counts["real"] += int(r.response_lengths.sum()) + int(r.attention_mask[:, :r.prompt_length].sum())
+    def _count(self, r: Rollout, packed_slots: int = 0) -> None:
+        """A forward's real tokens and slots into `slot_counts` (the real count stays on the device: no sync)."""
+        self.slot_counts["real"] = self.slot_counts["real"] + r.attention_mask.sum()
         self.slot_counts["padded"] += r.attention_mask.numel()
-        self.slot_counts["packed"] += packed.segment.numel()
+        self.slot_counts["packed"] += packed_slots
+
+    def _pack(self, r: Rollout):
+        """The packing of a forward's rows, counted."""
+        packed = pack_rows(r.attention_mask)
+        self._count(r, packed.segment.numel())
         return packed
 
     def take_slot_counts(self) -> dict:
-        """The forwards' slot counts since the last call (then reset): real tokens, padded and packed slots."""
+        """The forwards' counts since the last call (then reset): real tokens, padded slots, packed slots (0 without
+        packing)."""
         counts, self.slot_counts = self.slot_counts, {"real": 0, "padded": 0, "packed": 0}
         return counts
 
@@ -208,10 +213,10 @@ class RLHFEngine:
         where = packed.slot[:, P - 1:P - 1 + R]  # [B, R] slot predicting response token t (-1: padding)
         keep = (where >= 0) & r.response_attention.bool()
         logits = packed_logits_at(engine.module, packed, inputs, where[keep])[None]  # [1, K, V]
-        n = self.sampling.min_new_tokens
-        if n > 0 and self._stop_ids.numel():  # the sampled distribution: no stop token before min_new_tokens
-            early = (torch.arange(R, device=keep.device).expand_as(keep)[keep] < n).nonzero().flatten()
-            logits[0, early[:, None], self._stop_ids[None, :]] = STOP_MASK_VALUE
+        # the sampled distribution: no stop token before min_new_tokens (each logit row's response position)
+        if self.sampling.min_new_tokens:
+            index = torch.arange(R, device=keep.device).expand_as(keep)[keep][None]
+            mask_stop_tokens_(logits, self._stop_ids, self.sampling.min_new_tokens, response_index=index)
         labels = r.responses[keep][None]
 
         def back(x: torch.Tensor) -> torch.Tensor:
@@ -227,6 +232,7 @@ class RLHFEngine:
     def _scalar_per_position(self, engine, r: Rollout) -> torch.Tensor:
         """[B, L] outputs of a ScalarHeadModel engine, padded or packed."""
         if not self.packing:
+            self._count(r)
             return engine(**self._inputs(r))
         packed = self._pack(r)
         return packed.unpack(engine(**packed_inputs(packed, r.sequences, r.position_ids, model_dtype(engine.module))))
@@ -234,7 +240,8 @@ class RLHFEngine:
     def _lm_forward(self, engine, full: Rollout, with_entropy: bool, check: bool = True):
         if self.packing:
             return self._packed_lm_forward(engine, full, with_entropy, check)
-        r = self._trim(full)  # outputs are padded back to full's width (0 there, like every padding position)
+        r = self._trim(full)
+        self._count(r)  # outputs are padded back to full's width (0 there, like every padding position)
         R = r.response_width
         if accepts_logits_to_keep(engine.module):
             # only the last R+1 positions go through the LM head (prompt logits are never used); their first R are
@@ -269,10 +276,29 @@ class RLHFEngine:
         finally:
             _set_training(engine, was_training)
 
+    def micro_batches(self, rollout: Rollout) -> list[list[Optional[list[int]]]]:
+        """Per mini-batch, the row indices of its micro-batches under --max_tokens_per_micro_batch, with None for the
+        empty micro-batches a rank runs so that every rank runs as many (one all-reduce)."""
+        b = self.cfg.batch
+        lengths = rollout.attention_mask.sum(-1).tolist()
+        plan = micro_batch_rows(lengths, b.mini_batch_size, b.per_device_training_batch_size,
+                                b.max_tokens_per_micro_batch)
+        counts = comm.max_over_ranks([len(m) for m in plan])
+        return [m + [None] * (k - len(m)) for m, k in zip(plan, counts)]
+
     def _eval_chunks(self, role: str, rollout: Rollout, fn) -> list:
         engine = self.engines[role]
         with self._eval_mode(role), torch.no_grad():
-            return [fn(engine, mb) for mb in rollout.split(self.experience_chunk)]
+            if not self.cfg.batch.max_tokens_per_micro_batch:
+                return [fn(engine, mb) for mb in rollout.split(self.experience_chunk)]
+            out = []
+            for mini in self.micro_batches(rollout):  # the training's micro-batches: the same packed rows
+                for rows in mini:
+                    if rows is None:  # an empty micro-batch: a forward for the collectives, its output dropped
+                        fn(engine, rollout.select([0]))
+                    else:
+                        out.append(fn(engine, rollout.select(rows)))
+            return out
 
     def actor_logprobs(self, rollout: Rollout, with_entropy: bool = False):
         """[B, R] fp32 actor log-probs (0 on padding), eval mode; with_entropy also returns [B, R] entropy."""
@@ -304,7 +330,11 @@ class RLHFEngine:
             return torch.cat(self._eval_chunks(
                 "reward", rollout, lambda e, mb: gather_at(self._scalar_per_position(e, mb), mb.score_index())))
         return torch.cat(self._eval_chunks(
-            "reward", rollout, lambda e, mb: sequence_scores(e, self._trim(mb), self.use_position_ids)))
+            "reward", rollout, lambda e, mb: sequence_scores(e, self._counted(self._trim(mb)), self.use_position_ids)))
+
+    def _counted(self, r: Rollout) -> Rollout:
+        self._count(r)
+        return r
 
     # ---- training ------------------------------------------------------------------------------------------
     def actor_forward(self, rollout: Rollout, with_entropy: bool = False, check: bool = True):
@@ -334,6 +364,12 @@ class RLHFEngine:
 
     def is_boundary(self, role: str) -> bool:
         return bool(self.engines[role].is_gradient_accumulation_boundary())
+
+    def set_boundary(self, roles: tuple, boundary: Optional[bool]) -> None:
+        """Whether the next micro-batch ends the mini-batch (None: DeepSpeed counts gradient_accumulation_steps):
+        token-budget micro-batches come in varying numbers."""
+        for role in roles:
+            self.engines[role].set_gradient_accumulation_boundary(boundary)
 
     def update_ema(self) -> bool:
         """EMA step: ema = ema_decay * ema + (1 - ema_decay) * actor, if the actor's optimizer has stepped since the

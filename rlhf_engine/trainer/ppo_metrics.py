@@ -154,6 +154,13 @@ def iteration_record(s: dict, world_size: int) -> dict:
         rec["rollout/correction_masked_frac"] = s["correction_masked"] / tokens if tokens else None
     if "correction_masked_seqs" in s:
         rec["rollout/correction_masked_seq_frac"] = s["correction_masked_seqs"] / n_seq
+    if s.get("slots_padded"):  # the experience and training forwards' slots (rlhf_engine/packing.py)
+        rec["batch/padding_fraction"] = 1.0 - s["slots_real"] / s["slots_padded"]
+        if s.get("slots_packed"):
+            rec["batch/packed_padding_fraction"] = 1.0 - s["slots_real"] / s["slots_packed"]
+    if "micro_batches" in s:
+        rec["batch/micro_batches"] = s["micro_batches"] / world_size
+        rec["batch/empty_micro_batches"] = s["empty_micro_batches"] / world_size
     if "env_episodes" in s:
         rec.update(episode_record(s))
     rec.update({

@@ -249,27 +249,39 @@ class PPOTrainer:
         ptx = self.ptx if train_actor else None
         actor, critic = (self.actor_objective if train_actor else None), self.critic_objective
         minibatches_trained = 0  # actor mini-batches this phase: they name the ratio-trace metrics in order
+        by_tokens = bool(b.max_tokens_per_micro_batch)
+        plan = engine.micro_batches(exp.rollout) if by_tokens else None  # the experience forwards' micro-batches
         for epoch in range(self.cfg.ppo.ppo_epochs):
             for m, mini in enumerate(exp.split(b.mini_batch_size)):
                 ptx_batches = ptx.next_mini_batch(engine.device) if ptx is not None else None
                 counts = self._token_counts(mini, ptx_batches)
                 max_abs_log_ratio = torch.zeros((), dtype=torch.float64, device=engine.device)
-                for k, micro in enumerate(mini.split(b.per_device_training_batch_size)):
+                micros = mini.split(b.per_device_training_batch_size) if plan is None else [
+                    None if rows is None else exp.select(rows) for rows in plan[m]]
+                for k, micro in enumerate(micros):
+                    # an empty micro-batch (token budget: another rank has more) runs a row with weight 0
+                    weight, micro = (1.0, micro) if micro is not None else (0.0, mini.select([0]))
+                    stats.add("micro_batches", torch.tensor(1.0))
+                    stats.add("empty_micro_batches", torch.tensor(1.0 - weight))
+                    if by_tokens:
+                        engine.set_boundary(roles, k == len(micros) - 1)
                     if actor is not None:
                         loss, ps = actor(micro, counts)
-                        loss = hooks.loss("actor", loss, it)
+                        loss = hooks.loss("actor", loss, it) * weight
                         self.guard.watch("policy loss", loss)
-                        actor_loss = loss + (self._ptx_term(ptx_batches[k], counts, stats) if ptx_batches else 0.0)
+                        ptx_term = self._ptx_term(ptx_batches[k], counts, stats) if ptx_batches and weight else 0.0
                         # ONE backward: policy (+ KL loss, entropy) + ptx
-                        engine.backward("actor", actor_loss + hooks.grad("actor", loss, it))
-                        add_policy_stats(stats, loss, ps)
-                        max_abs_log_ratio = torch.maximum(max_abs_log_ratio, ps["max_abs_log_ratio"])
+                        engine.backward("actor", loss + ptx_term + hooks.grad("actor", loss, it))
+                        if weight:
+                            add_policy_stats(stats, loss, ps)
+                            max_abs_log_ratio = torch.maximum(max_abs_log_ratio, ps["max_abs_log_ratio"])
                     if critic is not None:
                         vloss, vs = critic(micro, counts)
-                        vloss = hooks.loss("critic", vloss, it)
+                        vloss = hooks.loss("critic", vloss, it) * weight
                         self.guard.watch("value loss", vloss)
                         engine.backward("critic", vloss + hooks.grad("critic", vloss, it))
-                        add_value_stats(stats, vloss, vs)
+                        if weight:
+                            add_value_stats(stats, vloss, vs)
                     # the trained engines step together (boundary: one collective; non-finite gradient: all skip)
                     self.guard.step(roles, it, where=f"PPO epoch {epoch}, mini-batch {m}")
                     hooks.after_step(it)
@@ -300,6 +312,8 @@ class PPOTrainer:
         t2 = time.perf_counter()
         self.train_phase(exp, stats)
         t3 = time.perf_counter()
+        for key, n in self.engine.take_slot_counts().items():  # the forwards' tokens and slots, padded and packed
+            stats.add(f"slots_{key}", torch.tensor(float(n)))
         s = stats.reduce()
         self.ratio_trace.extend(s.pop(k) for k in sorted(k for k in s if k.startswith(RATIO_TRACE)))
         n_seq, tokens = s["sequences"], s["tokens"]

@@ -17,6 +17,7 @@ ALLOWED = {
     "policy_losses": {"ppo_math"},
     "config": {"errors", "ppo_math", "estimators", "policy_losses"},  # (lazily: the registered names)
     "rollout": {"ppo_math"},
+    "packing": set(),
     "pretrained": {"errors"},
     "assets": {"pretrained"},
     "faults": set(),
@@ -26,7 +27,7 @@ ALLOWED = {
     "envs": {"comm", "rollout", "rewards"},
     "outputs": {"errors"},
     "data": {"comm", "config", "errors", "rollout", "pretrained"},
-    "engine": {"comm", "config", "errors", "ppo_math", "rollout"},
+    "engine": {"comm", "config", "errors", "packing", "ppo_math", "rollout"},
     "trainer": {"comm", "config", "data", "engine", "envs", "errors", "estimators", "outputs", "policy_losses",
                 "ppo_math", "pretrained",
                 "rewards", "rollout", "faults", "hooks", "signals"},

@@ -139,7 +139,7 @@ def test_negative_control_min_len_without_the_mask_in_the_logprobs(tiny, dist_si
     """Without the stop-token mask in the recomputed log-probs the live check sees the off-policy step."""
     from rlhf_engine.engine import rlhf_engine as module
 
-    monkeypatch.setattr(module, "mask_stop_tokens_", lambda logits, ids, n: logits)
+    monkeypatch.setattr(module, "mask_stop_tokens_", lambda logits, ids, n, **where: logits)
     trainer = build_trainer(parse_args(train_args(tiny, str(tmp_path), min_answer_seq_len=3, **FLAGS)))
     rec = trainer.step()
     assert rec["rollout/logprob_diff_max"] > 1e-2 and rec["rollout/seq_logratio_max"] > 1e-2, rec

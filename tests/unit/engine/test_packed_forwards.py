@@ -9,7 +9,7 @@ ulps of values of size ~1-10 (1 ulp of 8 is 9.5e-7)."""
 import pytest
 import torch
 
-from _support import STOP_IDS, make_tiny_setup, ppo_args
+from _support import make_tiny_setup, ppo_args
 from rlhf_engine.cli import parse_args
 from rlhf_engine.data.prompts import collate_prompts, load_prompt_dataset
 from rlhf_engine.engine import RLHFEngine
@@ -89,7 +89,7 @@ def test_negative_control_positions_that_do_not_restart_are_caught(engines, monk
         return inputs
 
     monkeypatch.setattr(packed_forward, "packed_inputs", continuing)
-    works = packed_forward.packing_works(e["off"].actor.module, len(e["off"].tokenizer))
+    works = packed_forward.packing_works(e["off"].actor.module)
     assert works is (arch == "llama"), arch
 
 

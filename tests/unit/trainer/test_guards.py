@@ -157,7 +157,9 @@ def test_host_syncs_one_per_guard_collective_and_none_from_ppo_math_in_the_train
     from rlhf_engine.trainer import objectives
     from rlhf_engine.trainer.metric_sums import MetricSums
 
-    trainer = _build(tiny, tmp_path, max_steps=2)
+    # padded rows: packing syncs once per forward to place its rows (packing.py), and runs the experience forwards
+    # in training micro-batches (two calls where this counts one)
+    trainer = _build(tiny, tmp_path, max_steps=2, packing="off")
     trainer.step()  # warm-up: first-call paths (DeepSpeed, caches) are not what this test counts
 
     def iteration():

@@ -1,0 +1,67 @@
+"""Packed rows and token-budget micro-batches on real DeepSpeed engines (CPU, gloo), tiny GPT-2: 1 rank vs 2 ranks
+with ragged micro-batch counts, against padded row-count micro-batches, and lr 0.
+
+With --max_tokens_per_micro_batch the ranks cut their mini-batches into different numbers of micro-batches (their
+responses differ in length); they agree on the largest count and a rank with fewer runs empty ones (weight 0), so
+DeepSpeed's accumulation boundary comes at the same micro-batch on every rank. The losses are normalised by the
+global token and sequence counts, so the update does not depend on the split."""
+import os
+
+import pytest
+
+from _support import compare_runs, ppo_args, run_harness
+
+ATOL = 1e-5
+MAX_LOG_RATIO_LR0 = 1e-6
+BUDGET = 40  # tokens: prompts of 3-20 tokens + responses of 1-8, so 2 to 4 rows per micro-batch
+RUN = dict(do_sample="false", max_steps=2, ppo_epochs=2, seed=3, actor_learning_rate=2e-4, critic_learning_rate=2e-4)
+
+
+@pytest.fixture(scope="module")
+def runs(tiny, tmp_path_factory):
+    tmp = str(tmp_path_factory.mktemp("pack"))
+    d = lambda name: os.path.join(tmp, name)  # noqa: E731
+    two = run_harness(tmp, "pack2", [
+        {"name": "tokens_2r", "args": ppo_args(tiny, d("tokens_2r"), per_device_generation_batch_size=4,
+                                                per_device_training_batch_size=2, gradient_accumulation_steps=2,
+                                                max_tokens_per_micro_batch=BUDGET, packing="on", **RUN)},
+        {"name": "lr0_tokens_2r", "args": ppo_args(tiny, d("lr0_tokens_2r"), per_device_generation_batch_size=4,
+                                                    generation_batches=2, per_device_training_batch_size=2,
+                                                    gradient_accumulation_steps=2, max_tokens_per_micro_batch=BUDGET,
+                                                    packing="on", max_steps=2, ppo_epochs=2, seed=1,
+                                                    actor_learning_rate=0.0, critic_learning_rate=0.0)},
+    ], 2, "deepspeed")
+    one = run_harness(tmp, "pack1", [
+        {"name": "tokens_1r", "args": ppo_args(tiny, d("tokens_1r"), per_device_generation_batch_size=8,
+                                                per_device_training_batch_size=4, gradient_accumulation_steps=2,
+                                                max_tokens_per_micro_batch=BUDGET, packing="on", **RUN)},
+        {"name": "rows_padded_1r", "args": ppo_args(tiny, d("rows_padded_1r"), per_device_generation_batch_size=8,
+                                                     per_device_training_batch_size=4, gradient_accumulation_steps=2,
+                                                     packing="off", **RUN)},
+    ], 1, "python")
+    return {**two, **one}
+
+
+@pytest.mark.distributed
+def test_token_budget_on_two_ranks_equals_one_rank_and_padded_rows(runs):
+    ref = runs["rows_padded_1r"]
+    assert ref["max_param_change"]["actor"] > 50 * ATOL  # it learned: equality is not trivial
+    for name in ("tokens_1r", "tokens_2r"):
+        metric, params = compare_runs(runs[name], ref)
+        metric = {k: v for k, v in metric.items() if not k.startswith("batch/")}  # the split itself differs
+        assert max(metric.values()) <= ATOL, (name, metric)
+        assert max(params.values()) <= ATOL, (name, params)
+        assert runs[name]["optimizer_steps"] == ref["optimizer_steps"], name
+    # the split did differ: more micro-batches than rows / 4, and a rank ran an empty one
+    recs = runs["tokens_2r"]["records"]
+    assert any(r["batch/micro_batches"] > 2 * 2 for r in recs), recs  # 2 epochs x 2 row micro-batches per rank
+    assert any(r["batch/empty_micro_batches"] > 0 for r in recs), [r["batch/empty_micro_batches"] for r in recs]
+    assert all(r["batch/packed_padding_fraction"] < r["batch/padding_fraction"] for r in recs)
+
+
+@pytest.mark.distributed
+def test_lr0_ratio_one_with_packing_and_token_budget(runs):
+    run = runs["lr0_tokens_2r"]
+    assert max(run["ratio_trace"]) <= MAX_LOG_RATIO_LR0, run["ratio_trace"]
+    assert all(r["objective/kl"] == 0.0 for r in run["records"])
+    assert set(run["max_param_change"].values()) == {0.0}
