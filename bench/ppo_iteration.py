@@ -13,7 +13,8 @@ Variants (`--variant NAME:key=value,...`, repeatable) are built side by side in 
 interleaved (round r starts with variant r mod n), so a noisy machine affects them alike; compare them by their
 ratios. Keys: zero (actor/critic ZeRO stage; reference/reward follow: 3 if 3, else 0), offload (optimizer offload of
 actor and critic), gather_once (on/off), gather (any generation_gather_once mode: auto, replica, on, off), backend
-(generation backend: lean, hf), trim (engine.trim_padding), hybrid_engine (DeepSpeed Hybrid Engine on
+(generation backend: lean, hf), trim (engine.trim_padding), packing (engine.packing: on, off), tokens
+(batch.max_tokens_per_micro_batch), hybrid_engine (DeepSpeed Hybrid Engine on
 the actor; CUDA only), patch (patches.py, '+'-separated: candidate fixes, or 'before' patches that restore the
 code before a fix the library has applied).
 
@@ -49,7 +50,7 @@ PRESETS = {
                      micro_batch=8, dtype="bf16"),
 }
 VARIANT_KEYS = {"zero": int, "offload": bool, "gather_once": bool, "gather": str, "backend": str, "trim": bool,
-                "hybrid_engine": bool, "patch": str}
+                "packing": str, "tokens": int, "hybrid_engine": bool, "patch": str}
 
 
 class Skip(Exception):
@@ -130,6 +131,12 @@ def build_config(args, v: dict, world: int, models: dict, out_dir: str):
     if "trim" in v:
         cfg.engine.trim_padding = v["trim"]
         v["_settings"].append(f"engine.trim_padding={v['trim']}")
+    if "packing" in v:
+        cfg.engine.packing = v["packing"]
+        v["_settings"].append(f"engine.packing={v['packing']}")
+    if "tokens" in v:
+        cfg.batch.max_tokens_per_micro_batch = v["tokens"]
+        v["_settings"].append(f"batch.max_tokens_per_micro_batch={v['tokens']}")
     if "backend" in v:
         cfg.engine.generation_backend = v["backend"]
         v["_settings"].append(f"engine.generation_backend={v['backend']}")

@@ -586,12 +586,13 @@ class EngineConfig:
                                       "weights fit gather_once_max_bytes, else off (logged).")
     gather_once_max_bytes: int = opt(8 * 2**30, "Largest actor (bytes of its full weights) gathered at once for "
                                      "generation; a larger actor falls back to per-layer fetching (logged once).")
-    packing: str = opt("auto", "Forwards on packed rows (rlhf_engine/packing.py): every experience and training "
-                       "forward of actor, reference, critic and reward lays its rows' real tokens end to end, each "
-                       "sequence with its own position ids and a block-diagonal causal mask, instead of padded "
-                       "rows. auto = on where the start-up probe says the model computes packed rows right (else "
-                       "off, logged); on = refused by name where it does not; off = padded rows. The experience "
-                       "forwards then run in training micro-batches (as with trim_padding).")
+    packing: str = opt("off", "Forwards on packed rows (docs/packing.md): every experience and training forward of "
+                       "actor, reference, critic and reward lays its rows' real tokens end to end, each sequence "
+                       "with its own position ids and a block-diagonal causal mask, instead of padded rows. on = "
+                       "refused by name where the start-up probe says a model does not compute packed rows right; "
+                       "auto = on where it does (else off, logged); off = padded rows (the default: measured no "
+                       "faster on a CPU, see docs/packing.md). The experience forwards then run in training "
+                       "micro-batches (as with trim_padding).")
     trim_padding: bool = opt(False, "Every actor, reference, critic and reward forward drops the columns that are "
                              "padding in all of its rows (left prompt padding, right response padding); the "
                              "experience forwards then run in training micro-batches (per_device_training_batch_size "

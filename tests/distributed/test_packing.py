@@ -56,7 +56,8 @@ def test_token_budget_on_two_ranks_equals_one_rank_and_padded_rows(runs):
     recs = runs["tokens_2r"]["records"]
     assert any(r["batch/micro_batches"] > 2 * 2 for r in recs), recs  # 2 epochs x 2 row micro-batches per rank
     assert any(r["batch/empty_micro_batches"] > 0 for r in recs), [r["batch/empty_micro_batches"] for r in recs]
-    assert all(r["batch/packed_padding_fraction"] < r["batch/padding_fraction"] for r in recs)
+    assert all(r["batch/packed_padding_fraction"] <= r["batch/padding_fraction"] for r in recs)
+    assert any(r["batch/packed_padding_fraction"] < r["batch/padding_fraction"] for r in recs)
 
 
 @pytest.mark.distributed

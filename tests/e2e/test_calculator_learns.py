@@ -2,10 +2,9 @@
 not in the default suite).
 
 `launch/train_ppo.py --config examples/grpo_calculator.yaml` (seed 1234, 14 iterations): the accuracy of the training
-episodes (objective/score: 1 or 0) over the last 4 iterations must exceed the first 4 by MARGIN, and the share of
-episodes that called the tool (env/turns_mean - 1 bounds it from below: an episode with a call plays 2 or more turns)
-must rise too; the same run with actor learning rate 0 must not gain. Needs the demo packages
-(scripts/install.sh --demo).
+episodes (objective/score: 1 or 0) over the last 4 iterations must exceed the first 4 by MARGIN while the episodes
+use the tool (more than 1.5 model turns per episode over the last 4: a turn after the first follows a tool call);
+the same run with actor learning rate 0 must not gain. Needs the demo packages (scripts/install.sh --demo).
 """
 import json
 import os
@@ -16,11 +15,14 @@ import pytest
 
 from _support import ROOT
 
-MARGIN = 0.15  # see the README table for what was measured
+MARGIN = 0.15  # measured (seed 1234, docs/environments.md): +0.45 learning, -0.03 at actor learning rate 0
 
 
-def _gain(run_dir: str, key: str, k: int = 4) -> float:
-    values = [json.loads(line)[key] for line in open(os.path.join(run_dir, "metrics.jsonl"))]
+def _values(run_dir: str, key: str) -> list:
+    return [json.loads(line)[key] for line in open(os.path.join(run_dir, "metrics.jsonl"))]
+
+
+def _gain(values: list, k: int = 4) -> float:
     return sum(values[-k:]) / k - sum(values[:k]) / k
 
 
@@ -37,7 +39,8 @@ def test_calculator_episodes_learn_and_not_at_lr0(tmp_path):
                                "--output_dir", out, *extra], cwd=ROOT, env=env, capture_output=True, text=True,
                               timeout=1700)
         assert proc.returncode == 0, proc.stderr[-4000:]
-        gains[name] = (_gain(out, "objective/score"), _gain(out, "env/turns_mean"))
-    print("gains (accuracy, turns)", gains)
-    assert gains["learn"][0] > MARGIN and gains["learn"][1] > 0, gains
+        turns = _values(out, "env/turns_mean")
+        gains[name] = (_gain(_values(out, "objective/score")), sum(turns[-4:]) / 4)
+    print("(accuracy gain, turns per episode at the end)", gains)
+    assert gains["learn"][0] > MARGIN and gains["learn"][1] > 1.5, gains
     assert gains["lr0"][0] < MARGIN, gains
