@@ -166,3 +166,16 @@ def compare_runs(run: dict, ref: dict) -> tuple[dict, dict]:
         assert x.keys() == y.keys()
         params[role] = max(float((x[k].float() - y[k].float()).abs().max()) for k in x)
     return metric, params
+
+
+def run_example(config: str, out: str, *extra: str, timeout: int = 1500) -> list[dict]:
+    """`launch/train_ppo.py --config <config> --output_dir <out> <extra>` on every core, offline (the slow
+    learning tests); its metrics records."""
+    env = {k: v for k, v in os.environ.items() if k not in _RANK_VARS}
+    env.update(HF_HUB_OFFLINE="1", WANDB_MODE="offline", TOKENIZERS_PARALLELISM="false",
+               OMP_NUM_THREADS=str(os.cpu_count() or 1))
+    proc = subprocess.run([sys.executable, "launch/train_ppo.py", "--config", config, "--output_dir", out, *extra],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    with open(os.path.join(out, "metrics.jsonl")) as f:
+        return [json.loads(line) for line in f]

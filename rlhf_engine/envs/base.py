@@ -1,8 +1,9 @@
 """What an environment is, and how one is named on the command line."""
 from __future__ import annotations
 
-import importlib
 from typing import Any, Callable, NamedTuple, Optional
+
+from ..plugins import load_callable
 
 
 class Step(NamedTuple):
@@ -19,19 +20,7 @@ class EnvironmentFailure(RuntimeError):
 
 def load_environment_factory(spec: str) -> Callable[[dict], Any]:
     """'package.module:factory' -> the factory. Raises ValueError naming the spec and the fix."""
-    if not isinstance(spec, str) or spec.count(":") != 1:
-        raise ValueError(f"environment = {spec!r}: expected 'module:factory', e.g. "
-                         "'rlhf_engine.envs.calculator:make_env'")
-    module_name, name = spec.split(":")
-    try:
-        module = importlib.import_module(module_name)
-    except Exception as e:  # noqa: BLE001  (any import failure is the user's to fix)
-        raise ValueError(f"environment = {spec!r}: cannot import {module_name!r} ({type(e).__name__}: {e}); make it "
-                         "importable (PYTHONPATH) or fix the module name") from e
-    factory = getattr(module, name, None)
-    if not callable(factory):
-        raise ValueError(f"environment = {spec!r}: {module_name} has no callable {name!r}")
-    return factory
+    return load_callable(spec, "environment", "rlhf_engine.envs.calculator:make_env", what="factory")
 
 
 def as_step(answer: Any) -> Step:

@@ -13,11 +13,12 @@ keyword lists aligned with `responses` (a prompt's N samples each get its row's 
 """
 from __future__ import annotations
 
-import importlib
 import inspect
 import math
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping, Optional, Sequence
+
+from ..plugins import load_callable
 
 RewardFn = Callable[..., Sequence[float]]
 
@@ -62,18 +63,7 @@ def reward_signature(fn: Callable) -> RewardSignature:
 
 def load_reward_fn(spec: str) -> RewardFn:
     """'package.module:function' -> the function. Raises ValueError naming the spec and the fix."""
-    if spec.count(":") != 1:
-        raise ValueError(f"reward_fn = {spec!r}: expected 'module:function', e.g. "
-                         "'rlhf_engine.rewards.sentiment:vader_positive'")
-    module_name, fn_name = spec.split(":")
-    try:
-        module = importlib.import_module(module_name)
-    except Exception as e:  # noqa: BLE001  (any import failure is the user's to fix)
-        raise ValueError(f"reward_fn = {spec!r}: cannot import {module_name!r} ({type(e).__name__}: {e}); "
-                         "make it importable (PYTHONPATH) or fix the module name") from e
-    fn = getattr(module, fn_name, None)
-    if not callable(fn):
-        raise ValueError(f"reward_fn = {spec!r}: {module_name} has no callable {fn_name!r}")
+    fn = load_callable(spec, "reward_fn", "rlhf_engine.rewards.sentiment:vader_positive")
     try:
         reward_signature(fn)
     except ValueError as e:
