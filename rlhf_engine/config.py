@@ -536,7 +536,8 @@ class EnvConfig:
     env_workers: int = opt(8, "Environment calls of a turn run in this many threads, across the batch's rows.")
     env_errors: str = opt("stop", "What an environment call that raised or timed out does: 'stop' (the default: "
                           "the run stops naming the row, so a broken environment is not mistaken for a failing "
-                          "model) or 'score_zero' (the episode ends there with reward 0, counted in env/errors).")
+                          "model) or 'score_zero' (the episode ends there, the failed turn scoring 0; counted in "
+                          "env/errors).")
 
     @property
     def on(self) -> bool:
@@ -871,6 +872,9 @@ class TrainConfig:
         if _number(g.min_answer_seq_len) and g.min_answer_seq_len > 0:
             p.add("min_answer_seq_len", g.min_answer_seq_len, "counts from the response's start, which an episode's "
                   "later turns do not share: not supported with an environment")
+        if self.engine.generation_backend == "hybrid":
+            p.add("generation_backend", "hybrid", "sizes its inference cache for max_prompt_seq_len + "
+                  "max_answer_seq_len, which an episode's later turns outgrow: use lean or hf with an environment")
         if _number(self.eval_interval) and self.eval_interval > 0:
             p.add("eval_interval", self.eval_interval, "evaluates single responses with a reward model or function; "
                   "evaluation by playing episodes is not built yet: set it to 0 with an environment")

@@ -98,7 +98,13 @@ class RLHFEngine:
         if self.hybrid_engine:
             failing.append("the hybrid generation backend (its inference kernels take no block-diagonal mask)")
         for role, engine in self.engines.items():
-            if role != "ema" and not failing and not packing_works(engine.module):
+            if role == "ema" or self.hybrid_engine:
+                continue
+            try:  # every rank probes every model (collective under ZeRO-3), and the ranks decide together
+                works = packing_works(engine.module)
+            except Exception:  # noqa: BLE001  (a model that refuses a 4D mask, for one)
+                works = False
+            if comm.agree(not works):
                 model_type = getattr(getattr(unwrap_peft(engine.module), "config", None), "model_type", "?")
                 failing.append(f"the {role} model ({model_type}) does not compute packed rows as padded ones")
         if failing and setting == "on":

@@ -21,8 +21,9 @@ from ..rewards.math_answer import exact_answer
 from .base import Step
 
 _CALL = re.compile(r"<calc>(.*?)</calc>", re.S)
-_TRAILING = re.compile(r"([\d\s.+\-*/×÷()]*\d[\d\s.+\-*/×÷()]*)=\s*$")  # "... 12 * 7 =" at the end
+_ARITHMETIC = set("0123456789 \t\n.+-*/×÷()")
 _OPERATOR = re.compile(r"\d\s*[+\-*/×÷]\s*[\d(]")
+MAX_EXPRESSION = 200  # characters: a longer one is not a calculator call (and would nest deeply)
 _OPS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, ast.Div: operator.truediv}
 MAX_DIGITS = 30  # a result longer than this is refused (no 9**9**9)
 
@@ -49,10 +50,12 @@ def evaluate(expression: str) -> Fraction:
             return out
         raise ValueError(f"not arithmetic: {ast.dump(node)[:60]}")
 
+    if len(expression) > MAX_EXPRESSION:
+        raise ValueError(f"longer than {MAX_EXPRESSION} characters")
     try:
         return ev(ast.parse(expression.strip(), mode="eval"))
-    except SyntaxError as e:
-        raise ValueError(f"cannot parse {expression!r}") from e
+    except (SyntaxError, RecursionError, MemoryError) as e:
+        raise ValueError(f"cannot evaluate {expression[:40]!r}") from e
 
 
 def show(value: Fraction) -> str:
@@ -66,10 +69,14 @@ def tool_call(response: str) -> Optional[str]:
     call = _CALL.search(response)
     if call is not None:
         return call.group(1).strip()
-    trailing = _TRAILING.search(response)
-    if trailing is not None and _OPERATOR.search(trailing.group(1)):
-        return trailing.group(1).strip()
-    return None
+    text = response.rstrip()
+    if not text.endswith("="):
+        return None
+    start = len(text) - 1  # the expression: the arithmetic characters right before the '=' (a linear scan back)
+    while start > 0 and text[start - 1] in _ARITHMETIC and len(text) - start <= MAX_EXPRESSION:
+        start -= 1
+    expression = text[start:-1].strip()
+    return expression if _OPERATOR.search(expression) else None
 
 
 class Calculator:

@@ -3,13 +3,15 @@ its observation as context, until every episode is done, out of turns or out of 
 
 Each turn is one generation call over the unfinished rows, their whole context (prompt and every earlier turn) as the
 prompt: the backend prefills it again (docs/environments.md has the measurement against continuing from the cache).
-Every call asks for max_answer_seq_len tokens; a turn is then cut at the environment's stop strings and at the
-episode's remaining budget, on the sampled ids (a prefix of a sample is a sample). Under per-layer ZeRO-3 the ranks
-generate in lockstep, so every rank makes the same number of calls: a rank whose episodes are all over generates a
-throw-away turn while another rank still plays.
+A call asks for max_answer_seq_len tokens, or fewer when an unfinished episode has less room left in its budget (so no
+context outgrows the positions checked at start-up); a turn is then cut at the environment's stop strings and at its
+episode's room, on the sampled ids (a prefix of a sample is a sample). Under ZeRO-3 on several ranks every generate
+call is collective, so the ranks agree each turn (one all-reduce) whether any still plays and on the turn's length,
+and a rank whose episodes are all over generates a throw-away turn while another rank still plays.
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional, Sequence
 
@@ -61,15 +63,16 @@ class EpisodeStats:
 
 
 class EpisodeRunner:
-    """Built once per run. `sample(ids, mask)` is the engine's generation with the run's sampling (an object with
-    `.rollout` and `.logprobs`, engine/generation);
-    `lockstep()` says whether the ranks must make the same number of calls; `on_error` is env_errors."""
+    """Built once per run. `sample(ids, mask, params)` is the engine's generation (an object with `.rollout` and
+    `.logprobs`, engine/generation); `collective()` says whether the ranks must make the same generate calls, of the
+    same length; `params` the run's SamplingParams; `on_error` is env_errors."""
 
     def __init__(self, factory: Callable, turns: TurnFormat, sample: Callable[..., Any],
-                 lockstep: Callable[[], bool], *, max_turns: int, max_episode_tokens: int, max_prompt_len: int,
-                 stop_token_ids: Sequence[int], pad_token_id: int, calls: EnvCalls, on_error: str = "stop",
-                 device: Optional[torch.device] = None):
-        self.factory, self.turns, self.sample, self.lockstep = factory, turns, sample, lockstep
+                 collective: Callable[[], bool], params: Any, *, max_turns: int, max_episode_tokens: int,
+                 max_prompt_len: int, stop_token_ids: Sequence[int], pad_token_id: int, calls: EnvCalls,
+                 on_error: str = "stop", device: Optional[torch.device] = None):
+        self.factory, self.turns, self.sample, self.collective = factory, turns, sample, collective
+        self.params = params  # the run's SamplingParams; each turn asks for at most the room the episodes have
         self.max_turns, self.budget, self.max_prompt_len = max_turns, max_episode_tokens, max_prompt_len
         self.stops, self.pad = set(int(t) for t in stop_token_ids), int(pad_token_id)
         self.calls, self.on_error, self.device = calls, on_error, device or torch.device("cpu")
@@ -89,9 +92,12 @@ class EpisodeRunner:
         episodes = self._start(prompt_ids, prompt_mask, rows, stats, failure)
         for turn in range(self.max_turns):
             live = [e for e in episodes if not e.over]
-            if not self._any_rank(bool(live)):
+            # the turn's length: no episode may outgrow its budget (positions beyond it were never checked)
+            room = min((self.budget - len(e.tokens) for e in live), default=0)
+            any_live, room = self._agree(bool(live), room)
+            if not any_live:
                 break
-            self._play_turn(live, episodes, turn, rows, stats, failure)
+            self._play_turn(live, episodes, turn, rows, stats, failure, min(room, self.params.max_new_tokens))
         if failure:
             return None, None, stats, failure[0]
         for e in episodes:
@@ -129,6 +135,8 @@ class EpisodeRunner:
                     if len(ids) > self.max_prompt_len:
                         out.error = (f"reset()'s first message is {len(ids)} tokens, longer than max_prompt_seq_len "
                                      f"({self.max_prompt_len})")
+            if out.error is not None:  # the row's own prompt (a first message that failed is not used)
+                ids, mask = prompt_ids[i, first:].tolist(), prompt_mask[i, first:].tolist()
             e = Episode(env, ids, mask)
             if out.error is not None:  # under score_zero the row still plays one turn (every row needs a response)
                 self._fail(e, f"environment reset for row {i} (prompt {row.text[:80]!r}): {out.error}", stats,
@@ -144,20 +152,25 @@ class EpisodeRunner:
         e.over, e.error = True, message
         stats.errors += 1
         if self.on_error == "stop" and not failure:
-            failure.append(EnvironmentFailure(message + " (env_errors 'score_zero' scores such an episode 0 "
-                                              "instead of stopping)"))
+            failure.append(EnvironmentFailure(message + " (env_errors 'score_zero' ends such an episode there, "
+                                              "the failed turn scoring 0, instead of stopping)"))
 
-    def _any_rank(self, here: bool) -> bool:
-        if not self.lockstep():
-            return here
-        flag = torch.tensor([float(here)], device=self.device)
-        return bool(all_reduce(flag, "max").item() > 0)
+    def _agree(self, live: bool, room: int) -> tuple[bool, int]:
+        """(whether any rank still plays, the smallest room of the live episodes of every rank): one all-reduce
+        where generate calls are collective, so every rank makes the same calls with the same length."""
+        if not self.collective():
+            return live, room
+        big = self.params.max_new_tokens
+        flags = torch.tensor([float(live), -float(room if live else big)], device=self.device)
+        any_live, neg_room = all_reduce(flags, "max").tolist()
+        return any_live > 0, int(-neg_room)
 
-    def _play_turn(self, live: list[Episode], episodes: list[Episode], turn: int, rows, stats, failure) -> None:
-        batch = live or episodes[:1]  # a rank without live episodes keeps its lockstep peers company
+    def _play_turn(self, live: list[Episode], episodes: list[Episode], turn: int, rows, stats, failure,
+                   new_tokens: int) -> None:
+        batch = live or episodes[:1]  # a rank without live episodes keeps its collective peers company
         ids, mask = pad_prompts([e.prompt + e.tokens for e in batch], self.pad,
                                 [e.prompt_mask + [1] * len(e.tokens) for e in batch])
-        gen = self.sample(ids, mask)
+        gen = self.sample(ids, mask, dataclasses.replace(self.params, max_new_tokens=max(new_tokens, 1)))
         if not live:
             return
         r = gen.rollout

@@ -84,7 +84,7 @@ def episode_runner(plan: RunPlan, engine):
     cfg = plan.cfg
     env, g = cfg.env, cfg.generation
     return EpisodeRunner(plan.env_factory, TurnFormat(engine.tokenizer, bool(cfg.data.use_chat_template)),
-                         engine.sample, engine.generator.lockstep, max_turns=env.max_turns,
+                         engine.sample, engine.generator.collective_calls, engine.sampling, max_turns=env.max_turns,
                          max_episode_tokens=cfg.response_budget, max_prompt_len=g.max_prompt_seq_len,
                          stop_token_ids=engine.sampling.stop_token_ids, pad_token_id=engine.pad_token_id,
                          calls=EnvCalls(env.env_workers, env.env_timeout_s), on_error=env.env_errors,

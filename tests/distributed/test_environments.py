@@ -31,6 +31,9 @@ def two_rank(tiny, tmp_path_factory):
         {"name": "lr0", "args": ppo_args(tiny, d("lr0"), **LR0)},
         {"name": "lr0_z3_lean", "args": ppo_args(tiny, d("lr0_z3_lean"), **LR0, **Z3)},
         {"name": "lr0_z3_hf", "args": ppo_args(tiny, d("lr0_z3_hf"), generation_backend="hf", **LR0, **Z3)},
+        # the default ZeRO-3 mode (a replica refreshed collectively at every generate call)
+        {"name": "lr0_z3_replica", "args": ppo_args(tiny, d("lr0_z3_replica"), **LR0,
+                                                     **{**Z3, "generation_gather_once": "auto"})},
         {"name": "lr0_grpo_z2", "args": ppo_args(tiny, d("lr0_grpo_z2"), **{**{k: v for k, v in LR0.items()
                                                                                 if k != "critic_learning_rate"}, **GRPO})},
         {"name": "inv_2x2r", "args": ppo_args(tiny, d("inv_2x2r"), per_device_generation_batch_size=2,
@@ -49,7 +52,7 @@ def one_rank(tiny, tmp_path_factory):
 
 
 @pytest.mark.distributed
-@pytest.mark.parametrize("name", ["lr0", "lr0_z3_lean", "lr0_z3_hf", "lr0_grpo_z2"])
+@pytest.mark.parametrize("name", ["lr0", "lr0_z3_lean", "lr0_z3_hf", "lr0_z3_replica", "lr0_grpo_z2"])
 def test_lr0_ratio_one_and_kl_zero_across_turns(two_rank, name):
     run = two_rank[name]
     assert run["world_size"] == 2
@@ -66,9 +69,10 @@ def test_lr0_ratio_one_and_kl_zero_across_turns(two_rank, name):
 
 @pytest.mark.distributed
 def test_ranks_play_different_numbers_of_turns_in_lockstep(two_rank):
-    """Under per-layer ZeRO-3 the ranks generate collectively; the run above finishing says the turn protocol
-    kept them together. Here: they did face different numbers of turns in some generation batch."""
-    for name in ("lr0_z3_lean", "lr0_z3_hf"):
+    """Under ZeRO-3 every generate call is collective (per-layer fetching, or the replica's refresh); the runs above
+    finishing says the turn protocol kept the ranks together. Here: they did face different numbers of turns in
+    some generation batch."""
+    for name in ("lr0_z3_lean", "lr0_z3_hf", "lr0_z3_replica"):
         longest = [max(rank["experience"]["turns"]) for rank in two_rank[name]["ranks"]]
         records = two_rank[name]["records"]
         assert longest[0] != longest[1] or any(r["env/turns_mean"] not in (1.0, 2.0, 3.0) for r in records), name

@@ -151,6 +151,11 @@ class GenerationBackend:
         actor is held for the call."""
         return self.zero3_mode() == "per_layer" and self.dist.world_size > 1
 
+    def collective_calls(self) -> bool:
+        """Every rank must make the same generate calls: under ZeRO-3 on several ranks each call is collective
+        (the replica's refresh, the gather, or every layer's fetch in lockstep)."""
+        return self.ctx.actor_stage == 3 and self.dist.world_size > 1
+
     @contextlib.contextmanager
     def generation_model(self) -> Iterator[torch.nn.Module]:
         """The module to decode with (in eval mode for the block): the actor's, or its refreshed replica. Collective

@@ -31,12 +31,13 @@ class LeanBackend(GenerationBackend):
         ids, mask = prompt_ids.to(self.device), prompt_mask.to(self.device)
         stop = torch.tensor(params.stop_token_ids, dtype=torch.long, device=self.device)
         lockstep = self.lockstep()
+        fetching = self.zero3_mode() == "per_layer"
         with self.generation_model() as model:
             # inference mode: no autograd bookkeeping per op (measured -7% decoding time on a small model); the
             # results are cloned out of it so that the rollout may enter autograd (training forwards) later. Not
             # where ZeRO-3 fetches layers inside the loop (per-layer mode): a parameter it gathers there and keeps
             # (the persistent small ones) would be an inference tensor, refused by the next training backward.
-            with torch.no_grad() if lockstep else torch.inference_mode():
+            with torch.no_grad() if fetching else torch.inference_mode():
                 tokens, logprobs = self._decode(model, ids, mask, stop, params, lockstep)
             tokens, logprobs = tokens.clone(), logprobs.clone()
         rollout = Rollout.from_generation(ids, mask, tokens, params.stop_token_ids, params.pad_token_id,

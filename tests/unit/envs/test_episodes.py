@@ -84,6 +84,7 @@ def test_score_zero_keeps_going_and_counts(tiny, dist_single, tmp_path):
     (dict(env_errors="ignore"), "env_errors"),
     (dict(max_turns=0), "max_turns"),
     (dict(environment="no_colon"), "environment"),
+    (dict(generation_backend="hybrid"), "generation_backend"),
 ])
 def test_configuration_refusals(tiny, tmp_path, flags, field):
     with pytest.raises(ConfigError, match=field):
@@ -115,3 +116,13 @@ def test_resume_in_the_middle_of_a_run_is_bitwise(tiny, dist_single, tmp_path):
     assert any(r["env/turns_mean"] not in (1.0, 2.0, 3.0) for r in a)  # episodes of different lengths in a batch
     for k, v in straight.engine.full_state_dict("actor").items():
         assert torch.equal(v, resumed.engine.full_state_dict("actor")[k]), k
+
+
+def test_no_episode_outgrows_its_budget(tiny, dist_single, tmp_path):
+    """Each turn asks for at most the smallest room left: contexts never pass max_prompt + max_episode_tokens."""
+    t = trainer_for(tiny, tmp_path, max_episode_tokens=11, max_answer_seq_len=8, max_steps=1, stop_token_ids=[])
+    rec = t.step()
+    r = t.last_experience.rollout
+    # turn 1 writes 8, the observation takes 1-2, so turn 2 may write only what is left of 11
+    assert int(r.response_lengths.max()) == 11 and r.response_width == 11
+    assert rec["env/turns_mean"] == 2.0
