@@ -112,7 +112,7 @@ class RunDir:
     def write_run_files(self, config: dict, argv: Sequence[str]) -> None:
         """config.json (the resolved config, redacted) and command.txt (the command line, redacted, shell-quoted
         so it can be pasted back). Main rank only."""
-        from .run_logger import redact, redact_argv
+        from .redact import redact, redact_argv
 
         os.makedirs(self.root, exist_ok=True)
         _write_atomic(self.config, json.dumps(redact(config), indent=2, sort_keys=True, default=str) + "\n")

@@ -152,3 +152,65 @@ def test_negative_control_a_collective_outside_comm_is_caught(tmp_path, line):
     with open(copy / "trainer" / "preemption.py", "a") as f:
         f.write("\n" + line)
     assert [c[0] for c in _collective_calls(str(copy))] == [os.path.join("trainer", "preemption.py")]
+
+
+# ---- no circles inside a room ----------------------------------------------------------------------------------------
+def _module_graph(root: str) -> dict:
+    """module -> the package's modules it imports (every import statement, lazy ones too), by dotted name below
+    `root` ('engine.generation.hf'; a package is its __init__: 'engine.generation')."""
+    files = {}
+    for rel_path, tree in _sources(root):
+        parts = rel_path[:-3].split(os.sep)
+        is_pkg = parts[-1] == "__init__"
+        name = ".".join(parts[:-1] if is_pkg else parts)
+        files[name] = (tree, parts[:-1] if is_pkg else parts[:-1])
+    graph = {}
+    for name, (tree, pkg) in files.items():
+        edges = set()
+        for node in ast.walk(tree):
+            if not isinstance(node, ast.ImportFrom) or not node.level:
+                continue
+            base = pkg[:len(pkg) - (node.level - 1)]
+            target = base + (node.module.split(".") if node.module else [])
+            for alias in node.names:  # `from . import hf`: the submodule when there is one
+                sub = ".".join(target + [alias.name])
+                edges.add(sub if sub in files else ".".join(target))
+        graph[name] = {e for e in edges if e in files and e != name}
+    return graph
+
+
+def _circles(graph: dict) -> list:
+    """Import cycles among modules of one room (the first name part), each as its path."""
+    found, state = [], {}
+
+    def visit(node, path):
+        state[node] = 1
+        for nxt in sorted(graph[node]):
+            if nxt.split(".")[0] != node.split(".")[0]:
+                continue
+            if state.get(nxt) == 1:
+                found.append(path[path.index(nxt):] + [nxt])
+            elif nxt not in state:
+                visit(nxt, path + [nxt])
+        state[node] = 2
+
+    for node in sorted(graph):
+        if node not in state:
+            visit(node, [node])
+    return found
+
+
+def test_no_circles_inside_a_room():
+    assert _circles(_module_graph(ROOT)) == []
+
+
+def test_negative_control_a_circle_inside_a_room_is_caught(tmp_path):
+    """The shape generation/ had: the package builds its registry from a backend that imports the package back."""
+    pkg = tmp_path / "engine" / "generation"
+    pkg.mkdir(parents=True)
+    (tmp_path / "engine" / "__init__.py").write_text("")
+    (pkg / "__init__.py").write_text("class Base:\n    pass\n\n\ndef registry():\n    from .hf import HF\n"
+                                     "    return {'hf': HF}\n")
+    (pkg / "hf.py").write_text("from . import Base\n\n\nclass HF(Base):\n    pass\n")
+    assert _circles(_module_graph(str(tmp_path))) == [["engine.generation", "engine.generation.hf",
+                                                       "engine.generation"]]

@@ -20,37 +20,9 @@ import torch
 from transformers import GenerationConfig
 
 from ...rollout import Rollout
-from . import GenerationBackend, Generated, SamplingParams
+from .base import GenerationBackend, Generated, SamplingParams
 
-log = logging.getLogger("rlhf_engine.engine.rlhf_engine")
-
-# generation_config fields that change which token is drawn (compared with transformers' defaults)
-SAMPLING_FIELDS = ("do_sample", "temperature", "top_k", "top_p", "min_p", "top_h", "typical_p", "epsilon_cutoff",
-                   "eta_cutoff",
-                   "repetition_penalty", "encoder_repetition_penalty", "no_repeat_ngram_size", "bad_words_ids",
-                   "sequence_bias", "suppress_tokens", "begin_suppress_tokens", "forced_bos_token_id",
-                   "forced_eos_token_id", "min_length", "min_new_tokens", "exponential_decay_length_penalty",
-                   "renormalize_logits", "penalty_alpha", "num_beams", "guidance_scale", "watermarking_config")
-
-
-def warn_unused_sampling_fields(model, is_main: bool) -> None:
-    """Name once what the model's generation_config asks for that no backend applies."""
-    unused = unused_sampling_fields(model.generation_config)
-    if unused and is_main:
-        log.warning("the model's generation_config sets %s; not used: rollouts sample from softmax(logits / "
-                    "temperature) with the run's own sampling flags (so that PPO's log-probs describe them)",
-                    ", ".join(f"{k}={v!r}" for k, v in unused.items()))
-
-
-def unused_sampling_fields(model_config) -> dict:
-    """The sampling fields a model's generation_config sets to a non-default value (none of them is used)."""
-    defaults = GenerationConfig()._get_default_generation_params()
-    out = {}
-    for name in SAMPLING_FIELDS:
-        value = getattr(model_config, name, None)
-        if value is not None and value != defaults.get(name):
-            out[name] = value
-    return out
+log = logging.getLogger(__name__)
 
 
 @contextlib.contextmanager

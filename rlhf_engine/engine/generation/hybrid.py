@@ -16,10 +16,10 @@ from typing import Any, Iterator, Optional
 import torch
 
 from ... import comm
-from . import Generated, SamplingParams
+from .base import Generated, SamplingParams
 from .hf import HFBackend, SampledLogprobs, generated, neutral_generation_config
 
-log = logging.getLogger("rlhf_engine.engine.rlhf_engine")
+log = logging.getLogger(__name__)
 
 
 class HybridEngineBackend(HFBackend):

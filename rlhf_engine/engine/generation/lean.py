@@ -17,7 +17,7 @@ import torch
 from ...comm import all_reduce
 from ...rollout import Rollout, position_ids_from_mask
 from ..models import accepts_logits_to_keep
-from . import GenerationBackend, Generated, SamplingParams
+from .base import GenerationBackend, Generated, SamplingParams
 from .sampling import greedy_from_scores, sample_from_scores, step_scores
 
 

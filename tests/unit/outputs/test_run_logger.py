@@ -9,7 +9,7 @@ import pytest
 from rlhf_engine.errors import ConfigError
 from rlhf_engine.outputs import (RunLogger, prepare_output_dir, read_metrics, redact, redact_argv, wandb_mode,
                                  write_run_files)
-from rlhf_engine.outputs.run_logger import is_secret_name
+from rlhf_engine.outputs.redact import is_secret_name
 
 FAKE_KEY = "wbkey-0123456789abcdef0123456789abcdef01"
 OTHER_SECRET = "hf_s3cr3t-token-value-XYZ"
