@@ -50,7 +50,6 @@ class RLHFEngine:
         # tensors (the lr = 0 ratio stays exactly 1)
         self.trim_padding = bool(cfg.engine.trim_padding)
         g = cfg.generation
-        self.temperature = g.temperature if g.do_sample else 1.0
         self.sampling = SamplingParams.from_config(g, self.stop_token_ids, self.pad_token_id)
         self._stop_ids = torch.tensor(self.stop_token_ids, dtype=torch.long, device=dist.device)
         self.use_position_ids = True  # test hook: False reproduces the trlx left-padding bug
@@ -60,12 +59,13 @@ class RLHFEngine:
         # the reference is the actor with its LoRA adapter disabled: no engine of its own
         self.reference_from_adapter = bool(ext.reference_from_actor_adapter)
         backend = BACKENDS[plan.generation_backend]
-        for role, plan in self.plans.items():
+        for role, role_plan in self.plans.items():
             if role == "reference" and self.reference_from_adapter:
                 continue
             kind = "causal_lm" if role in ("actor", "reference") else "scalar"
             engine, ds_cfg = build_role_engine(
-                getattr(cfg, role), plan.path, kind=kind, stage=plan.stage, dtype=plan.dtype, train=plan.train,
+                getattr(cfg, role), role_plan.path, kind=kind, stage=role_plan.stage, dtype=role_plan.dtype,
+                train=role_plan.train,
                 batch=cfg.batch, world_size=dist.world_size, eval_micro_batch_size=self.experience_micro_batch,
                 num_training_steps=num_training_steps, pad_token_id=self.pad_token_id,
                 ds_overrides=backend.actor_ds_overrides(cfg) if role == "actor" else None)
@@ -168,6 +168,11 @@ class RLHFEngine:
     @property
     def device(self) -> torch.device:
         return self.dist.device
+
+    @property
+    def temperature(self) -> float:
+        """What divides the logits in every log-prob: the sampling temperature (1 for greedy decoding)."""
+        return self.sampling.temperature if self.sampling.do_sample else 1.0
 
     # ---- generation ----------------------------------------------------------------------------------------
     @property

@@ -124,7 +124,7 @@ class RunLogger:
         lg = cfg.logging
         return cls(cfg.output_dir, is_main, config, wandb_project=lg.wandb_project, wandb_entity=lg.wandb_entity,
                    wandb_run_name=lg.wandb_run_name, wandb_sample_interval=lg.wandb_sample_interval,
-                   tensorboard=lg.tensorboard, resume=bool(getattr(cfg, "resume", "")), **kwargs)
+                   tensorboard=lg.tensorboard, resume=bool(cfg.resume), **kwargs)
 
     # ---- sinks -------------------------------------------------------------------------------------------------
     def _start_wandb(self, project: str, entity: str, name: str, config: dict, resume: bool) -> Any:

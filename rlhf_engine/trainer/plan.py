@@ -80,7 +80,7 @@ def total_iterations(cfg: TrainConfig, batches_per_epoch: int) -> int:
     """Iterations of the run: max_steps, or with num_train_epochs E > 0
     min(max_steps, floor(E x batches_per_epoch / generation_batches)), batches_per_epoch being the sampler's global
     generation batches per epoch (an iteration may straddle two epochs). Raises ConfigError when that is 0."""
-    epochs = getattr(cfg, "num_train_epochs", 0) or 0
+    epochs = cfg.num_train_epochs
     if not epochs:
         return cfg.max_steps
     n = min(cfg.max_steps, epochs * batches_per_epoch // cfg.batch.generation_batches)

@@ -197,9 +197,9 @@ def reward_model_scorer(engine: Any, cfg: Any) -> Optional[RetokenizedRewardMode
     """The re-tokenizing scorer when the run has a reward model with its own tokenizer
     (`reward_tokenizer_name_or_path`) whose vocabulary differs from the actor's, or that scores conversations
     (`reward_use_chat_template`); None otherwise (the actor's ids are the reward model's)."""
-    chat = bool(getattr(cfg.reward, "use_chat_template", False))
-    path = getattr(cfg.reward, "tokenizer_name_or_path", "") or (cfg.reward.model_name_or_path if chat else "")
-    if getattr(cfg, "reward_fn", "") or not path or "reward" not in engine.engines:
+    chat = bool(cfg.reward.use_chat_template)
+    path = cfg.reward.tokenizer_name_or_path or (cfg.reward.model_name_or_path if chat else "")
+    if cfg.scored_without_model or not path or "reward" not in engine.engines:
         return None
     from transformers import AutoTokenizer
 

@@ -135,7 +135,7 @@ def run_fingerprint(cfg: Any, roles: Mapping[str, Any], world_size: int, num_pro
         for name in ("lora_dim", "trainable_layers"):  # fields of the engine extensions, when present
             if hasattr(rc, name):
                 fp[f"{role}_{name}"] = getattr(rc, name)
-    if getattr(getattr(cfg, "engine", None), "enable_ema", False):
+    if cfg.engine.enable_ema:
         fp["enable_ema"] = True
     if cfg.env.on:  # only then: single-turn checkpoints resume as they were
         fp.update(environment=cfg.env.environment, max_turns=cfg.env.max_turns,
