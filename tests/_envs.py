@@ -66,3 +66,11 @@ class Varying(Counting):
 
 def varying(row):
     return Varying(row)
+
+
+class BadStopStrings(Counting):
+    stop_strings = 5  # not a sequence of strings: the episode runner's own step fails on it
+
+
+def bad_stop_strings(row):
+    return BadStopStrings(row)

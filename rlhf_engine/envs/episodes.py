@@ -97,7 +97,13 @@ class EpisodeRunner:
             any_live, room = self._agree(bool(live), room)
             if not any_live:
                 break
-            self._play_turn(live, episodes, turn, rows, stats, failure, min(room, self.params.max_new_tokens))
+            try:
+                self._play_turn(live, episodes, turn, rows, stats, failure, min(room, self.params.max_new_tokens))
+            except Exception as e:  # noqa: BLE001  (this rank's own step: it ends its episodes and keeps the
+                # turn protocol with its peers; the trainer then stops every rank with this error)
+                failure[:0] = [EnvironmentFailure(f"turn {turn + 1}: {type(e).__name__}: {e}")]
+                for episode in episodes:
+                    episode.over = True
         if failure:
             return None, None, stats, failure[0]
         for e in episodes:

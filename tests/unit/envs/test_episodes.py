@@ -70,6 +70,14 @@ def test_a_failing_environment_stops_the_run_naming_the_row(tiny, dist_single, t
         t.step()
 
 
+def test_a_failure_outside_the_environment_calls_stops_the_run(tiny, dist_single, tmp_path):
+    """Not an environment call (a bad stop_strings attribute fails in the runner's own step): the run stops whatever
+    env_errors says, naming the turn (the rank keeps the turn protocol with its peers until then)."""
+    t = trainer_for(tiny, tmp_path, environment="_envs:bad_stop_strings", env_errors="score_zero", max_steps=1)
+    with pytest.raises(Exception, match="turn 1: TypeError"):
+        t.step()
+
+
 def test_score_zero_keeps_going_and_counts(tiny, dist_single, tmp_path):
     t = trainer_for(tiny, tmp_path, environment="_envs:raising", env_errors="score_zero", max_steps=1)
     rec = t.step()
