@@ -89,7 +89,11 @@ class EpisodeRunner:
         stats = EpisodeStats(episodes=len(rows), turn_reward_sums=[0.0] * self.max_turns,
                              turn_counts=[0] * self.max_turns)
         failure: list[EnvironmentFailure] = []
-        episodes = self._start(prompt_ids, prompt_mask, rows, stats, failure)
+        try:
+            episodes = self._start(prompt_ids, prompt_mask, rows, stats, failure)
+        except Exception as e:  # noqa: BLE001  (as in a turn below: end here, keep the protocol, stop together)
+            failure[:0] = [EnvironmentFailure(f"starting the episodes: {type(e).__name__}: {e}")]
+            episodes = [Episode(None, [], [], over=True) for _ in rows]
         for turn in range(self.max_turns):
             live = [e for e in episodes if not e.over]
             # the turn's length: no episode may outgrow its budget (positions beyond it were never checked)
