@@ -10,7 +10,7 @@ import functools
 import logging
 import os
 from dataclasses import dataclass, field
-from typing import Any, Mapping
+from typing import Any, Mapping, Optional
 
 from ..config import ROLES, RoleConfig, TrainConfig
 from ..errors import Problems
@@ -146,17 +146,45 @@ def missing_tokenizer(path: str) -> str:
 
 def plan_engine(cfg: TrainConfig, num_training_steps: int = 0) -> EnginePlan:
     """Resolve and check every role, load the actor's tokenizer (once), decide the generation path; raise one
-    `ConfigError` listing all problems."""
-    from transformers import AutoConfig, AutoTokenizer
-
+    `ConfigError` listing all problems. Each step below adds its problems and goes on, so one run reports them all."""
     p = Problems()
     paths = resolve_paths(cfg)
+    check_required_paths(cfg, paths, p)
+    configs = load_role_configs(cfg, paths, p)
+    tokenizer, tokenizer_len = load_actor_tokenizer(cfg, paths, configs, p)
+    check_vocabularies(cfg, paths, configs, tokenizer_len, p)
+    check_reward_tokenizer(cfg, configs, p)
+    check_positions(cfg, paths, configs, p)
+    check_lora(cfg, configs, p)
+    backend, fallback_reasons = plan_generation(cfg, configs, p)
+    stop = None
+    if tokenizer is not None and "actor" in configs:
+        stop = stop_tokens(cfg, paths["actor"], tokenizer, configs["actor"].vocab_size, p)
+    plans = plan_roles(cfg, paths, p)
+    p.raise_if_any("cannot start: model setup")
+    log_dtypes(plans, {r: getattr(cfg, r).dtype or cfg.dtype for r in plans})
+    if fallback_reasons:
+        warn_once("generation_backend hybrid: the DeepSpeed Hybrid Engine cannot run here ("
+                  + "; ".join(fallback_reasons) + "); hybrid_engine_fallback is set, so the actor generates with "
+                  "Hugging Face generate")
+        backend = "hf"
+    return EnginePlan(plans, tokenizer, stop, backend, num_training_steps)
+
+
+def check_required_paths(cfg: TrainConfig, paths: dict, p: Problems) -> None:
     if not paths["actor"]:
         p.add("actor_model_name_or_path", "", "give the actor's model folder or hub id")
     if "critic" in cfg.active_roles and not paths["critic"]:
         p.add("critic_model_name_or_path", "", "give a critic (or reward) model folder, or set critic_init_from=actor")
+
+
+def load_role_configs(cfg: TrainConfig, paths: dict, p: Problems) -> dict:
+    """role -> its model's config (roles whose path is missing, unloadable or without weights are left out and
+    reported once per path: a path shared by several roles, the reference = the actor by default, is named once)."""
+    from transformers import AutoConfig
+
     configs = {}
-    reported = set()  # a path shared by several roles (reference = actor by default) is reported once
+    reported = set()
     for role in cfg.active_roles:
         path = paths[role]
         if not path or path in reported:
@@ -181,49 +209,73 @@ def plan_engine(cfg: TrainConfig, num_training_steps: int = 0) -> EnginePlan:
         if no_weights:
             reported.add(path)
             p.add(field, path, no_weights)
+    return configs
+
+
+def load_actor_tokenizer(cfg: TrainConfig, paths: dict, configs: dict, p: Problems) -> tuple[Any, Optional[int]]:
+    """(the prepared actor tokenizer or None, its length or None)."""
+    from transformers import AutoTokenizer
+
     tok_path = cfg.actor.tokenizer_name_or_path or paths["actor"]
-    tokenizer_len = tokenizer = None
-    if tok_path and "actor" in configs:
-        try:
-            if missing_tokenizer(tok_path):
-                raise FileNotFoundError(missing_tokenizer(tok_path))
-            tok = AutoTokenizer.from_pretrained(tok_path)
-            tokenizer_len = len(tok)
-        except FileNotFoundError as e:
-            p.add("actor_tokenizer_name_or_path", tok_path, f"cannot load a tokenizer there: {e}")
-        except Exception as e:  # noqa: BLE001
-            p.add("actor_tokenizer_name_or_path", tok_path, f"cannot load a tokenizer there ({type(e).__name__}: {e})")
-        else:
-            if tok.eos_token_id is None:  # (no pad token is fine: EOS becomes the pad token, logged)
-                p.add("actor_tokenizer_name_or_path", tok_path, "the tokenizer has no EOS token: generation stops at "
-                      "it (and it is the pad token when there is none); give a tokenizer with one")
-            else:
-                tokenizer = prepare_tokenizer(tok)
-    if "actor" in configs:
-        vocab = configs["actor"].vocab_size
-        if tokenizer_len is not None and tokenizer_len > vocab:
-            p.add("actor_tokenizer_name_or_path", tok_path, f"tokenizer has {tokenizer_len} tokens but the actor's "
-                  f"vocabulary has {vocab}; use the actor's own tokenizer")
-        for role in ("critic", "reward", "reference"):
-            if role == "reward" and cfg.reward.tokenizer_name_or_path:
-                continue  # its own tokenizer: responses are decoded and re-encoded for it (trainer/reward_shaping.py)
-            if role in configs and getattr(configs[role], "vocab_size", vocab) != vocab:
-                hint = (" (or give the reward model's own tokenizer with reward_tokenizer_name_or_path: responses are "
-                        "then decoded and re-encoded for it)" if role == "reward" else
-                        " (the critic reads values at the actor's tokens: with a reward model of another vocabulary "
-                        "set critic_init_from actor or give a critic_model_name_or_path)" if role == "critic" else "")
-                p.add(f"{role}_model_name_or_path", paths[role], f"vocabulary size {configs[role].vocab_size} differs "
-                      f"from the actor's {vocab}; {role} must share the actor's tokenizer{hint}")
+    if not tok_path or "actor" not in configs:
+        return None, None
+    try:
+        if missing_tokenizer(tok_path):
+            raise FileNotFoundError(missing_tokenizer(tok_path))
+        tok = AutoTokenizer.from_pretrained(tok_path)
+    except FileNotFoundError as e:
+        p.add("actor_tokenizer_name_or_path", tok_path, f"cannot load a tokenizer there: {e}")
+        return None, None
+    except Exception as e:  # noqa: BLE001
+        p.add("actor_tokenizer_name_or_path", tok_path, f"cannot load a tokenizer there ({type(e).__name__}: {e})")
+        return None, None
+    if tok.eos_token_id is None:  # (no pad token is fine: EOS becomes the pad token, logged)
+        p.add("actor_tokenizer_name_or_path", tok_path, "the tokenizer has no EOS token: generation stops at "
+              "it (and it is the pad token when there is none); give a tokenizer with one")
+        return None, len(tok)
+    return prepare_tokenizer(tok), len(tok)
+
+
+def check_vocabularies(cfg: TrainConfig, paths: dict, configs: dict, tokenizer_len: Optional[int],
+                       p: Problems) -> None:
+    """The actor's tokenizer fits its vocabulary, and every other role shares the actor's vocabulary."""
+    if "actor" not in configs:
+        return
+    vocab = configs["actor"].vocab_size
+    if tokenizer_len is not None and tokenizer_len > vocab:
+        p.add("actor_tokenizer_name_or_path", cfg.actor.tokenizer_name_or_path or paths["actor"],
+              f"tokenizer has {tokenizer_len} tokens but the actor's vocabulary has {vocab}; use the actor's own "
+              "tokenizer")
+    for role in ("critic", "reward", "reference"):
+        if role == "reward" and cfg.reward.tokenizer_name_or_path:
+            continue  # its own tokenizer: responses are decoded and re-encoded for it (trainer/reward_shaping.py)
+        if role in configs and getattr(configs[role], "vocab_size", vocab) != vocab:
+            hint = (" (or give the reward model's own tokenizer with reward_tokenizer_name_or_path: responses are "
+                    "then decoded and re-encoded for it)" if role == "reward" else
+                    " (the critic reads values at the actor's tokens: with a reward model of another vocabulary "
+                    "set critic_init_from actor or give a critic_model_name_or_path)" if role == "critic" else "")
+            p.add(f"{role}_model_name_or_path", paths[role], f"vocabulary size {configs[role].vocab_size} differs "
+                  f"from the actor's {vocab}; {role} must share the actor's tokenizer{hint}")
+
+
+def check_reward_tokenizer(cfg: TrainConfig, configs: dict, p: Problems) -> None:
+    from transformers import AutoTokenizer
+
     reward_tok = cfg.reward.tokenizer_name_or_path
-    if reward_tok and "reward" in configs:
-        try:
-            tok = AutoTokenizer.from_pretrained(reward_tok)
-            if len(tok) > configs["reward"].vocab_size:
-                p.add("reward_tokenizer_name_or_path", reward_tok, f"tokenizer has {len(tok)} tokens but the reward "
-                      f"model's vocabulary has {configs['reward'].vocab_size}; use the reward model's own tokenizer")
-        except Exception as e:  # noqa: BLE001
-            p.add("reward_tokenizer_name_or_path", reward_tok, f"cannot load a tokenizer there ({type(e).__name__}: "
-                  f"{e})")
+    if not reward_tok or "reward" not in configs:
+        return
+    try:
+        tok = AutoTokenizer.from_pretrained(reward_tok)
+        if len(tok) > configs["reward"].vocab_size:
+            p.add("reward_tokenizer_name_or_path", reward_tok, f"tokenizer has {len(tok)} tokens but the reward "
+                  f"model's vocabulary has {configs['reward'].vocab_size}; use the reward model's own tokenizer")
+    except Exception as e:  # noqa: BLE001
+        p.add("reward_tokenizer_name_or_path", reward_tok, f"cannot load a tokenizer there ({type(e).__name__}: "
+              f"{e})")
+
+
+def check_positions(cfg: TrainConfig, paths: dict, configs: dict, p: Problems) -> None:
+    """The longest sequence (prompt + response, or + an episode) fits every model's positions."""
     need = cfg.generation.max_prompt_seq_len + cfg.response_budget
     what = "max_prompt_seq_len + " + ("max_episode_tokens" if cfg.env.on else "max_answer_seq_len")
     seen = set()
@@ -233,16 +285,24 @@ def plan_engine(cfg: TrainConfig, num_training_steps: int = 0) -> EnginePlan:
             seen.add(paths[role])
             p.add(what, need, f"exceeds the {role} model's maximum positions ({limit}); lower "
                   f"{what.replace(' + ', ' or ')}")
+
+
+def check_lora(cfg: TrainConfig, configs: dict, p: Problems) -> None:
     for role in cfg.trained_roles:
         rc = getattr(cfg, role)
         config = configs.get(role) or (configs.get("actor") if role == "critic" and cfg.critic.init_from == "actor"
                                        else None)
         if rc.lora_dim and config is not None:
             check_lora_targets(p, rc, config, scalar=role == "critic", prefix=f"{role}_")
-    backend, backend_field = requested_backend(cfg)
+
+
+def plan_generation(cfg: TrainConfig, configs: dict, p: Problems) -> tuple[str, list]:
+    """(the requested generation backend, why the Hybrid Engine cannot run when hybrid_engine_fallback lets the
+    actor generate with Hugging Face instead: empty otherwise)."""
     from .generation import BACKENDS
 
-    fallback_reasons = []  # the Hybrid Engine cannot run, and hybrid_engine_fallback says generate with HF instead
+    backend, backend_field = requested_backend(cfg)
+    fallback_reasons: list = []
     if backend not in BACKENDS:
         p.add(backend_field, backend, f"no such generation backend; choose one of {', '.join(BACKENDS)}")
     elif backend == "hybrid" and "actor" in configs:
@@ -256,9 +316,11 @@ def plan_engine(cfg: TrainConfig, num_training_steps: int = 0) -> EnginePlan:
     if backend in BACKENDS and cfg.ppo.rollout_correction != "none" and not BACKENDS[backend].gives_logprobs:
         p.add("rollout_correction", cfg.ppo.rollout_correction, f"needs the generation-time log-probs, and the "
               f"{backend} generation backend gives none; set none, or generate with lean or hf")
-    stop = None
-    if tokenizer is not None and "actor" in configs:
-        stop = stop_tokens(cfg, paths["actor"], tokenizer, configs["actor"].vocab_size, p)
+    return backend, fallback_reasons
+
+
+def plan_roles(cfg: TrainConfig, paths: dict, p: Problems) -> dict:
+    """role -> RolePlan (path, ZeRO stage, dtype, trained), each placement checked."""
     plans = {}
     for role in cfg.active_roles:
         stage = resolve_stage(cfg, role)
@@ -266,14 +328,7 @@ def plan_engine(cfg: TrainConfig, num_training_steps: int = 0) -> EnginePlan:
         rc = getattr(cfg, role)
         check_placement(p, rc, stage, train, prefix=f"{role}_", name=role)
         plans[role] = RolePlan(paths[role], stage, resolve_dtype(rc.dtype or cfg.dtype), train)
-    p.raise_if_any("cannot start: model setup")
-    log_dtypes(plans, {r: getattr(cfg, r).dtype or cfg.dtype for r in plans})
-    if fallback_reasons:
-        warn_once("generation_backend hybrid: the DeepSpeed Hybrid Engine cannot run here ("
-                  + "; ".join(fallback_reasons) + "); hybrid_engine_fallback is set, so the actor generates with "
-                  "Hugging Face generate")
-        backend = "hf"
-    return EnginePlan(plans, tokenizer, stop, backend, num_training_steps)
+    return plans
 
 
 def end_of_turn_token(tokenizer) -> int | None:
