@@ -93,7 +93,9 @@ class EpisodeRunner:
             episodes = self._start(prompt_ids, prompt_mask, rows, stats, failure)
         except Exception as e:  # noqa: BLE001  (as in a turn below: end here, keep the protocol, stop together)
             failure[:0] = [EnvironmentFailure(f"starting the episodes: {type(e).__name__}: {e}")]
-            episodes = [Episode(None, [], [], over=True) for _ in rows]
+            # over, with the rows' own prompts (a throw-away turn for collective peers needs a real prompt)
+            episodes = [Episode(None, prompt_ids[i].tolist(), prompt_mask[i].tolist(), over=True)
+                        for i in range(len(rows))]
         for turn in range(self.max_turns):
             live = [e for e in episodes if not e.over]
             # the turn's length: no episode may outgrow its budget (positions beyond it were never checked)
