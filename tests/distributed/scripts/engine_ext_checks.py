@@ -312,7 +312,7 @@ def replica_fails_on_one_rank(e: RLHFEngine, ids, mask, rank: int) -> dict:
     """The replica cannot be built on rank 1 only (an out-of-memory error, which happens on one rank): every rank
     must then gather in place, and generate what the gathered mode generates (a rank left on another path would
     hang in a collective, and the launch would time out)."""
-    import rlhf_engine.engine.generation as generation
+    import rlhf_engine.engine.generation.base as generation  # where the backends build their replica
 
     real = generation.GenerationReplica
 
