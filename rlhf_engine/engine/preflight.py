@@ -214,26 +214,32 @@ def load_role_configs(cfg: TrainConfig, paths: dict, p: Problems) -> dict:
 
 def load_actor_tokenizer(cfg: TrainConfig, paths: dict, configs: dict, p: Problems) -> tuple[Any, Optional[int]]:
     """(the prepared actor tokenizer or None, its length or None)."""
-    from transformers import AutoTokenizer
-
     tok_path = cfg.actor.tokenizer_name_or_path or paths["actor"]
     if not tok_path or "actor" not in configs:
         return None, None
-    try:
-        if missing_tokenizer(tok_path):
-            raise FileNotFoundError(missing_tokenizer(tok_path))
-        tok = AutoTokenizer.from_pretrained(tok_path)
-    except FileNotFoundError as e:
-        p.add("actor_tokenizer_name_or_path", tok_path, f"cannot load a tokenizer there: {e}")
-        return None, None
-    except Exception as e:  # noqa: BLE001
-        p.add("actor_tokenizer_name_or_path", tok_path, f"cannot load a tokenizer there ({type(e).__name__}: {e})")
+    tok = load_tokenizer_checked(tok_path, "actor_tokenizer_name_or_path", p)
+    if tok is None:
         return None, None
     if tok.eos_token_id is None:  # (no pad token is fine: EOS becomes the pad token, logged)
         p.add("actor_tokenizer_name_or_path", tok_path, "the tokenizer has no EOS token: generation stops at "
               "it (and it is the pad token when there is none); give a tokenizer with one")
         return None, len(tok)
     return prepare_tokenizer(tok), len(tok)
+
+
+def load_tokenizer_checked(tok_path: str, field: str, p: Problems) -> Any:
+    """The tokenizer at `tok_path`, or None with the reason added to `p` under `field`."""
+    from transformers import AutoTokenizer
+
+    missing = missing_tokenizer(tok_path)
+    if missing:
+        p.add(field, tok_path, f"cannot load a tokenizer there: {missing}")
+        return None
+    try:
+        return AutoTokenizer.from_pretrained(tok_path)
+    except Exception as e:  # noqa: BLE001
+        p.add(field, tok_path, f"cannot load a tokenizer there ({type(e).__name__}: {e})")
+        return None
 
 
 def check_vocabularies(cfg: TrainConfig, paths: dict, configs: dict, tokenizer_len: Optional[int],
@@ -410,7 +416,7 @@ def plan_model(rc: RoleConfig, need_positions: int, name: str = "model") -> tupl
     `zero_stage`, ...): its config and tokenizer load, the tokenizer fits the vocabulary and has an EOS token,
     `need_positions` (prompt + response tokens) fits the model, and the placement is valid. Raises one `ConfigError`
     listing every problem; reads no weights. Returns (its `RolePlan`, the prepared tokenizer)."""
-    from transformers import AutoConfig, AutoTokenizer
+    from transformers import AutoConfig
 
     p = Problems()
     path = rc.model_name_or_path
@@ -432,15 +438,8 @@ def plan_model(rc: RoleConfig, need_positions: int, name: str = "model") -> tupl
                 p.add("model_name_or_path", path, no_weights)
     tok_path = rc.tokenizer_name_or_path or path
     if config is not None:
-        try:
-            if missing_tokenizer(tok_path):
-                raise FileNotFoundError(missing_tokenizer(tok_path))
-            tok = AutoTokenizer.from_pretrained(tok_path)
-        except FileNotFoundError as e:
-            p.add("tokenizer_name_or_path", tok_path, f"cannot load a tokenizer there: {e}")
-        except Exception as e:  # noqa: BLE001
-            p.add("tokenizer_name_or_path", tok_path, f"cannot load a tokenizer there ({type(e).__name__}: {e})")
-        else:
+        tok = load_tokenizer_checked(tok_path, "tokenizer_name_or_path", p)
+        if tok is not None:
             if tok.eos_token_id is None:
                 p.add("tokenizer_name_or_path", tok_path, "the tokenizer has no EOS token: every response ends with "
                       "it (PPO stops generating at it); give a tokenizer with one")

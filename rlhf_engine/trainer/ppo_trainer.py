@@ -258,11 +258,11 @@ class PPOTrainer:
                 max_abs_log_ratio = torch.zeros((), dtype=torch.float64, device=engine.device)
                 micros = mini.split(b.per_device_training_batch_size) if plan is None else [
                     None if rows is None else exp.select(rows) for rows in plan[m]]
+                stats.add("micro_batches", torch.tensor(float(len(micros))))
+                stats.add("empty_micro_batches", torch.tensor(float(sum(m is None for m in micros))))
                 for k, micro in enumerate(micros):
                     # an empty micro-batch (token budget: another rank has more) runs a row with weight 0
                     weight, micro = (1.0, micro) if micro is not None else (0.0, mini.select([0]))
-                    stats.add("micro_batches", torch.tensor(1.0))
-                    stats.add("empty_micro_batches", torch.tensor(1.0 - weight))
                     if by_tokens:
                         engine.set_boundary(roles, k == len(micros) - 1)
                     if actor is not None:
