@@ -15,12 +15,14 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from rlhf_engine.cli import exit_process, run_main  # noqa: E402
+from rlhf_engine.hooks import TestHooks  # noqa: E402
 from rlhf_engine.config import TrainConfig  # noqa: E402
 from rlhf_engine.trainer import run_ppo  # noqa: E402
 
 
 def main(argv=None):
-    return run_main(argv, __doc__, TrainConfig, run_ppo)
+    # the test switches come from the environment here only (never set in a real run: all off)
+    return run_main(argv, __doc__, TrainConfig, run_ppo, hooks=TestHooks.from_env())
 
 
 if __name__ == "__main__":

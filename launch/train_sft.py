@@ -10,12 +10,14 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from rlhf_engine.cli import exit_process, run_main  # noqa: E402
+from rlhf_engine.hooks import TestHooks  # noqa: E402
 from rlhf_engine.config import SFTConfig  # noqa: E402
 from rlhf_engine.trainer import run_sft  # noqa: E402
 
 
 def main(argv=None):
-    return run_main(argv, __doc__, SFTConfig, run_sft)
+    # the test switches come from the environment here only (never set in a real run: all off)
+    return run_main(argv, __doc__, SFTConfig, run_sft, hooks=TestHooks.from_env())
 
 
 if __name__ == "__main__":

@@ -229,9 +229,10 @@ def parse_args(argv: Optional[Sequence[str]] = None, description: str = "", conf
     return cfg.validate()
 
 
-def run_main(argv: Optional[Sequence[str]], description: str, config_cls: type, run: Callable[[Any, list], Any]) -> int:
+def run_main(argv: Optional[Sequence[str]], description: str, config_cls: type, run: Callable[..., Any],
+             hooks: Any = None) -> int:
     """The body of every launch script: parse `argv` (default `sys.argv[1:]`) into `config_cls`, call
-    `run(cfg, argv)` and map its outcome to an exit code of `errors.EXIT_CODES`, the only place that does: a user
+    `run(cfg, argv, hooks)` (`hooks`: hooks.TestHooks, None in a real run) and map its outcome to an exit code of `errors.EXIT_CODES`, the only place that does: a user
     error (`ConfigError`) is printed, code 2; training stopped on every rank together (`TrainingStopped`: too many
     skipped steps, a non-finite value, a preemption: 75) prints its message and gives its own code; a collective
     operation that timed out or lost its peer (another rank stalled or died), or a reward function that raised,
@@ -239,17 +240,17 @@ def run_main(argv: Optional[Sequence[str]], description: str, config_cls: type, 
     argv = sys.argv[1:] if argv is None else list(argv)
     signals.install()  # 'auto' from now on (SIGUSR1; SIGTERM under SLURM): noted, answered at the next boundary
     try:
-        return _run(argv, description, config_cls, run)
+        return _run(argv, description, config_cls, run, hooks)
     finally:
         signals.uninstall()  # in-process callers (tests, notebooks) get their own handlers back
 
 
-def _run(argv: list, description: str, config_cls: type, run: Callable[[Any, list], Any]) -> int:
+def _run(argv: list, description: str, config_cls: type, run: Callable[..., Any], hooks: Any) -> int:
     cfg = None
     try:
         cfg = parse_args(argv, description=description, config_cls=config_cls)
         signals.install(cfg.preempt_signals)  # the run's own set ('auto' was in place while parsing)
-        run(cfg, argv)
+        run(cfg, argv, hooks)
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return EXIT_USER_ERROR

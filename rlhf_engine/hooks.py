@@ -1,29 +1,36 @@
-"""TEST HOOKS of the PPO loop, in one opt-in object the trainer consults at named points; never set in a real run.
+"""TEST HOOKS: every test-only switch of the library, in one object the caller passes in; never set in a real run.
 
-    hooks = TestHooks.from_env(rank, actor_steps)      # the trainer's; inactive unless a variable below is set
-    hooks.at(phase, iteration)                         # rollout / experience / train: kill or stall this rank here
-    hooks.after_step(iteration)                        # train_step: after the iteration's first actor optimizer step
-    hooks.scores(reward_fn, iteration)                 # the reward function, or one that returns a NaN in row 0
-    hooks.advantages(advantages, iteration)            # advantage [0, 0] set to NaN
-    hooks.loss(role, loss, iteration)                  # the role's loss, or NaN
-    hooks.grad(role, x, iteration)                     # 0, or a term of value 0 whose gradient is NaN
+    hooks = TestHooks.from_env()            # what the launch scripts pass (launch/*.py); TestHooks() = all off
+    build_trainer(cfg, hooks=hooks)         # the engine, the trainer and the checkpointer consult the same object
+    hooks.attach(rank, actor_steps)         # by the trainer that runs the loop: who is asking, and the step count
 
-Kill / stall points: `RLHF_ENGINE_TEST_KILL` / `RLHF_ENGINE_TEST_STALL` (rlhf_engine/faults.py; the `checkpoint` point
-is consulted by the checkpointer itself). Non-finite injection: `RLHF_ENGINE_TEST_INJECT_NONFINITE` (JSON, see
-`Injection`) read when the trainer is built, or `trainer.inject_nonfinite = spec`. When nothing is set every call
-returns its argument (or 0) at once.
+Points the loop consults (each returns its argument, or 0, at once when nothing is set):
+
+    hooks.at(phase, iteration)              # rollout / experience / train / checkpoint: kill or stall this rank here
+    hooks.after_step(iteration)             # train_step: after the iteration's first actor optimizer step
+    hooks.scores(reward_fn, iteration)      # the reward function, or one that returns a NaN in row 0
+    hooks.advantages(advantages, iteration) # advantage [0, 0] set to NaN
+    hooks.loss(role, loss, iteration)       # the role's loss, or NaN
+    hooks.grad(role, x, iteration)          # 0, or a term of value 0 whose gradient is NaN
+
+Negative controls (plain fields): `use_position_ids=False` (the engine withholds position ids: trlx's left-padding
+bug), `loss_token_mean="local"` (each rank's own token mean), `skip_on_resume={"rng", ...}` (state providers a resume
+leaves alone). From the environment (`from_env`): the kill / stall / signal points of rlhf_engine/faults.py,
+`RLHF_ENGINE_TEST_INJECT_NONFINITE` (JSON, see `Injection`) and `RLHF_ENGINE_TEST_SKIP_ON_RESUME` (comma-separated).
 """
 from __future__ import annotations
 
 import json
 import os
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Iterable, Optional
 
 import torch
 
 from . import faults
 
 INJECT_ENV = "RLHF_ENGINE_TEST_INJECT_NONFINITE"
+SKIP_ON_RESUME_ENV = "RLHF_ENGINE_TEST_SKIP_ON_RESUME"
+LOSS_TOKEN_MEANS = ("global", "local")
 
 
 def injection_from_env() -> Optional[dict]:
@@ -72,17 +79,32 @@ class Injection:
 
 
 class TestHooks:
+    """The switches (all off by default) and the points the loop consults; see the module docstring."""
+
     __test__ = False  # not a pytest class
 
-    def __init__(self, rank: int, actor_steps: Callable[[], int], nonfinite: Optional[dict] = None):
-        self.rank, self.actor_steps = rank, actor_steps
-        self.faults = faults.active()
+    def __init__(self, nonfinite: Optional[dict] = None, faults_on: bool = False, use_position_ids: bool = True,
+                 loss_token_mean: str = "global", skip_on_resume: Iterable[str] = ()):
+        if loss_token_mean not in LOSS_TOKEN_MEANS:
+            raise ValueError(f"loss_token_mean must be one of {LOSS_TOKEN_MEANS}, got {loss_token_mean!r}")
+        self.faults = faults_on
         self.nonfinite = nonfinite
+        self.use_position_ids = use_position_ids
+        self.loss_token_mean = loss_token_mean
+        self.skip_on_resume = frozenset(skip_on_resume)
+        self.rank, self.actor_steps = 0, (lambda: 0)
         self._steps_before: Optional[int] = None
 
     @classmethod
-    def from_env(cls, rank: int, actor_steps: Callable[[], int]) -> "TestHooks":
-        return cls(rank, actor_steps, injection_from_env())
+    def from_env(cls) -> "TestHooks":
+        skip = os.environ.get(SKIP_ON_RESUME_ENV, "")
+        return cls(nonfinite=injection_from_env(), faults_on=faults.active(),
+                   skip_on_resume=[s.strip() for s in skip.split(",") if s.strip()])
+
+    def attach(self, rank: int, actor_steps: Callable[[], int]) -> "TestHooks":
+        """The rank the points compare against and the optimizer-step count `after_step` watches."""
+        self.rank, self.actor_steps = rank, actor_steps
+        return self
 
     @property
     def nonfinite(self) -> Optional[dict]:

@@ -164,7 +164,7 @@ def plan_engine(cfg: TrainConfig, num_training_steps: int = 0) -> EnginePlan:
     p.raise_if_any("cannot start: model setup")
     log_dtypes(plans, {r: getattr(cfg, r).dtype or cfg.dtype for r in plans})
     if fallback_reasons:
-        warn_once("generation_backend hybrid: the DeepSpeed Hybrid Engine cannot run here ("
+        log.warning("generation_backend hybrid: the DeepSpeed Hybrid Engine cannot run here ("
                   + "; ".join(fallback_reasons) + "); hybrid_engine_fallback is set, so the actor generates with "
                   "Hugging Face generate")
         backend = "hf"
@@ -530,9 +530,6 @@ def hybrid_engine_reasons(cfg: TrainConfig, actor_config, on_gpu: bool | None = 
     return reasons
 
 
-_warned: set = set()
-
-
 def requested_backend(cfg: TrainConfig) -> tuple[str, str]:
     """(the generation backend asked for, the flag that asked): enable_hybrid_engine true is DeepSpeed-Chat's way of
     saying --generation_backend hybrid."""
@@ -540,8 +537,3 @@ def requested_backend(cfg: TrainConfig) -> tuple[str, str]:
         return "hybrid", "enable_hybrid_engine"
     return cfg.engine.generation_backend, "generation_backend"
 
-
-def warn_once(message: str) -> None:
-    if message not in _warned:
-        _warned.add(message)
-        log.warning(message)

@@ -15,6 +15,7 @@ import torch
 
 from ..config import TrainConfig
 from .. import comm
+from ..hooks import TestHooks
 from ..packing import micro_batch_rows, pack_rows
 from ..ppo_math import entropy_from_logits, logprobs_and_entropy_from_logits, logprobs_from_logits, mask_stop_tokens_
 from ..rollout import Rollout, gather_at
@@ -36,8 +37,9 @@ class RLHFEngine:
     """Builds the engines of an `EnginePlan` (engine/preflight.py: planned and checked once, before any weight is
     read). `ds_configs` holds each engine's resolved DeepSpeed config (the run directory writes them)."""
 
-    def __init__(self, cfg: TrainConfig, dist: DistInfo, plan: EnginePlan):
+    def __init__(self, cfg: TrainConfig, dist: DistInfo, plan: EnginePlan, hooks: Optional[TestHooks] = None):
         self.cfg, self.dist, self.plan = cfg, dist, plan
+        self.hooks = hooks or TestHooks()  # TEST HOOKS: use_position_ids=False reproduces trlx's left-padding bug
         self.plans: dict[str, RolePlan] = dict(plan.roles)  # + "ema" when built
         self.tokenizer = plan.tokenizer
         self.pad_token_id = int(self.tokenizer.pad_token_id)
@@ -52,7 +54,6 @@ class RLHFEngine:
         g = cfg.generation
         self.sampling = SamplingParams.from_config(g, self.stop_token_ids, self.pad_token_id)
         self._stop_ids = torch.tensor(self.stop_token_ids, dtype=torch.long, device=dist.device)
-        self.use_position_ids = True  # test hook: False reproduces the trlx left-padding bug
         self.ds_configs: dict[str, dict] = {}
         self.engines = {}
         ext = cfg.engine
@@ -192,7 +193,7 @@ class RLHFEngine:
 
     # ---- forwards ------------------------------------------------------------------------------------------
     def _inputs(self, r: Rollout) -> dict:
-        return rollout_inputs(r, self.use_position_ids)
+        return rollout_inputs(r, self.hooks.use_position_ids)
 
     def _trim(self, r: Rollout) -> Rollout:
         return r.trimmed() if self.trim_padding else r
@@ -341,7 +342,7 @@ class RLHFEngine:
             return torch.cat(self._eval_chunks(
                 "reward", rollout, lambda e, mb: gather_at(self._scalar_per_position(e, mb), mb.score_index())))
         return torch.cat(self._eval_chunks(
-            "reward", rollout, lambda e, mb: sequence_scores(e, self._counted(self._trim(mb)), self.use_position_ids)))
+            "reward", rollout, lambda e, mb: sequence_scores(e, self._counted(self._trim(mb)), self.hooks.use_position_ids)))
 
     def _counted(self, r: Rollout) -> Rollout:
         self._count(r)

@@ -95,7 +95,8 @@ class PPOTrainer:
     """Built from the run plan (trainer/plan.py) and the engine built from it; `metrics` is the run's logger. With
     `plan.resume_path` the checkpoint is loaded last, right before training continues."""
 
-    def __init__(self, plan: RunPlan, engine, metrics: Optional[MetricsWriter] = None):
+    def __init__(self, plan: RunPlan, engine, metrics: Optional[MetricsWriter] = None,
+                 hooks: Optional[TestHooks] = None):
         cfg = plan.cfg
         self.plan, self.cfg, self.engine, self.dataset = plan, cfg, engine, plan.prompts
         dist = engine.dist
@@ -126,8 +127,8 @@ class PPOTrainer:
         self.critic_objective = CriticObjective(engine, ppo) if engine.has_critic else None
         self.experience_steps = experience_steps(ppo, cfg.batch.n_samples_per_prompt)
         self.state_providers["step_guard"] = self.guard  # its skip count
-        # TEST HOOKS (rlhf_engine/hooks.py): kill / stall points and non-finite injection; inactive unless set
-        self.hooks = TestHooks.from_env(dist.rank, lambda: engine.optimizer_steps("actor"))
+        # TEST HOOKS (rlhf_engine/hooks.py), given by the caller: all off unless a test sets one
+        self.hooks = (hooks or TestHooks()).attach(dist.rank, lambda: engine.optimizer_steps("actor"))
         self.iteration = 0
         self.last_experience: Optional[Experience] = None  # kept for tests and debugging
         self.ratio_trace: list[float] = []  # max |log-ratio| per mini-batch (cheap, used by tests and guards)
@@ -142,14 +143,10 @@ class PPOTrainer:
         self.evaluator = (Evaluator(plan.eval_prompts, cfg.batch.per_device_generation_batch_size, dist.rank,
                                     dist.world_size) if plan.eval_prompts is not None else None)
         self.samples_per_iteration = 4  # prompt / response / score rows logged per iteration (samples.jsonl, wandb)
-        # TEST HOOK (negative control of the token aggregation): "global" (the only correct setting) divides each
-        # mini-batch's loss by its global token count; "local" reproduces the naive per-rank token mean (each rank's
-        # mean, averaged over ranks), which depends on how tokens fall on ranks.
-        self.loss_token_mean = "global"
         self.checkpointer = Checkpointer(
             engine, providers_of(self), plan.run_dir, plan.fingerprint, save_interval=cfg.save_interval,
             keep_last=cfg.keep_last, seed=cfg.seed, save_interval_minutes=cfg.save_interval_minutes,
-            export_dir=(cfg.export_dir or plan.run_dir.final) if cfg.export_final else None)
+            export_dir=(cfg.export_dir or plan.run_dir.final) if cfg.export_final else None, hooks=self.hooks)
         # Sampling differs per rank, data order does not (the sampler depends on seed and epoch only).
         torch.manual_seed(cfg.seed + dist.rank)
         if dist.is_main:
@@ -157,15 +154,6 @@ class PPOTrainer:
                      "dropped (short last global batch)")
         if plan.resume_path:  # last: the random generators are restored right before training continues
             self.checkpointer.load(plan.resume_path, force=cfg.resume_force)
-
-    @property
-    def inject_nonfinite(self) -> Optional[dict]:
-        """TEST HOOK: the non-finite injection spec (hooks.Injection), None when off."""
-        return self.hooks.nonfinite
-
-    @inject_nonfinite.setter
-    def inject_nonfinite(self, spec: Optional[dict]) -> None:
-        self.hooks.nonfinite = spec
 
     # ---- phases ----------------------------------------------------------------------------------------------
     def rollout_phase(self):
@@ -233,12 +221,10 @@ class PPOTrainer:
         local = torch.stack([mask.sum().double(), pmask.sum().double(), (pmask.sum(-1) > 0).sum().double(),
                              sum(x.num_tokens for x in ptx_batches).double() if ptx_batches
                              else torch.zeros((), dtype=torch.float64, device=device)])
-        if self.loss_token_mean == "global":
-            tokens, policy, seqs, ptx = all_reduce(local.clone()).float().unbind()
-        elif self.loss_token_mean == "local":  # test hook only: the naive per-rank mean
+        if self.hooks.loss_token_mean == "local":  # TEST HOOK, a negative control: each rank's own token mean
             tokens, policy, seqs, ptx = (local * self.engine.dist.world_size).float().unbind()
         else:
-            raise ValueError(f"loss_token_mean must be 'global' or 'local', got {self.loss_token_mean!r}")
+            tokens, policy, seqs, ptx = all_reduce(local.clone()).float().unbind()
         return Counts(tokens, policy.clamp(min=1.0), seqs.clamp(min=1.0), ptx)
 
     def train_phase(self, exp: Experience, stats: MetricSums) -> None:

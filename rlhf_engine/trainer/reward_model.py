@@ -18,6 +18,7 @@ import torch
 from ..config import RewardTrainConfig
 from ..data.supervised import PairBatch, collate_pairs, load_preference_data
 from ..engine.role_engine import sequence_scores
+from ..hooks import TestHooks
 from ..ppo_math import pairwise_loss
 from ..rollout import Rollout
 from .supervised import SupervisedTrainer, run_supervised
@@ -62,7 +63,8 @@ class RewardModelTrainer(SupervisedTrainer):
                 "rm/rejected_score": sums["rejected_sum"] / n}
 
 
-def run_reward_model(cfg: RewardTrainConfig, argv: Optional[list] = None) -> RewardModelTrainer:
+def run_reward_model(cfg: RewardTrainConfig, argv: Optional[list] = None,
+                     hooks: Optional[TestHooks] = None) -> RewardModelTrainer:
     """Step 2 end to end: train, evaluate per epoch, export `<output_dir>/model` (a *ForSequenceClassification that
     train_ppo.py loads as reward model and critic)."""
-    return run_supervised(cfg, RewardModelTrainer, argv)
+    return run_supervised(cfg, RewardModelTrainer, argv, hooks)

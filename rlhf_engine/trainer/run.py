@@ -13,6 +13,7 @@ from ..comm import barrier
 from ..config import TrainConfig, flat_dict
 from ..data.prompts import PromptData
 from ..engine import RLHFEngine
+from ..hooks import TestHooks
 from ..outputs.run_logger import RunLogger
 from .plan import RunPlan, SupervisedPlan, plan_ppo
 from .ppo_trainer import PPOTrainer
@@ -22,18 +23,20 @@ from .state import after_resume_cleanup
 log = logging.getLogger(__name__)
 
 
-def build_trainer(cfg: TrainConfig, argv: Optional[list] = None, prompt_data: Optional[PromptData] = None) -> PPOTrainer:
+def build_trainer(cfg: TrainConfig, argv: Optional[list] = None, prompt_data: Optional[PromptData] = None,
+                  hooks: Optional[TestHooks] = None) -> PPOTrainer:
     """The plan, then the run directory, the engines, the logger and the trainer. `prompt_data`: tokenized prompts
-    given instead of loading `cfg.data` (trainer/plan.plan_ppo)."""
+    given instead of loading `cfg.data` (trainer/plan.plan_ppo). `hooks`: test switches (rlhf_engine/hooks.py), off
+    by default."""
     plan = plan_ppo(cfg, prompt_data)  # raises before the run directory changes or any weight is read
     prepare_run_dir(plan, argv)
     # Anything drawn while the engines are built (a new critic head with critic_init_from=actor) depends on the seed
     # only, identically on every rank; the trainer then reseeds with seed + rank for sampling.
     torch.manual_seed(cfg.seed)
-    engine = RLHFEngine(cfg, plan.dist, plan.engine)
+    engine = RLHFEngine(cfg, plan.dist, plan.engine, hooks=hooks)
     write_ds_configs(plan, engine.ds_configs)
     logger = RunLogger.from_config(cfg, plan.dist.is_main, flat_dict(cfg), total_iterations=plan.iterations)
-    return PPOTrainer(plan, engine, metrics=logger)  # resumes last: its random generators come back right before
+    return PPOTrainer(plan, engine, metrics=logger, hooks=engine.hooks)  # resumes last: its random generators come back right before
     # training continues
 
 
@@ -66,7 +69,7 @@ def write_ds_configs(plan: RunPlan | SupervisedPlan, configs: dict[str, Any]) ->
         plan.run_dir.write_ds_configs(configs)
 
 
-def run_ppo(cfg: TrainConfig, argv: Optional[list] = None) -> PPOTrainer:
-    trainer = build_trainer(cfg, argv)
+def run_ppo(cfg: TrainConfig, argv: Optional[list] = None, hooks: Optional[TestHooks] = None) -> PPOTrainer:
+    trainer = build_trainer(cfg, argv, hooks=hooks)
     trainer.train()
     return trainer

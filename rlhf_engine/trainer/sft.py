@@ -14,6 +14,7 @@ import torch
 from ..config import SFTConfig
 from ..data.supervised import SFTBatch, collate_sft, load_sft_data
 from ..engine.role_engine import rollout_inputs
+from ..hooks import TestHooks
 from ..ppo_math import sft_loss
 from .supervised import SupervisedTrainer, run_supervised, safe_exp
 
@@ -50,6 +51,6 @@ class SFTTrainer(SupervisedTrainer):
         return {"sft/eval_loss": loss, "sft/eval_ppl": safe_exp(loss)}
 
 
-def run_sft(cfg: SFTConfig, argv: Optional[list] = None) -> SFTTrainer:
+def run_sft(cfg: SFTConfig, argv: Optional[list] = None, hooks: Optional[TestHooks] = None) -> SFTTrainer:
     """Step 1 end to end: train, evaluate per epoch, export `<output_dir>/model` (train_ppo.py's actor)."""
-    return run_supervised(cfg, SFTTrainer, argv)
+    return run_supervised(cfg, SFTTrainer, argv, hooks)

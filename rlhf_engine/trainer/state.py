@@ -28,18 +28,16 @@ from typing import Any, Mapping, Optional
 import numpy as np
 import torch
 
-from .. import faults  # TEST HOOK: the `checkpoint` fault point inside a save
 from ..comm import all_gather_object, barrier, broadcast_object, run_on_main
 from ..data.sampler import DataCursor
 from ..errors import ConfigError, Problem
+from ..hooks import TestHooks
 from ..outputs import checkpoint as ckpt
 from .preemption import Boundary
 
 log = logging.getLogger(__name__)
 
 STATE_FORMAT = 1
-# TEST HOOK: provider names NOT restored on resume (the negative control of the RNG restore sets {"rng"}).
-SKIP_ON_RESUME: set = set()
 
 
 # ---- providers ---------------------------------------------------------------------------------------------------
@@ -190,12 +188,13 @@ class Checkpointer:
 
     def __init__(self, engine: Any, providers: Mapping[str, Any], run_dir: Any, fingerprint: Mapping[str, Any], *,
                  save_interval: int = 0, keep_last: int = 0, seed: int = 0, export_dir: Optional[str] = None,
-                 save_interval_minutes: float = 0.0):
+                 save_interval_minutes: float = 0.0, hooks: Optional[TestHooks] = None):
         self.engine, self.providers, self.fingerprint = engine, dict(providers), dict(fingerprint)
         self.root = run_dir.checkpoints
         self.boundary = Boundary(engine.dist, run_dir.root, save_interval_minutes)
         self.save_interval, self.keep_last, self.seed = int(save_interval or 0), int(keep_last or 0), seed
         self.export_dir = export_dir
+        self.hooks = hooks or TestHooks()  # a save cut short, providers a resume leaves alone (never in a real run)
         self.last_saved: Optional[int] = None  # iteration of the newest checkpoint this run saved or loaded
         self.resumed_from: Optional[str] = None
 
@@ -242,7 +241,7 @@ class Checkpointer:
             ckpt.prepare_tag_dir(self.root, tag)
         barrier()
         roles = self.engine.save(path)  # collective; DeepSpeed writes <path>/<role>/
-        faults.fault_point("checkpoint", it, dist.rank)  # TEST HOOK: a save cut short between files
+        self.hooks.at("checkpoint", it)  # TEST HOOK: a save cut short between files
         # the RNG is captured after the engines were saved: exactly what the next iteration starts from
         state = {"format": STATE_FORMAT, "rank": dist.rank, "world_size": dist.world_size, "iteration": it,
                  "providers": {name: p.state_dict() for name, p in self.providers.items()}}
@@ -308,7 +307,7 @@ class Checkpointer:
         extra = sorted(set(saved) - set(providers))
         if extra and dist.is_main:
             log.warning("checkpoint state not used by this run: %s", ", ".join(extra))
-        skip = set(SKIP_ON_RESUME) | set(missing)
+        skip = set(self.hooks.skip_on_resume) | set(missing)
         if fallback:
             skip.add("rng")  # another rank's generators would repeat its samples: this rank starts fresh
             torch.manual_seed(self.seed + dist.rank)

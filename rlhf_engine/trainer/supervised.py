@@ -28,7 +28,6 @@ from typing import Any, Optional
 
 import torch
 
-from .. import faults  # TEST HOOK: fault points (only when one is set)
 from ..comm import all_reduce
 from ..config import flat_dict
 from ..data.prompts import PromptData, PromptDataset
@@ -36,6 +35,7 @@ from ..data.sampler import DataCursor
 from ..data.supervised import eval_shards
 from ..engine.checkpointing import load_trained, save_trained
 from ..engine.role_engine import backward_global, build_role_engine, export_engine
+from ..hooks import TestHooks
 from ..outputs.run_logger import RunLogger
 from .metric_sums import MetricSums
 from .plan import SupervisedPlan, plan_supervised
@@ -72,7 +72,7 @@ class SupervisedTrainer:
     bar_keys: tuple = ()
 
     def __init__(self, plan: Optional[SupervisedPlan], engine: Any, logger: Optional[RunLogger] = None, *,
-                 cfg: Any = None, dist: Any = None, tokenizer: Any = None):
+                 cfg: Any = None, dist: Any = None, tokenizer: Any = None, hooks: Optional[TestHooks] = None):
         """From the run plan and the engine built from it (resumes last when the plan names a checkpoint). Without a
         plan (a scorer only, no training: tests, evaluation) give `cfg`, `dist` and `tokenizer`."""
         self.plan, self.engine, self.logger = plan, engine, logger
@@ -88,12 +88,12 @@ class SupervisedTrainer:
         self.cursor = DataCursor(self.sampler) if self.sampler is not None else None
         self.state_providers = {"data": self.cursor} if self.cursor is not None else {}
         self.checkpointer = None
-        self._faults = faults.active()  # TEST HOOK: fault points only when one is set
+        self.hooks = (hooks or TestHooks()).attach(self.dist.rank, lambda: self.iteration)  # TEST HOOKS: all off
         if plan is not None:
             self.checkpointer = Checkpointer(OneEngine(engine, self.dist), providers_of(self), plan.run_dir,
                                              plan.fingerprint, save_interval=self.cfg.save_interval,
                                              keep_last=self.cfg.keep_last, seed=self.cfg.seed,
-                                             save_interval_minutes=self.cfg.save_interval_minutes)
+                                             save_interval_minutes=self.cfg.save_interval_minutes, hooks=self.hooks)
             if plan.resume_path:  # last: the random generators are restored right before training continues
                 self.checkpointer.load(plan.resume_path, force=self.cfg.resume_force)
                 if self.dist.is_main:
@@ -173,8 +173,7 @@ class SupervisedTrainer:
             epoch, k, idx = next(self.cursor)
             rec = self.train_step(epoch, idx)
             self.iteration += 1
-            if self._faults:  # TEST HOOK (faults.py): "train_step" = after optimizer step `iteration - 1`
-                faults.fault_point("train_step", self.iteration - 1, self.dist.rank)
+            self.hooks.at("train_step", self.iteration - 1)  # TEST HOOK: after optimizer step `iteration - 1`
             if k == per_epoch - 1 or self.iteration >= self.total_steps:  # end of an epoch (or of the run)
                 rec.update(self.evaluate())
             self.logger.log(rec)
@@ -199,7 +198,8 @@ class SupervisedTrainer:
         return out_dir
 
 
-def build_supervised(cfg: Any, trainer_cls: type, argv: Optional[list] = None) -> SupervisedTrainer:
+def build_supervised(cfg: Any, trainer_cls: type, argv: Optional[list] = None,
+                     hooks: Optional[TestHooks] = None) -> SupervisedTrainer:
     """The recipe in the module docstring: everything checked, then one engine built; returns the trainer."""
     plan = plan_supervised(cfg, trainer_cls)  # raises before the run directory changes or any weight is read
     prepare_run_dir(plan, argv)
@@ -221,11 +221,12 @@ def build_supervised(cfg: Any, trainer_cls: type, argv: Optional[list] = None) -
     logger = RunLogger.from_config(cfg, dist.is_main, flat_dict(cfg), total_iterations=plan.total_steps,
                                    plot_keys=trainer_cls.plot_keys, bar_desc=trainer_cls.name.upper(),
                                    bar_keys=trainer_cls.bar_keys)
-    return trainer_cls(plan, engine, logger)
+    return trainer_cls(plan, engine, logger, hooks=hooks)
 
 
-def run_supervised(cfg: Any, trainer_cls: type, argv: Optional[list] = None) -> SupervisedTrainer:
-    trainer = build_supervised(cfg, trainer_cls, argv)
+def run_supervised(cfg: Any, trainer_cls: type, argv: Optional[list] = None,
+                   hooks: Optional[TestHooks] = None) -> SupervisedTrainer:
+    trainer = build_supervised(cfg, trainer_cls, argv, hooks)
     with trainer.logger:  # closes wandb / TensorBoard and writes metrics.png, also after a failure
         trainer.train()
     return trainer

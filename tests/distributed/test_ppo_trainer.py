@@ -175,7 +175,7 @@ def test_lr0_every_ratio_is_one_and_nothing_moves(two_rank):
 def test_lr0_negative_control_without_position_ids(two_rank):
     """Design of the negative control. The trainer computes the old log-probs on exactly the tensors it trains on (the
     generation batches are concatenated, i.e. re-padded to one width, BEFORE the experience forwards; micro-batch
-    splits keep that width). So withholding position ids alone (the hook `engine.use_position_ids = False`) shifts
+    splits keep that width). So withholding position ids alone (the hook `TestHooks(use_position_ids=False)`) shifts
     the experience forward and the training forward identically and the ratio stays 1: the hook by itself cannot
     show anything. The control therefore also gives the training forward another LEFT PADDING than the experience
     forward, which is what happens in trlx when its chunk size differs from the rollout count (the seed bug): the
@@ -184,7 +184,7 @@ def test_lr0_negative_control_without_position_ids(two_rank):
 
     * with position ids (the default): the same tokens at the same positions; only fp32 kernel noise of the longer
       rows remains, at most a few ulps of |log p| ~ 6 (1 ulp = 4.8e-7), so max |log-ratio| <= 2e-6;
-    * without them (`use_position_ids = False`): GPT-2 numbers positions 0..L-1 including the padding, every token
+    * without them (`TestHooks(use_position_ids=False)`): GPT-2 numbers positions 0..L-1 including the padding, every token
       moves 5 positions, and max |log-ratio| > 1e-3 although no weight moved (lr = 0).
     The run without the extra padding (test above) is exactly 0. With --trim_padding (off in both runs) the extra
     columns are removed again (every row pads them), and then even the run without position ids is exactly 0 (the
@@ -282,7 +282,7 @@ def test_one_vs_two_ranks_and_micro_batch_vs_accumulation_are_identical(two_rank
 
 @pytest.mark.distributed
 def test_negative_control_per_rank_token_mean_differs(two_rank, one_rank):
-    """The hook `trainer.loss_token_mean = "local"` divides each rank's loss by its OWN token count (times the world
+    """The hook `TestHooks(loss_token_mean="local")` divides each rank's loss by its OWN token count (times the world
     size): the naive mean of per-rank means. It equals the global token mean only when both ranks hold as many tokens,
     so with uneven response lengths it must differ from the 1-rank run that the correct 2-rank run matches."""
     run, ref = two_rank["local_token_mean_2r"], one_rank["inv_4x1"]

@@ -20,7 +20,7 @@ def test_unset_hooks_do_nothing(monkeypatch):
     monkeypatch.delenv(INJECT_ENV, raising=False)
     assert not faults.active()
     faults.fault_point("checkpoint", 4, 1)  # returns
-    hooks = TestHooks.from_env(1, actor_steps=lambda: 0)
+    hooks = TestHooks.from_env().attach(1, actor_steps=lambda: 0)
     assert not hooks.faults and hooks.nonfinite is None
     hooks.at("rollout", 0), hooks.after_step(0)  # return
     loss, fn = torch.tensor(1.5), object()
@@ -40,7 +40,7 @@ def test_hooks_fire_only_at_their_point(monkeypatch):
     fired = []
     monkeypatch.setattr(faults, "fault_point", lambda phase, it, rank: fired.append((phase, it, rank)))
     steps = {"actor": 0}
-    hooks = TestHooks(1, actor_steps=lambda: steps["actor"])
+    hooks = TestHooks(faults_on=True).attach(1, actor_steps=lambda: steps["actor"])
     for phase in ("rollout", "experience", "train"):
         hooks.at(phase, 2)
     assert fired == [("rollout", 2, 1), ("experience", 2, 1), ("train", 2, 1)]

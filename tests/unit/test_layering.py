@@ -28,7 +28,7 @@ ALLOWED = {
     "envs": {"comm", "plugins", "rollout", "rewards"},
     "outputs": {"errors"},
     "data": {"comm", "config", "errors", "rollout", "pretrained"},
-    "engine": {"comm", "config", "errors", "packing", "ppo_math", "rollout"},
+    "engine": {"comm", "config", "errors", "hooks", "packing", "ppo_math", "rollout"},
     "trainer": {"comm", "config", "data", "engine", "envs", "errors", "estimators", "outputs", "policy_losses",
                 "ppo_math", "pretrained",
                 "rewards", "rollout", "faults", "hooks", "signals"},

@@ -242,9 +242,9 @@ def run_placement(name: str, args, plan: dict, dist, results: dict, start_folder
                                   "ended_with_eos": r.ended_with_eos.tolist()})
 
     if args.negative_control and name == "z0":
-        e.use_position_ids = False
+        e.hooks.use_position_ids = False
         wrong = e.actor_logprobs(r)
-        e.use_position_ids = True
+        e.hooks.use_position_ids = True
         right = torch.tensor(outs["actor_logprobs"])
         pad_rows = (r.attention_mask[:, : r.prompt_length] == 0).any(-1)
         res["no_position_ids_max_diff_padded_rows"] = gather(

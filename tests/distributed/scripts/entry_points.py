@@ -4,7 +4,7 @@
 
 Each entry point's `main(argv)` is called exactly as its `__main__` block calls it; a non-zero exit code stops here.
 A run may carry a third element, options: {"skip_on_resume": [provider names]} (the TEST HOOK
-`trainer.state.SKIP_ON_RESUME`, for that run only: a negative control of resume), {"expect_exit": N} (the run must
+`RLHF_ENGINE_TEST_SKIP_ON_RESUME`, for that run only: a negative control of resume), {"expect_exit": N} (the run must
 exit with N, e.g. 2 for a refused resume; the next run follows).
 """
 import argparse
@@ -30,14 +30,13 @@ def main():
     args = parser.parse_args()
     with open(args.spec) as f:
         runs = json.load(f)["runs"]
-    from rlhf_engine.trainer import state
+    from rlhf_engine.hooks import SKIP_ON_RESUME_ENV
 
     for run in runs:
         name, argv, opts = run[0], run[1], (run[2] if len(run) > 2 else {})
-        state.SKIP_ON_RESUME.clear()
-        state.SKIP_ON_RESUME.update(opts.get("skip_on_resume", []))
+        os.environ[SKIP_ON_RESUME_ENV] = ",".join(opts.get("skip_on_resume", []))  # read by the launcher's main
         code = entry(name)(argv)
-        state.SKIP_ON_RESUME.clear()
+        os.environ.pop(SKIP_ON_RESUME_ENV)
         expected = opts.get("expect_exit", 0)
         if code != expected:
             print(f"{name} exited with {code}, expected {expected}", file=sys.stderr)

@@ -18,8 +18,8 @@ trains `max_steps` iterations and records, on rank 0:
                   mini-batches) and "experience" (the last iteration's response lengths, prompt length, scores, and
                   the model turns of each row)
 
-Hooks (all default off): "use_position_ids": false  -> engine.use_position_ids = False (trlx's left-padding bug);
-"loss_token_mean": "local" -> the per-rank token mean (negative control of the global token mean);
+Hooks (all default off): "use_position_ids": false  -> TestHooks(use_position_ids=False) (trlx's left-padding bug);
+"loss_token_mean": "local" -> TestHooks(loss_token_mean="local"): the per-rank token mean (negative control of the global token mean);
 "left_pad_training": k -> every actor TRAINING forward gets k extra left-padding columns (harness-only: wraps
 engine.actor_forward), so it sees another left padding than the experience forward of the same rows;
 "reward_fn": "fraction:<lo>:<hi>" -> score = fraction of response tokens with lo <= id < hi (a programmatic reward);
@@ -97,17 +97,15 @@ def gather(obj):
 
 def run_one(spec: dict) -> dict | None:
     from rlhf_engine.cli import parse_args
+    from rlhf_engine.hooks import TestHooks
     from rlhf_engine.trainer import build_trainer
 
     cfg = parse_args(spec["args"])
-    trainer = build_trainer(cfg)
+    hooks = spec.get("hooks", {})
+    trainer = build_trainer(cfg, hooks=TestHooks(use_position_ids=bool(hooks.get("use_position_ids", True)),
+                                                 loss_token_mean=hooks.get("loss_token_mean", "global")))
     engine = trainer.engine
     is_main = engine.dist.is_main
-    hooks = spec.get("hooks", {})
-    if "use_position_ids" in hooks:
-        engine.use_position_ids = bool(hooks["use_position_ids"])
-    if "loss_token_mean" in hooks:
-        trainer.loss_token_mean = hooks["loss_token_mean"]
     if "left_pad_training" in hooks:  # the actor's TRAINING forward sees k more left padding than its experience
         k, orig_actor_forward = int(hooks["left_pad_training"]), engine.actor_forward
         engine.actor_forward = lambda r, **kw: orig_actor_forward(left_padded(r, k, engine.pad_token_id), **kw)

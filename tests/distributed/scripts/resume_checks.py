@@ -95,15 +95,12 @@ def export_check(engine, out_dir: str, rollout) -> dict | None:
 
 def run_one(spec: dict) -> dict | None:
     from rlhf_engine.cli import parse_args
-    from rlhf_engine.trainer import build_trainer, state
+    from rlhf_engine.hooks import TestHooks
+    from rlhf_engine.trainer import build_trainer
 
     hooks, checks = spec.get("hooks", {}), spec.get("checks", [])
     cfg = parse_args(spec["args"])
-    state.SKIP_ON_RESUME = set(hooks.get("skip_on_resume", ()))
-    try:
-        trainer = build_trainer(cfg)
-    finally:
-        state.SKIP_ON_RESUME = set()
+    trainer = build_trainer(cfg, hooks=TestHooks(skip_on_resume=hooks.get("skip_on_resume", ())))
     engine = trainer.engine
     start = trainer.iteration
     if "ema" in engine.engines:  # the EMA follows every actor optimizer step (update_ema is a no-op without a new

@@ -5,7 +5,7 @@
 spec.json: {"runs": [{"name", "args": [train_ppo.py flags], "inject": {...guards.Injection spec...}}, ...],
             "final": {"args": [...], "inject": {...}}}
 
-Each run builds its trainer with `build_trainer(parse_args(args))`, sets `trainer.inject_nonfinite` (the test hook of
+Each run builds its trainer with `build_trainer(parse_args(args))`, gives it `TestHooks(nonfinite=...)` (the test hook of
 trainer/guards.py) and trains; a `TrainingStopped` (or any exception) is caught and recorded, so the next run starts
 on a clean process group (every rank raised at the same point). Recorded per rank (gathered to rank 0):
   error        {"type", "message", "iteration", "seconds"} or None (seconds: from the start of the failing
@@ -75,10 +75,10 @@ def gather(obj):
 
 def run_one(spec: dict):
     from rlhf_engine.cli import parse_args
+    from rlhf_engine.hooks import TestHooks
     from rlhf_engine.trainer import build_trainer
 
-    trainer = build_trainer(parse_args(spec["args"]))
-    trainer.inject_nonfinite = spec.get("inject")
+    trainer = build_trainer(parse_args(spec["args"]), hooks=TestHooks(nonfinite=spec.get("inject")))
     handler = Collect()
     logging.getLogger("rlhf_engine.trainer.guards").addHandler(handler)
     records, snaps, error = [], [snapshot(trainer)], None

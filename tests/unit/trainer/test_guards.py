@@ -63,7 +63,7 @@ def test_nonfinite_gradient_in_one_engine_skips_both_and_counts(tiny, dist_singl
     before = _snapshot(trainer)
     assert before["actor"]["steps"] == before["critic"]["steps"] == 1 and before["actor"]["moments"]
     # iteration 1: only the CRITIC's gradients become NaN (its loss stays finite)
-    trainer.inject_nonfinite = {"what": "grad", "role": "critic", "iteration": 1}
+    trainer.hooks.nonfinite = {"what": "grad", "role": "critic", "iteration": 1}
     with caplog.at_level(logging.WARNING, logger="rlhf_engine.trainer.guards"):
         rec1 = trainer.step()
     after = _snapshot(trainer)
@@ -90,7 +90,7 @@ def test_nonfinite_gradient_in_one_engine_skips_both_and_counts(tiny, dist_singl
 
 def test_k_consecutive_skips_stop_with_exit_code_3(tiny, dist_single, tmp_path):
     trainer = _build(tiny, tmp_path, max_steps=5, max_consecutive_skips=2)
-    trainer.inject_nonfinite = {"what": "grad", "role": "actor", "iteration": 1, "iterations": 0}  # from 1 on
+    trainer.hooks.nonfinite = {"what": "grad", "role": "actor", "iteration": 1, "iterations": 0}  # from 1 on
     with pytest.raises(TooManySkippedSteps, match=r"rank 0, iteration 2: 2 updates in a row were skipped \(last: "
                                                   r"non-finite actor gradient on rank 0\).*max_consecutive_skips 2"):
         trainer.train()
@@ -105,12 +105,12 @@ def test_nonfinite_advantage_reward_errors_and_loss_stop_naming_rank_iteration_a
     trainer.step()
     steps = trainer.engine.optimizer_steps("actor")
     # an advantage (stopped before any training of the iteration)
-    trainer.inject_nonfinite = {"what": "advantage", "iteration": 1}
+    trainer.hooks.nonfinite = {"what": "advantage", "iteration": 1}
     with pytest.raises(NonFiniteError, match=r"^rank 0, iteration 1: non-finite advantage on rank 0 \(at 1 "
                                              r"position\(s\), first \[0, 0\] on this rank\); every rank stops$"):
         trainer.step()
     assert NonFiniteError.exit_code == EXIT_NON_FINITE == 4
-    trainer.inject_nonfinite = None
+    trainer.hooks.nonfinite = None
     # reward functions that raise, miss a value or return NaN: the error names the function, rank and iteration
     mod = types.ModuleType("bad_rewards")
     mod.raises = lambda prompts, responses: 1 / 0
@@ -127,7 +127,7 @@ def test_nonfinite_advantage_reward_errors_and_loss_stop_naming_rank_iteration_a
     trainer.reward_fn = None
     assert trainer.engine.optimizer_steps("actor") == steps  # nothing trained in the failed iterations
     # a loss: the boundary check raises before either engine steps
-    trainer.inject_nonfinite = {"what": "loss", "role": "critic", "iteration": 1}
+    trainer.hooks.nonfinite = {"what": "loss", "role": "critic", "iteration": 1}
     with pytest.raises(NonFiniteError, match=r"^rank 0, iteration 1: non-finite value loss on rank 0 \(PPO epoch 0, "
                                              r"mini-batch 0\); every rank stops before the update$"):
         trainer.step()

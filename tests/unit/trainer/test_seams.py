@@ -9,7 +9,8 @@ from _trainer_args import train_args
 from rlhf_engine import estimators
 from rlhf_engine.cli import parse_args
 from rlhf_engine.errors import ConfigError
-from rlhf_engine.trainer import build_trainer, state
+from rlhf_engine.hooks import TestHooks
+from rlhf_engine.trainer import build_trainer
 from rlhf_engine.trainer.plan import plan_ppo
 
 FLAGS = dict(per_device_generation_batch_size=4, per_device_training_batch_size=2, gradient_accumulation_steps=2,
@@ -85,12 +86,8 @@ def test_skipped_steps_survive_a_resume(tiny, dist_single, tmp_path):
 
     def run(out, resume=None, skip=()):
         extra = {"resume": resume} if resume else {}
-        state.SKIP_ON_RESUME = set(skip)
-        try:
-            trainer = build_trainer(parse_args(train_args(tiny, str(out), **flags, **extra)))
-        finally:
-            state.SKIP_ON_RESUME = set()
-        trainer.inject_nonfinite = inject
+        hooks = TestHooks(nonfinite=inject, skip_on_resume=skip)
+        trainer = build_trainer(parse_args(train_args(tiny, str(out), **flags, **extra)), hooks=hooks)
         return trainer.train()
 
     straight = run(tmp_path / "a")
