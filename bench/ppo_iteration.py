@@ -159,8 +159,8 @@ def build_config(args, v: dict, world: int, models: dict, out_dir: str):
             with open(path, "w") as f:
                 json.dump(over, f)
             getattr(cfg, role).ds_config = path
-    cfg.output_dir = out_dir
-    cfg.overwrite_output_dir = True
+    cfg.run.output_dir = out_dir
+    cfg.run.overwrite_output_dir = True
     cfg.max_steps = args.warmup + args.iterations
     cfg.seed = args.seed
     return cfg

@@ -249,7 +249,7 @@ def _run(argv: list, description: str, config_cls: type, run: Callable[..., Any]
     cfg = None
     try:
         cfg = parse_args(argv, description=description, config_cls=config_cls)
-        signals.install(cfg.preempt_signals)  # the run's own set ('auto' was in place while parsing)
+        signals.install(cfg.run.preempt_signals)  # the run's own set ('auto' was in place while parsing)
         run(cfg, argv, hooks)
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
@@ -262,7 +262,7 @@ def _run(argv: list, description: str, config_cls: type, run: Callable[..., Any]
         from .engine.distributed import describe_collective_failure
         from .rewards.loader import RewardFunctionError
 
-        msg = describe_collective_failure(e, getattr(cfg, "dist_timeout_minutes", None))
+        msg = describe_collective_failure(e, cfg.run.dist_timeout_minutes if cfg is not None else None)
         if isinstance(e, RewardFunctionError):
             from .comm import rank as this_rank
 

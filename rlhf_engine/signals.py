@@ -27,7 +27,7 @@ def _note(signum: int, frame: Any) -> None:
 
 def handled(spec: str = "auto") -> tuple:
     """The signals `spec` names: 'auto' = SIGUSR1, and SIGTERM under SLURM; or a comma-separated list of names
-    (USR1, USR2, TERM, with or without the SIG prefix; config.py validates them)."""
+    (USR1, USR2, TERM, with or without the SIG prefix; config/run.py validates them)."""
     if spec == "auto":
         return (signal.SIGUSR1, signal.SIGTERM) if os.environ.get("SLURM_JOB_ID") else (signal.SIGUSR1,)
     names = [n.strip().upper().removeprefix("SIG") for n in spec.split(",") if n.strip()]

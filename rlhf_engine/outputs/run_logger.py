@@ -79,7 +79,7 @@ class RunLogger:
     """The one metrics facade of a run: metrics.jsonl always, wandb and TensorBoard when asked, a progress bar,
     samples.jsonl, and metrics.png at the end. Every method is a no-op on ranks other than the main one.
 
-        logger = RunLogger(cfg.output_dir, dist.is_main, flat_dict(cfg), wandb_project=cfg.logging.wandb_project, ...)
+        logger = RunLogger(cfg.run.output_dir, dist.is_main, flat_dict(cfg), wandb_project=cfg.logging.wandb_project, ...)
         # or RunLogger.from_config(cfg, dist.is_main, flat_dict(cfg))
         logger.log(record)                                  # record["iteration"]: the step for wandb / TensorBoard
         logger.log_samples(it, prompts, responses, scores)  # samples.jsonl; a wandb table every N iterations
@@ -118,13 +118,13 @@ class RunLogger:
 
     @classmethod
     def from_config(cls, cfg: Any, is_main: bool, config: dict, **kwargs: Any) -> "RunLogger":
-        """From a run config (`cfg.output_dir`, `cfg.logging.*`, `cfg.resume`); `config` is what wandb records (e.g.
+        """From a run config (`cfg.run.output_dir`, `cfg.logging.*`, `cfg.run.resume`); `config` is what wandb records (e.g.
         `config.flat_dict(cfg)`); `kwargs` go to the constructor (`total_iterations` for the progress bar, and the
         supervised runs' plot and bar keys)."""
         lg = cfg.logging
-        return cls(cfg.output_dir, is_main, config, wandb_project=lg.wandb_project, wandb_entity=lg.wandb_entity,
+        return cls(cfg.run.output_dir, is_main, config, wandb_project=lg.wandb_project, wandb_entity=lg.wandb_entity,
                    wandb_run_name=lg.wandb_run_name, wandb_sample_interval=lg.wandb_sample_interval,
-                   tensorboard=lg.tensorboard, resume=bool(cfg.resume), **kwargs)
+                   tensorboard=lg.tensorboard, resume=bool(cfg.run.resume), **kwargs)
 
     # ---- sinks -------------------------------------------------------------------------------------------------
     def _start_wandb(self, project: str, entity: str, name: str, config: dict, resume: bool) -> Any:

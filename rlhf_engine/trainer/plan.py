@@ -123,7 +123,7 @@ def resolve_builtins(cfg: TrainConfig) -> None:
 def start(cfg: Any) -> DistInfo:
     """Validate the config, join the process group, set up logging."""
     cfg.validate()
-    dist = init_distributed(cfg.dist_timeout_minutes)
+    dist = init_distributed(cfg.run.dist_timeout_minutes)
     setup_logging(dist.is_main)
     return dist
 
@@ -256,8 +256,8 @@ def plan_ppo(cfg: TrainConfig, prompt_data: Optional[PromptData] = None) -> RunP
         ptx = load_ptx_data(cfg.unsupervised_dataset_name, tok, g.max_prompt_seq_len + g.max_answer_seq_len,
                             cfg.unsup_text_column, verbose=dist.is_main, data_cache_dir=cfg.data.data_cache_dir)
         check_fits(ptx, cfg.batch.mini_batch_size, dist.world_size)
-    run_dir = RunDir(cfg.output_dir)
-    run_dir.check(resume=bool(cfg.resume), overwrite=cfg.overwrite_output_dir)
+    run_dir = RunDir(cfg.run.output_dir)
+    run_dir.check(resume=bool(cfg.run.resume), overwrite=cfg.run.overwrite_output_dir)
     # --resume: find the checkpoint, and refuse one of another run (naming every differing key), before any weight
     fingerprint = run_fingerprint(cfg, engine.roles, dist.world_size, len(data.train))
     resume_path = resolve_and_check(cfg, dist, fingerprint)
@@ -280,8 +280,8 @@ def plan_supervised(cfg: Any, trainer_cls: type) -> SupervisedPlan:
     total = sampler.batches_per_epoch * t.num_train_epochs
     if t.max_steps:
         total = min(total, t.max_steps)
-    run_dir = RunDir(cfg.output_dir)
-    run_dir.check(resume=bool(cfg.resume), overwrite=cfg.overwrite_output_dir)
+    run_dir = RunDir(cfg.run.output_dir)
+    run_dir.check(resume=bool(cfg.run.resume), overwrite=cfg.run.overwrite_output_dir)
     fingerprint = supervised_fingerprint(cfg, model, dist.world_size, len(data.train))
     resume_path = resolve_and_check(cfg, dist, fingerprint)
     return SupervisedPlan(cfg=cfg, dist=dist, model=model, tokenizer=tokenizer, data=data, sampler=sampler,

@@ -105,7 +105,7 @@ class PPOTrainer:
         ppo = cfg.ppo
         self.kl_ctl = (AdaptiveKLController(ppo.kl_coef, ppo.kl_target, ppo.kl_horizon) if ppo.adaptive_kl
                        else FixedKLController(ppo.kl_coef))
-        self.metrics = metrics or MetricsWriter(cfg.output_dir, enabled=dist.is_main)
+        self.metrics = metrics or MetricsWriter(cfg.run.output_dir, enabled=dist.is_main)
         # What a checkpoint saves besides the engines, per rank (trainer/state.py; "trainer" and "rng" are added
         # there): name -> object with state_dict() / load_state_dict(); "ptx_data" and "reward_normalizer" below.
         self.state_providers = {"data": self._batches, "kl_controller": self.kl_ctl}
@@ -144,8 +144,8 @@ class PPOTrainer:
                                     dist.world_size) if plan.eval_prompts is not None else None)
         self.samples_per_iteration = 4  # prompt / response / score rows logged per iteration (samples.jsonl, wandb)
         self.checkpointer = Checkpointer(
-            engine, providers_of(self), plan.run_dir, plan.fingerprint, save_interval=cfg.save_interval,
-            keep_last=cfg.keep_last, seed=cfg.seed, save_interval_minutes=cfg.save_interval_minutes,
+            engine, providers_of(self), plan.run_dir, plan.fingerprint, save_interval=cfg.run.save_interval,
+            keep_last=cfg.run.keep_last, seed=cfg.seed, save_interval_minutes=cfg.run.save_interval_minutes,
             export_dir=(cfg.export_dir or plan.run_dir.final) if cfg.export_final else None, hooks=self.hooks)
         # Sampling differs per rank, data order does not (the sampler depends on seed and epoch only).
         torch.manual_seed(cfg.seed + dist.rank)
@@ -153,7 +153,7 @@ class PPOTrainer:
             log.info(cfg.batch.describe(dist.world_size) + f"; {self.sampler.dropped_per_epoch} prompts per epoch "
                      "dropped (short last global batch)")
         if plan.resume_path:  # last: the random generators are restored right before training continues
-            self.checkpointer.load(plan.resume_path, force=cfg.resume_force)
+            self.checkpointer.load(plan.resume_path, force=cfg.run.resume_force)
 
     # ---- phases ----------------------------------------------------------------------------------------------
     def rollout_phase(self):
@@ -330,7 +330,7 @@ class PPOTrainer:
 
         metrics, samples = self.evaluator.run(self.engine, self.reward_fn)
         if self.engine.dist.is_main:
-            write_eval_samples(self.cfg.output_dir, self.iteration, samples)
+            write_eval_samples(self.cfg.run.output_dir, self.iteration, samples)
         return metrics
 
     def train(self) -> list[dict]:

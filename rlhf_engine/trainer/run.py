@@ -45,7 +45,7 @@ def prepare_run_dir(plan: RunPlan | SupervisedPlan, argv: Optional[list]) -> Non
     resolved config and the (redacted) command line written; after a resume, the records logged after the checkpoint
     are moved aside. Shared by the PPO, SFT and reward-model recipes."""
     cfg, dist = plan.cfg, plan.dist
-    plan.run_dir.prepare(resume=bool(cfg.resume), overwrite=cfg.overwrite_output_dir, is_main=dist.is_main)
+    plan.run_dir.prepare(resume=bool(cfg.run.resume), overwrite=cfg.run.overwrite_output_dir, is_main=dist.is_main)
     barrier()
     if dist.is_main:
         plan.run_dir.write_run_files(flat_dict(cfg), list(argv or []))
@@ -58,7 +58,7 @@ def prepare_run_dir(plan: RunPlan | SupervisedPlan, argv: Optional[list]) -> Non
 def warn_unsaved_slurm_run(cfg: Any) -> None:
     """A SLURM job (preemptible, time-limited) whose only checkpoint is the last one loses everything to a kill that
     comes without a signal: say so once at start."""
-    if os.environ.get("SLURM_JOB_ID") and not cfg.save_interval and not cfg.save_interval_minutes:
+    if os.environ.get("SLURM_JOB_ID") and not cfg.run.save_interval and not cfg.run.save_interval_minutes:
         log.warning("running under SLURM (job %s) with neither save_interval nor save_interval_minutes set: a "
                     "preemption signal still saves, but a kill without one (node failure, scancel -9) loses the "
                     "whole run; set --save_interval_minutes 30 (or --save_interval N)", os.environ["SLURM_JOB_ID"])

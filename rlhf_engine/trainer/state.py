@@ -348,17 +348,17 @@ class Checkpointer:
 
 # ---- resume at build time ----------------------------------------------------------------------------------------
 def resolve_and_check(cfg: Any, dist: Any, fingerprint: dict) -> Optional[str]:
-    """Before any weight is loaded: find the checkpoint `cfg.resume` names (rank 0 decides, every rank follows) and
+    """Before any weight is loaded: find the checkpoint `cfg.run.resume` names (rank 0 decides, every rank follows) and
     compare its run fingerprint with this run's, `fingerprint` (`run_fingerprint` / `supervised_fingerprint`; a
-    `ConfigError` naming every differing key unless `cfg.resume_force`). Returns the checkpoint path or None."""
-    path, why = ckpt.resolve_resume(cfg.resume, cfg.output_dir) if cfg.resume else (None, "")
+    `ConfigError` naming every differing key unless `cfg.run.resume_force`). Returns the checkpoint path or None."""
+    path, why = ckpt.resolve_resume(cfg.run.resume, cfg.run.output_dir) if cfg.run.resume else (None, "")
     path = broadcast_object(path)  # one decision, whatever each rank's view of the disk
-    if cfg.resume and dist.is_main:
+    if cfg.run.resume and dist.is_main:
         log.info(why)
     if path:
         meta = ckpt.read_marker(path) or {}
-        ckpt.check_fingerprint(meta.get("fingerprint", {}), fingerprint, path, force=bool(cfg.resume_force))
-        _check_state_files(path, dist, force=bool(cfg.resume_force))
+        ckpt.check_fingerprint(meta.get("fingerprint", {}), fingerprint, path, force=bool(cfg.run.resume_force))
+        _check_state_files(path, dist, force=bool(cfg.run.resume_force))
     return path
 
 
@@ -386,9 +386,9 @@ def after_resume_cleanup(cfg: Any, dist: Any, path: Optional[str]) -> None:
     """Rank 0, once the run directory is prepared: metrics/samples logged after the checkpoint are moved aside
     (they are logged again), and later checkpoints of the abandoned timeline too (so `--resume auto` never goes
     back to them)."""
-    if not cfg.resume or not dist.is_main:
+    if not cfg.run.resume or not dist.is_main:
         return
     it = int((ckpt.read_marker(path) or {}).get("iteration", 0)) if path else 0
-    ckpt.trim_after_resume(cfg.output_dir, it)
-    if path and os.path.realpath(os.path.dirname(path)) == os.path.realpath(ckpt.checkpoints_root(cfg.output_dir)):
+    ckpt.trim_after_resume(cfg.run.output_dir, it)
+    if path and os.path.realpath(os.path.dirname(path)) == os.path.realpath(ckpt.checkpoints_root(cfg.run.output_dir)):
         ckpt.abandon_newer(os.path.dirname(path), it)

@@ -91,11 +91,11 @@ class SupervisedTrainer:
         self.hooks = (hooks or TestHooks()).attach(self.dist.rank, lambda: self.iteration)  # TEST HOOKS: all off
         if plan is not None:
             self.checkpointer = Checkpointer(OneEngine(engine, self.dist), providers_of(self), plan.run_dir,
-                                             plan.fingerprint, save_interval=self.cfg.save_interval,
-                                             keep_last=self.cfg.keep_last, seed=self.cfg.seed,
-                                             save_interval_minutes=self.cfg.save_interval_minutes, hooks=self.hooks)
+                                             plan.fingerprint, save_interval=self.cfg.run.save_interval,
+                                             keep_last=self.cfg.run.keep_last, seed=self.cfg.seed,
+                                             save_interval_minutes=self.cfg.run.save_interval_minutes, hooks=self.hooks)
             if plan.resume_path:  # last: the random generators are restored right before training continues
-                self.checkpointer.load(plan.resume_path, force=self.cfg.resume_force)
+                self.checkpointer.load(plan.resume_path, force=self.cfg.run.resume_force)
                 if self.dist.is_main:
                     log.info("resumed from %s at step %d of %d", plan.resume_path, self.iteration, self.total_steps)
 

@@ -36,7 +36,7 @@ def test_every_shipped_example_validates_without_the_models(path):
     values = yaml.safe_load(open(path))
     cfg = parse_args(["--config", path])
     assert cfg.actor.model_name_or_path == values["actor_model_name_or_path"]
-    assert cfg.max_steps == values["max_steps"] and cfg.output_dir == values["output_dir"]
+    assert cfg.max_steps == values["max_steps"] and cfg.run.output_dir == values["output_dir"]
 
 
 def _misspell(key: str) -> str:

@@ -165,10 +165,10 @@ def run_one(spec: dict) -> dict | None:
         for role in roles:
             change[role] = max(float((after[role][k].float() - before[role][k].float()).abs().max())
                                for k in before[role] if before[role][k].numel())
-            torch.save(after[role], os.path.join(cfg.output_dir, f"final_{role}.pt"))
+            torch.save(after[role], os.path.join(cfg.run.output_dir, f"final_{role}.pt"))
         result = {
             "name": spec["name"],
-            "output_dir": cfg.output_dir,
+            "output_dir": cfg.run.output_dir,
             "world_size": engine.dist.world_size,
             "engines": sorted(engine.engines),
             "records": records,

@@ -130,7 +130,7 @@ def run_one(spec: dict) -> dict | None:
     mine = {"rank": engine.dist.rank, "world_size": engine.dist.world_size, "local_rank": engine.dist.local_rank,
             "MASTER_ADDR": os.environ.get("MASTER_ADDR"), "MASTER_PORT": os.environ.get("MASTER_PORT")}
     per_rank = gather(mine)
-    result = {"name": spec["name"], "output_dir": cfg.output_dir, "start_iteration": start, "stopped": stopped,
+    result = {"name": spec["name"], "output_dir": cfg.run.output_dir, "start_iteration": start, "stopped": stopped,
               "resumed_from": trainer.checkpointer.resumed_from, "records": records, "dist": per_rank}
     final = {role: engine.full_state_dict(role) for role in ("actor", "critic", "ema") if role in engine.engines}
     if "reference" in checks:
@@ -142,11 +142,11 @@ def run_one(spec: dict) -> dict | None:
             result["hash"] = {"reference": state_hash(ref), "initial_actor": state_hash(init.state_dict()),
                               "actor": state_hash(final["actor"])}
     if "export" in checks:
-        out_dir = cfg.export_dir or os.path.join(cfg.output_dir, "final")
+        out_dir = cfg.export_dir or os.path.join(cfg.run.output_dir, "final")
         result["export"] = export_check(engine, out_dir, trainer.last_experience.rollout)
     if engine.dist.is_main:
         for role, sd in final.items():
-            torch.save(sd, os.path.join(cfg.output_dir, f"final_{role}.pt"))
+            torch.save(sd, os.path.join(cfg.run.output_dir, f"final_{role}.pt"))
     del trainer, engine, final
     gc.collect()
     return result if torch.distributed.get_rank() == 0 else None

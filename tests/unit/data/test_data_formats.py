@@ -292,18 +292,18 @@ def test_config_fields_and_flags(tmp_path):
                       "--tensorboard", "--overwrite_output_dir"])
     assert cfg.data == DataConfig("a.jsonl:0.7,b.jsonl:0.3", "prompt", "Q: {prompt}", True, 0.1, "skip", "skip", 7)
     assert cfg.data_path == cfg.data.data_path and cfg.logging.wandb_project == "p" and cfg.logging.tensorboard
-    assert cfg.overwrite_output_dir is True and cfg.resume == ""
+    assert cfg.run.overwrite_output_dir is True and cfg.run.resume == ""
     flat = flat_dict(cfg)
     assert flat["data_path"] == "a.jsonl:0.7,b.jsonl:0.3" and flat["wandb_sample_interval"] == 10
     yaml_file = tmp_path / "c.yaml"
     yaml_file.write_text("actor_model_name_or_path: m\ndata_path: [a.jsonl:0.5, b.jsonl:0.5]\nresume: auto\n")
     cfg = parse_args(["--config", str(yaml_file)])
-    assert cfg.data_path == ["a.jsonl:0.5", "b.jsonl:0.5"] and cfg.resume == "auto"
+    assert cfg.data_path == ["a.jsonl:0.5", "b.jsonl:0.5"] and cfg.run.resume == "auto"
     bad = TrainConfig()
     bad.actor.model_name_or_path = "m"
     bad.data = DataConfig(data_path="a:0.5,b", eval_split=1.0, long_prompt_policy="cut", bad_row_policy="ignore")
     bad.logging.wandb_sample_interval = 0
-    bad.resume, bad.overwrite_output_dir = "auto", True
+    bad.run.resume, bad.run.overwrite_output_dir = "auto", True
     with pytest.raises(ConfigError) as e:
         bad.validate()
     assert {p.field for p in e.value.problems} == {"data_path", "eval_split", "long_prompt_policy", "bad_row_policy",

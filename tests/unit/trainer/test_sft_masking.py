@@ -240,10 +240,10 @@ def test_sft_and_reward_flags_are_flat_and_validated():
                      config_cls=SFTConfig)
     assert (cfg.model.model_name_or_path, cfg.model.learning_rate, cfg.model.zero_stage) == ("m", 3e-4, 3)
     assert (cfg.train.num_train_epochs, cfg.train.max_answer_seq_len, cfg.response_column) == (2, 64, "answer")
-    assert cfg.data.prompt_template == TEMPLATE and cfg.model.dtype == "auto" and cfg.output_dir == "runs/sft"
+    assert cfg.data.prompt_template == TEMPLATE and cfg.model.dtype == "auto" and cfg.run.output_dir == "runs/sft"
     rm = parse_args(["--model_name_or_path", "m", "--data_path", "d.jsonl", "--margin", "0.5"],
                     config_cls=RewardTrainConfig)
-    assert rm.margin == 0.5 and rm.chosen_column == "chosen" and rm.output_dir == "runs/reward"
+    assert rm.margin == 0.5 and rm.chosen_column == "chosen" and rm.run.output_dir == "runs/reward"
     with pytest.raises(SystemExit):  # the critic-only field is no flag here, nor are PPO's
         parse_args(["--model_name_or_path", "m", "--data_path", "d", "--init_from", "actor"], config_cls=SFTConfig)
     with pytest.raises(ConfigError) as info:

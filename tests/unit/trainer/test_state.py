@@ -111,7 +111,7 @@ def test_supervised_fingerprint_keys(tiny, tmp_path):
 
 def test_checkpoint_config_fields(tiny, tmp_path):
     cfg = parse_args(train_args(tiny, str(tmp_path)))
-    assert (cfg.save_interval, cfg.keep_last, cfg.resume_force, cfg.export_final, cfg.export_dir) == (0, 2, False,
+    assert (cfg.run.save_interval, cfg.run.keep_last, cfg.run.resume_force, cfg.export_final, cfg.export_dir) == (0, 2, False,
                                                                                                    True, "")
     with pytest.raises(ConfigError) as e:
         parse_args(train_args(tiny, str(tmp_path), save_interval=-1, keep_last=-2))

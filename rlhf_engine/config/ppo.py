@@ -1,0 +1,172 @@
+"""PPO's hyperparameters and each estimator family's defaults."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Optional
+
+from ..errors import Problems
+from .fields import check_choice, check_positive, is_number, opt
+
+
+# What users of the peers expect of each estimator family, applied to the fields a run did not set (command line
+# or config file: explicit flags always win); logged at start-up and tabled in docs/estimators.md. Group estimators
+# put the KL in the loss (verl's GRPO recipe: kl_loss_coef 0.001 with the low-variance k3 estimator), not in the
+# reward (a response's return would carry its KL, and in a group of equal scores the KL differences alone become
+# the advantages); Dr. GRPO also divides each response's token sum by the fixed maximum length (its paper's fix of the
+# length bias). GAE and REINFORCE++ keep the KL penalty in the reward, as InstructGPT and OpenRLHF do.
+GROUP_KL_IN_LOSS = {"kl_coef": 0.0, "kl_loss_coef": 0.001, "kl_loss_estimator": "k3"}
+ESTIMATOR_DEFAULTS = {
+    "gae": {},
+    "reinforce_pp": {},
+    "grpo": GROUP_KL_IN_LOSS,
+    "rloo": GROUP_KL_IN_LOSS,
+    "reinforce_pp_baseline": GROUP_KL_IN_LOSS,
+    "dr_grpo": {**GROUP_KL_IN_LOSS, "loss_agg_mode": "seq_mean_token_sum_norm"},
+}
+
+
+def apply_estimator_defaults(cfg: Any, explicit: set) -> dict:
+    """Set the estimator family's defaults (`ESTIMATOR_DEFAULTS`) on the PPO fields of `cfg` (a TrainConfig) that
+    are not in `explicit` (the flat keys a run gave); returns what was set."""
+    applied = {}
+    for key, value in ESTIMATOR_DEFAULTS.get(cfg.ppo.advantage_estimator, {}).items():
+        if key not in explicit:
+            setattr(cfg.ppo, key, value)
+            applied[key] = value
+    return applied
+
+
+@dataclass
+class PPOConfig:
+    """PPO hyperparameters (the values DeepSpeed-Chat hard-codes are fields here)."""
+
+    ppo_epochs: int = opt(1, "Passes over each rollout buffer per iteration.")
+    kl_coef: float = opt(0.1, "Initial coefficient beta of the per-token KL penalty -beta*KL(actor||reference).")
+    kl_estimator: str = opt("k1", "Per-token KL estimator in the reward: k1 = log r, k2 = (log r)^2/2, k3 = r-1-log r "
+                            "(r = p_ref/p_actor for k3). k1 matches InstructGPT / DeepSpeed-Chat.")
+    adaptive_kl: bool = opt(False, "Adapt kl_coef towards kl_target (Ziegler et al. 2019) instead of keeping it fixed.")
+    kl_target: float = opt(6.0, "Target per-sequence KL for the adaptive controller (nats).")
+    kl_horizon: int = opt(10000, "Horizon (in samples) of the adaptive KL controller.")
+    clip_eps: float = opt(0.2, "PPO ratio clip range epsilon: the ratio is clipped to [1-eps, 1+eps].")
+    dual_clip: Optional[float] = opt(None, "Dual-clip constant c > 1 (Ye et al. 2020) bounding the loss for negative "
+                                     "advantages; None disables it.")
+    value_clip: float = opt(0.2, "Critic value clip range: new values are clipped to old +- value_clip.")
+    gamma: float = opt(1.0, "Discount factor of GAE.")
+    lam: float = opt(0.95, "GAE lambda.")
+    reward_clip: float = opt(5.0, "Scores are clamped to [-reward_clip, reward_clip] before they enter the reward.")
+    advantage_estimator: str = opt("gae", "How advantages are estimated (rlhf_engine/estimators.py, a registry of pure "
+                                   "functions): gae = GAE over the critic's values; critic-free (no critic is "
+                                   "built): grpo = (return - group mean) / (group std + 1e-6), dr_grpo = return - "
+                                   "group mean, rloo = return - mean of the group's other responses, "
+                                   "reinforce_pp_baseline = return - group mean, then token-level whitening over the "
+                                   "batch (these four need n_samples_per_prompt >= 2; a response's return = shaped "
+                                   "score - kl_coef x its summed KL); reinforce_pp = discounted per-token returns, "
+                                   "token-level whitening.")
+    kl_loss_coef: float = opt(0.0, "Weight of a KL(actor || reference) term in the actor loss (0 = off), aggregated "
+                              "like the policy loss; usable with any estimator and alongside kl_coef (the KL "
+                              "penalty in the reward). Logged policy/kl_loss.")
+    kl_loss_estimator: str = opt("k2", "Per-token estimator of the KL loss, with d = log pi - log pi_ref: k1 = d "
+                                 "(gradient: grad log pi, zero in expectation), k2 = d^2/2 (gradient: d grad log pi, "
+                                 "the reverse-KL gradient), k3 = exp(-d) - 1 + d (an unbiased KL value, but its "
+                                 "gradient (1 - exp(-d)) grad log pi is not the reverse-KL gradient).")
+    loss_agg_mode: str = opt("token_mean", "How the policy loss's per-token terms are aggregated over the mini-batch "
+                             "on all ranks: token_mean = sum / tokens; seq_mean_token_mean = mean over responses of "
+                             "each response's token mean; seq_mean_token_sum_norm = mean over responses of each "
+                             "response's token sum / max_answer_seq_len (Dr. GRPO).")
+    policy_loss: str = opt("ppo_clip", "The actor's policy loss (rlhf_engine/policy_losses.py, a registry): ppo_clip = "
+                           "PPO's clipped surrogate (dual_clip, clip_eps_high); gspo = GSPO, the length-normalised "
+                           "sequence ratio clipped per response (its paper uses loss_agg_mode seq_mean_token_mean "
+                           "and clip_eps ~3e-4); cispo = CISPO, -A x sg(clip(ratio)) x log pi, a clipped token "
+                           "keeps its gradient. docs/estimators.md has the formulas.")
+    clip_eps_high: Optional[float] = opt(None, "Upper clip bound of the ratio (DAPO's clip-higher): the ratio is "
+                                         "clipped to [1 - clip_eps, 1 + clip_eps_high]; None = clip_eps.")
+    filter_uniform_groups: bool = opt(False, "With a group estimator: a group whose responses' shaped scores are all "
+                                      "equal (all right, all wrong) carries no signal; its responses leave the policy "
+                                      "loss (weight 0, out of the token count; never dropped). Logged "
+                                      "rollout/uniform_group_rate.")
+    overlong_buffer_len: int = opt(0, "DAPO's soft overlong penalty: a response longer than max_answer_seq_len - L "
+                                   "gets a linear penalty reaching -overlong_penalty_factor at the limit, added to "
+                                   "its shaped score before missing_eos_penalty (0 = off).")
+    overlong_penalty_factor: float = opt(1.0, "The penalty of overlong_buffer_len at max_answer_seq_len.")
+    rollout_correction: str = opt("none", "Importance correction for a generation backend that does not sample exactly "
+                                  "from the actor (see rollout/logprob_diff_*), TRL's modes, with rho = pi_old / "
+                                  "pi_rollout per token or per response (product over its tokens) and C = "
+                                  "rollout_correction_cap: token_truncate = each token's advantage weighted by "
+                                  "min(rho_t, C); token_mask = weighted by rho_t, tokens with rho_t > C leave the "
+                                  "policy loss; sequence_truncate = every token weighted by min(rho, C); "
+                                  "sequence_mask = weighted by rho, responses with rho > C leave the policy loss (the "
+                                  "critic still trains on them); none. (tis and mis were renamed token_truncate and "
+                                  "sequence_mask.)")
+    rollout_correction_cap: float = opt(2.0, "The cap C of rollout_correction (> 1).")
+    whiten_advantages: Optional[bool] = opt(None, "Whiten GAE advantages (global masked mean/std across ranks) before "
+                                            "the update; None = on with gae. Only for gae (the other estimators "
+                                            "normalize themselves): set with another one, it is an error.")
+    entropy_coef: float = opt(0.0, "Entropy bonus coefficient on the actor loss (0 = off).")
+    critic_warmup_iterations: int = opt(0, "Critic warm-up: the first N iterations train only the critic (the actor "
+                                        "and its ptx term take no step; rollouts and experience as usual); 0 = off.")
+    normalize_reward: bool = opt(False, "Normalize scores by running statistics of every score seen so far (all "
+                                 "ranks; updated with each iteration's scores first; saved in checkpoints): "
+                                 "(score - mean) / (std + 1e-8), before missing_eos_penalty and reward_clip.")
+    missing_eos_penalty: float = opt(0.0, "Subtracted from the score of every response that did not end with a stop "
+                                     "token (cut at max_answer_seq_len), after normalize_reward and before the "
+                                     "reward_clip clamp, in those score units; >= 0, 0 = off (TRL's flag).")
+    max_consecutive_skips: int = opt(20, "Stop the run (exit code 3) after this many updates in a row were skipped "
+                                     "because a gradient of the actor or critic was non-finite on some rank "
+                                     "(fp16 overflow, inf/NaN; both engines always skip together). fp16's loss-scale "
+                                     "calibration skips a few updates at the start. 0 = never stop.")
+
+    def validate(self, p: Problems, prefix: str = "") -> None:
+        check_positive(p, prefix, self, "ppo_epochs", "kl_horizon")
+        check_positive(p, prefix, self, "missing_eos_penalty", allow_zero=True)
+        for n in ("critic_warmup_iterations", "max_consecutive_skips"):
+            v = getattr(self, n)
+            if not isinstance(v, int) or isinstance(v, bool) or v < 0:
+                p.add(prefix + n, v, "must be a whole number >= 0")
+        if not isinstance(self.normalize_reward, bool):
+            p.add(prefix + "normalize_reward", self.normalize_reward, "must be true or false")
+        check_positive(p, prefix, self, "kl_coef", "kl_target", "clip_eps", "value_clip", "reward_clip", "entropy_coef",
+                  allow_zero=True)
+        from ..estimators import ESTIMATORS
+        from ..ppo_math import KL_ESTIMATORS, LOSS_AGG_MODES, RENAMED_CORRECTIONS, ROLLOUT_CORRECTIONS
+
+        if self.rollout_correction in RENAMED_CORRECTIONS:
+            p.add(prefix + "rollout_correction", self.rollout_correction, f"was renamed: use "
+                  f"{RENAMED_CORRECTIONS[self.rollout_correction]} (docs/sampling.md: the four modes)")
+        else:
+            check_choice(p, prefix, self, "rollout_correction", ROLLOUT_CORRECTIONS)
+        from ..policy_losses import POLICY_LOSSES
+
+        check_choice(p, prefix, self, "policy_loss", tuple(POLICY_LOSSES))
+        if self.dual_clip is not None and self.policy_loss != "ppo_clip":
+            p.add(prefix + "dual_clip", self.dual_clip, f"is a ppo_clip setting; policy_loss {self.policy_loss} has "
+                  "no dual clip: drop it")
+        check_choice(p, prefix, self, "kl_loss_estimator", KL_ESTIMATORS)
+        check_choice(p, prefix, self, "loss_agg_mode", LOSS_AGG_MODES)
+        check_positive(p, prefix, self, "kl_loss_coef", "overlong_buffer_len", "overlong_penalty_factor", allow_zero=True)
+        if self.clip_eps_high is not None and not (is_number(self.clip_eps_high) and self.clip_eps_high >= 0):
+            p.add(prefix + "clip_eps_high", self.clip_eps_high, "must be >= 0 (or None for clip_eps)")
+        if self.advantage_estimator != "gae" and self.whiten_advantages is not None:
+            p.add(prefix + "whiten_advantages", self.whiten_advantages, f"applies to gae only; "
+                  f"{self.advantage_estimator} normalizes its own advantages: drop it")
+        if not (is_number(self.rollout_correction_cap) and self.rollout_correction_cap > 1.0):
+            p.add(prefix + "rollout_correction_cap", self.rollout_correction_cap, "must be > 1")
+        check_choice(p, prefix, self, "kl_estimator", KL_ESTIMATORS)
+        check_choice(p, prefix, self, "advantage_estimator", tuple(ESTIMATORS))
+        for n in ("gamma", "lam"):
+            v = getattr(self, n)
+            if not is_number(v) or not 0.0 <= v <= 1.0:
+                p.add(prefix + n, v, "must lie in [0, 1]")
+        if self.dual_clip is not None and not (is_number(self.dual_clip) and self.dual_clip > 1.0):
+            p.add(prefix + "dual_clip", self.dual_clip, "must be > 1 (or None to disable dual clipping)")
+        if self.adaptive_kl is True and is_number(self.kl_target) and self.kl_target <= 0:
+            p.add(prefix + "kl_target", self.kl_target, "must be > 0 with adaptive_kl (the controller divides by it)")
+
+
+    @property
+    def whitens(self) -> bool:
+        """Whether GAE advantages are whitened (whiten_advantages; None = on for gae)."""
+        return self.advantage_estimator == "gae" and self.whiten_advantages is not False
+
+    @property
+    def upper_clip(self) -> float:
+        return self.clip_eps if self.clip_eps_high is None else self.clip_eps_high

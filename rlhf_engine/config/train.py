@@ -1,0 +1,300 @@
+"""A PPO run: its sections, the run-level PPO fields, and the checks that span sections."""
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+from typing import Any, Optional
+
+from ..errors import Problems
+from .data import DataConfig
+from .engine import EngineConfig
+from .env import EnvConfig
+from .fields import DTYPES, ROLES, TRAINED_ROLES, check_choice, check_positive, is_number, opt
+from .generation import BatchConfig, GenerationConfig
+from .ppo import PPOConfig
+from .role import RoleConfig
+from .run import LoggingConfig, RunConfig
+
+
+@dataclass
+class TrainConfig:
+    """Everything one PPO run needs."""
+
+    actor: RoleConfig = opt(None, "Actor (the policy being trained).")
+    critic: RoleConfig = opt(None, "Critic (value model).")
+    reference: RoleConfig = opt(None, "Reference (frozen initial actor for the KL penalty).")
+    reward: RoleConfig = opt(None, "Reward model (frozen).")
+    ppo: PPOConfig = opt(None, "PPO hyperparameters.")
+    generation: GenerationConfig = opt(None, "Rollout sampling.")
+    batch: BatchConfig = opt(None, "Batch arithmetic.")
+    data: DataConfig = opt(None, "Prompt data.")
+    logging: LoggingConfig = opt(None, "Metrics sinks besides metrics.jsonl.")
+    engine: EngineConfig = opt(None, "How the engines are built: LoRA reference, EMA, ZeRO-3 generation, backend, "
+                               "packing.")
+    env: EnvConfig = opt(None, "Multi-turn environments.")
+    run: RunConfig = opt(None, "Run directory, checkpoints and resume, timeouts, preemption signals.")
+    max_steps: int = opt(10, "PPO iterations to run (one iteration = rollouts + ppo_epochs of updates).")
+    num_train_epochs: int = opt(0, "Passes over the prompt data: the run stops after min(max_steps, "
+                                "floor(num_train_epochs x batches_per_epoch / generation_batches)) iterations, "
+                                "batches_per_epoch = floor(prompts / (per_device_generation_batch_size x world size)) "
+                                "(0 = max_steps only). Raise max_steps to let the epochs decide.")
+    seed: int = opt(1234, "Seed: data order depends on it; sampling uses seed + rank.")
+    eval_interval: int = opt(0, "Evaluate (greedy generation on held-out prompts: eval/score, eval/eos_rate, "
+                             "eval/response_length) before iteration 0, every N iterations, and after the last (0 = off).")
+    eval_data_path: str = opt("", "Held-out prompts for evaluation (.jsonl etc.); '' = the eval_split of data_path.")
+    reward_fn: str = opt("", "'module:function' scoring (prompts, responses) as text, one float each; replaces the "
+                         "reward model (no reward engine is built) and the critic then starts from the actor.")
+    reward_url: str = opt("", "A reward server instead of a reward model or function: each rank POSTs its batch as "
+                          "JSON {prompts, responses, columns} and reads {scores} back (docs/rewards.md; reference "
+                          "server: python -m rlhf_engine.rewards.serve). No reward engine is built.")
+    reward_timeout_s: float = opt(60.0, "Seconds one reward_url request, or one reward_workers call, may take: a "
+                                  "request is then retried, a worker call fails (reward_on_error).")
+    reward_retries: int = opt(3, "reward_url: further attempts after a connection error, a timeout or a 5xx answer "
+                              "(exponential backoff from 0.5 s); then the run stops naming the URL and the last "
+                              "status.")
+    reward_workers: int = opt(0, "Run reward_fn in N worker processes, one call per response, each limited to "
+                              "reward_timeout_s (0 = in the trainer's process, one call per batch, no timeout). For "
+                              "verifiers that run code: a hung or crashed call is contained.")
+    reward_on_error: str = opt("stop", "reward_workers: what a call that raised, timed out or crashed its process "
+                               "scores: 'stop' (the run stops naming the row; the default, so a broken verifier "
+                               "is not mistaken for wrong answers) or a number (e.g. 0).")
+    unsupervised_dataset_name: str = opt("", "PPO-ptx (InstructGPT): unsupervised text whose language-modelling loss "
+                                         "is added to the actor loss: a local .txt file (one document per line), a "
+                                         ".jsonl/.json/.parquet/.csv file with the column unsup_text_column, or a hub "
+                                         "dataset name; '' = ptx off. Documents are cut to max_prompt_seq_len + "
+                                         "max_answer_seq_len tokens.")
+    unsup_text_column: str = opt("text", "Column holding the documents of a table-format unsupervised_dataset_name.")
+    unsup_coef: float = opt(27.8, "ptx weight gamma: actor loss = policy loss + gamma x ptx loss, where the ptx loss "
+                            "is the mean negative log-likelihood per token (nats/token) of the mini-batch's "
+                            "unsupervised tokens on all ranks, as the policy loss is a per-token mean. 27.8 = "
+                            "InstructGPT's and DeepSpeed-Chat's value. Used only with unsupervised_dataset_name.")
+    dtype: str = opt("auto", "Default dtype of every role: auto (bf16 on GPUs that support it, fp16 on other GPUs, "
+                     "fp32 on CPU; resolved at start-up, logged, and stored in the checkpoints' fingerprint), fp32, "
+                     "bf16 or fp16.")
+    export_final: bool = opt(True, "At the end, export the actor and critic (and the EMA) as Hugging Face folders "
+                             "(ZeRO-3 consolidated, LoRA merged, tokenizer saved) to export_dir.")
+    export_dir: str = opt("", "Where export_final writes <role>/ folders ('' = <output_dir>/final).")
+    def __post_init__(self) -> None:
+        for name, cls in (("actor", RoleConfig), ("critic", RoleConfig), ("reference", RoleConfig),
+                          ("reward", RoleConfig), ("ppo", PPOConfig), ("generation", GenerationConfig),
+                          ("batch", BatchConfig), ("data", DataConfig), ("logging", LoggingConfig),
+                          ("engine", EngineConfig), ("env", EnvConfig), ("run", RunConfig)):
+            if getattr(self, name) is None:
+                setattr(self, name, cls())
+
+    @property
+    def has_critic(self) -> bool:
+        """Whether the advantage estimator needs a critic (rlhf_engine/estimators.py)."""
+        from ..estimators import ESTIMATORS
+
+        est = ESTIMATORS.get(self.ppo.advantage_estimator)
+        return est is None or est.needs_critic  # an unknown name is reported by validate()
+
+    @property
+    def scored_without_model(self) -> bool:
+        """A reward function, a reward server or an environment scores the rollouts: no reward engine is built."""
+        return bool(self.reward_fn or self.reward_url or self.env.on)
+
+    @property
+    def response_budget(self) -> int:
+        """The most tokens after the prompt: max_answer_seq_len, or an episode's budget with an environment."""
+        g = self.generation
+        return self.env.episode_tokens(g.max_answer_seq_len) if self.env.on else g.max_answer_seq_len
+
+    @property
+    def reward_on_error_score(self) -> Optional[float]:
+        """reward_on_error as a score, None for 'stop'."""
+        return None if self.reward_on_error == "stop" else float(self.reward_on_error)
+
+    @property
+    def active_roles(self) -> tuple:
+        """The roles the run has (each gets an engine, except a reference that is the actor's disabled adapter): no
+        reward model when a reward function scores the rollouts, no critic when the estimator needs none. The one
+        definition of the run's roles."""
+        return tuple(r for r in ROLES if not (r == "reward" and self.scored_without_model)
+                     and not (r == "critic" and not self.has_critic))
+
+    @property
+    def trained_roles(self) -> tuple:
+        """The roles of this run that train (have an optimizer), in step order."""
+        return tuple(r for r in TRAINED_ROLES if r in self.active_roles)
+
+    def validate(self) -> "TrainConfig":
+        """Raise one `ConfigError` listing every problem; return self when valid."""
+        p = Problems()
+        for role in ROLES:
+            getattr(self, role).validate(p, prefix=f"{role}_")
+        for role in ("reference", "reward"):
+            if getattr(self, role).zero_stage in (1, 2):
+                p.add(f"{role}_zero_stage", getattr(self, role).zero_stage,
+                      "eval-only engines must use ZeRO stage 0 or 3 (DeepSpeed needs an optimizer for 1/2)")
+        if not self.actor.model_name_or_path:
+            p.add("actor_model_name_or_path", "", "give a local model folder or hub id")
+        for role in ("actor", "critic"):  # trained roles default to stage 0, which cannot offload parameters
+            if getattr(self, role).offload_params is True and getattr(self, role).zero_stage is None:
+                p.add(f"{role}_offload_params", True, f"parameter offload needs ZeRO stage 3 and {role}_zero_stage "
+                      f"defaults to 0: set {role}_zero_stage 3 (or drop {role}_offload_params)")
+        if self.critic.init_from not in ("", "reward", "actor"):
+            p.add("critic_init_from", self.critic.init_from, "must be 'reward' or 'actor'")
+        self._validate_engine_settings(p)
+        self.ppo.validate(p)
+        self.generation.validate(p)
+        self.batch.validate(p)
+        self.data.validate(p)
+        self.logging.validate(p)
+        self.env.validate(p)
+        self._validate_environment(p)
+        self.run.validate(p)
+        check_choice(p, "", self, "dtype", DTYPES)
+        check_positive(p, "", self, "max_steps")
+        check_positive(p, "", self, "eval_interval", allow_zero=True)
+        self._validate_trainer_extensions(p)
+        self._validate_estimator(p)
+        if self.eval_interval and not self.eval_data_path and not self.data.eval_split:
+            p.add("eval_interval", self.eval_interval, "needs held-out prompts: set eval_data_path or eval_split")
+        p.raise_if_any()
+        return self
+
+    def _validate_environment(self, p: Problems) -> None:
+        """An environment scores its episodes itself; what shapes or cuts a single response does not apply."""
+        if not self.env.on:
+            return
+        for name in ("reward_fn", "reward_url"):
+            if getattr(self, name):
+                p.add(name, getattr(self, name), f"and environment ({self.env.environment!r}) both score the "
+                      "rollouts: the environment's step rewards are the episode's rewards; drop one")
+        ppo, g = self.ppo, self.generation
+        for name, off in (("normalize_reward", False), ("missing_eos_penalty", 0.0), ("overlong_buffer_len", 0)):
+            if getattr(ppo, name) != off:
+                p.add(name, getattr(ppo, name), "shapes a single response's score; with an environment the step "
+                      "rewards are used as they are (shape them in the environment)")
+        if is_number(g.min_answer_seq_len) and g.min_answer_seq_len > 0:
+            p.add("min_answer_seq_len", g.min_answer_seq_len, "counts from the response's start, which an episode's "
+                  "later turns do not share: not supported with an environment")
+        if self.engine.generation_backend == "hybrid":
+            p.add("generation_backend", "hybrid", "sizes its inference cache for max_prompt_seq_len + "
+                  "max_answer_seq_len, which an episode's later turns outgrow: use lean or hf with an environment")
+        if is_number(self.eval_interval) and self.eval_interval > 0:
+            p.add("eval_interval", self.eval_interval, "evaluates single responses with a reward model or function; "
+                  "evaluation by playing episodes is not built yet: set it to 0 with an environment")
+
+    def _validate_estimator(self, p: Problems) -> None:
+        """Group sizes, and no critic setting in a run without a critic (it would be silently ignored)."""
+        from ..estimators import ESTIMATORS, GROUP_ESTIMATORS
+
+        ppo, est = self.ppo, self.ppo.advantage_estimator
+        if est not in ESTIMATORS:
+            return  # reported by PPOConfig.validate
+        n = self.batch.n_samples_per_prompt
+        if est in GROUP_ESTIMATORS and isinstance(n, int) and n < 2:
+            p.add("n_samples_per_prompt", n, f"advantage_estimator {est} compares the responses of one prompt: "
+                  "give 2 or more")
+        L, max_len = ppo.overlong_buffer_len, self.generation.max_answer_seq_len
+        if isinstance(L, int) and isinstance(max_len, int) and L > max_len:
+            p.add("overlong_buffer_len", L, f"must be <= max_answer_seq_len ({max_len}): the penalty starts "
+                  "max_answer_seq_len - overlong_buffer_len tokens in")
+        if ppo.filter_uniform_groups is True and est not in GROUP_ESTIMATORS:
+            p.add("filter_uniform_groups", True, f"needs a group estimator ({', '.join(GROUP_ESTIMATORS)}); "
+                  f"advantage_estimator is {est}")
+        if self.has_critic:
+            return
+        why = f"advantage_estimator {est} builds no critic: drop it"
+        default_role = RoleConfig()
+        for f in dataclasses.fields(RoleConfig):
+            if getattr(self.critic, f.name) != getattr(default_role, f.name):
+                p.add(f"critic_{f.name}", getattr(self.critic, f.name), why)
+        for name in ("critic_warmup_iterations", "value_clip"):
+            if getattr(ppo, name) != getattr(PPOConfig(), name):
+                p.add(name, getattr(ppo, name), why)
+
+    def _validate_trainer_extensions(self, p: Problems) -> None:
+        """ptx, epochs (the guards, reward shaping and critic warm-up fields are checked by PPOConfig)."""
+        if not isinstance(self.num_train_epochs, int) or isinstance(self.num_train_epochs, bool) or \
+                self.num_train_epochs < 0:
+            p.add("num_train_epochs", self.num_train_epochs, "must be a whole number >= 0 (0 = max_steps only)")
+        if not isinstance(self.unsupervised_dataset_name, str):
+            p.add("unsupervised_dataset_name", self.unsupervised_dataset_name, "must be a path or dataset name")
+        if not isinstance(self.unsup_text_column, str) or not self.unsup_text_column:
+            p.add("unsup_text_column", self.unsup_text_column, "must name a column")
+        check_positive(p, "", self, "unsup_coef", allow_zero=True)
+        if self.unsupervised_dataset_name and self.batch.max_tokens_per_micro_batch:
+            p.add("max_tokens_per_micro_batch", self.batch.max_tokens_per_micro_batch, "PPO-ptx pairs each "
+                  "micro-batch with gradient_accumulation_steps ptx micro-batches; token-budget micro-batches vary "
+                  "in number: not with unsupervised_dataset_name")
+        for name in ("tokenizer_name_or_path", "use_chat_template"):
+            if getattr(self.reward, name) and self.scored_without_model:
+                by = "reward_fn" if self.reward_fn else "reward_url"
+                p.add(f"reward_{name}", getattr(self.reward, name), f"is for a reward model; {by} "
+                      f"({getattr(self, by)!r}) replaces it: drop one")
+        self._validate_reward_sources(p)
+        for role in ("actor", "critic", "reference"):
+            if getattr(self, role).use_chat_template:
+                p.add(f"{role}_use_chat_template", True, "is for the reward role only (reward_use_chat_template); "
+                      "the actor's prompts follow use_chat_template")
+
+    def _validate_reward_sources(self, p: Problems) -> None:
+        """reward_fn, reward_url and their settings: one source, settings that fit it."""
+        if self.reward_fn and self.reward_url:
+            p.add("reward_url", self.reward_url, f"and reward_fn ({self.reward_fn!r}) both score the rollouts: drop "
+                  "one")
+        if self.reward_url and not str(self.reward_url).startswith(("http://", "https://")):
+            p.add("reward_url", self.reward_url, "must be an http:// or https:// URL")
+        if not (is_number(self.reward_timeout_s) and self.reward_timeout_s > 0):
+            p.add("reward_timeout_s", self.reward_timeout_s, "must be > 0 (seconds)")
+        if not (isinstance(self.reward_retries, int) and self.reward_retries >= 0):
+            p.add("reward_retries", self.reward_retries, "must be a whole number >= 0")
+        if not (isinstance(self.reward_workers, int) and self.reward_workers >= 0):
+            p.add("reward_workers", self.reward_workers, "must be a whole number >= 0 (0 = in-process)")
+        elif self.reward_workers and not self.reward_fn:
+            p.add("reward_workers", self.reward_workers, "runs a reward_fn in worker processes: set reward_fn (a "
+                  "reward_url server runs its own workers)")
+        on_error = self.reward_on_error
+        try:
+            ok = on_error == "stop" or math.isfinite(float(on_error))
+        except (TypeError, ValueError):
+            ok = False
+        if not ok:
+            p.add("reward_on_error", on_error, "must be 'stop' or a finite score, e.g. 0")
+        elif on_error != "stop" and not self.reward_workers:
+            p.add("reward_on_error", on_error, "scores failed worker calls: it needs reward_workers >= 1 (in-process "
+                  "a failing reward function stops the run)")
+
+    def _validate_engine_settings(self, p: Problems) -> None:
+        """LoRA per role, the adapter-disabled reference, EMA (the Hybrid Engine's checks need the model config and
+        CUDA: engine.preflight)."""
+        e = self.engine
+        e.validate(p)
+        for role in ("reference", "reward"):
+            if getattr(self, role).lora_dim:
+                p.add(f"{role}_lora_dim", getattr(self, role).lora_dim, f"the {role} is frozen (eval-only) and takes "
+                      "no adapter; LoRA is for the trained roles (actor_lora_dim, critic_lora_dim)")
+        for role in ("actor", "critic"):
+            rc = getattr(self, role)
+            if rc.lora_dim and is_number(rc.lora_dropout) and rc.lora_dropout != 0:
+                p.add(f"{role}_lora_dropout", rc.lora_dropout, "must be 0 in PPO: the old log-probs (and values) "
+                      "come from eval-mode forwards and the update from training forwards, so adapter dropout would "
+                      "make the PPO ratio differ from 1 even at learning rate 0")
+        if e.reference_from_actor_adapter is True:
+            if not self.actor.lora_dim:
+                p.add("reference_from_actor_adapter", True, "needs actor LoRA: set actor_lora_dim > 0 (the reference "
+                      "is the actor with its adapter disabled), or drop reference_from_actor_adapter")
+            ref = self.reference.model_name_or_path
+            if ref and ref != self.actor.model_name_or_path:
+                p.add("reference_from_actor_adapter", True, f"the reference would be the actor's base weights "
+                      f"({self.actor.model_name_or_path}), but reference_model_name_or_path is {ref!r}: drop one")
+        if e.enable_ema is True and self.actor.lora_dim:
+            p.add("enable_ema", True, "is not supported with actor LoRA (an average of the adapter factors A and B is "
+                  "not the average of the adapted weights); drop enable_ema or actor_lora_dim")
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    @property
+    def data_path(self) -> Any:
+        """Shortcut for `data.data_path` (the flag and config key stay `data_path`)."""
+        return self.data.data_path
+
+    @data_path.setter
+    def data_path(self, value: Any) -> None:
+        self.data.data_path = value
