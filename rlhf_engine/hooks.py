@@ -96,10 +96,12 @@ class TestHooks:
         self._steps_before: Optional[int] = None
 
     @classmethod
-    def from_env(cls) -> "TestHooks":
+    def from_env(cls, **switches: Any) -> "TestHooks":
+        """The switches the environment sets; `switches` (constructor arguments) override them."""
         skip = os.environ.get(SKIP_ON_RESUME_ENV, "")
-        return cls(nonfinite=injection_from_env(), faults_on=faults.active(),
-                   skip_on_resume=[s.strip() for s in skip.split(",") if s.strip()])
+        read = dict(nonfinite=injection_from_env(), faults_on=faults.active(),
+                    skip_on_resume=[s.strip() for s in skip.split(",") if s.strip()])
+        return cls(**{**read, **switches})
 
     def attach(self, rank: int, actor_steps: Callable[[], int]) -> "TestHooks":
         """The rank the points compare against and the optimizer-step count `after_step` watches."""

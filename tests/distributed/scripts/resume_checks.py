@@ -100,7 +100,8 @@ def run_one(spec: dict) -> dict | None:
 
     hooks, checks = spec.get("hooks", {}), spec.get("checks", [])
     cfg = parse_args(spec["args"])
-    trainer = build_trainer(cfg, hooks=TestHooks(skip_on_resume=hooks.get("skip_on_resume", ())))
+    # as launch/train_ppo.py: the fault points come from the environment (fault_checks.py sets them per run)
+    trainer = build_trainer(cfg, hooks=TestHooks.from_env(skip_on_resume=hooks.get("skip_on_resume", ())))
     engine = trainer.engine
     start = trainer.iteration
     if "ema" in engine.engines:  # the EMA follows every actor optimizer step (update_ema is a no-op without a new
