@@ -41,6 +41,7 @@ from ..comm import all_reduce
 from ..outputs.metrics import MetricsWriter
 from ..ppo_math import AdaptiveKLController, FixedKLController
 from ..rollout import Experience, Rollout
+from .clock import IterationClock
 from .evaluation import Evaluator
 from .experience import (NonFiniteError, RewardFn, build_experience, decode_rollout, experience_forwards,
                          global_mean_var, group_ids_of, text_reward, whiten_advantages)
@@ -130,6 +131,7 @@ class PPOTrainer:
         # TEST HOOKS (rlhf_engine/hooks.py), given by the caller: all off unless a test sets one
         self.hooks = (hooks or TestHooks()).attach(dist.rank, lambda: engine.optimizer_steps("actor"))
         self.iteration = 0
+        self.clock = IterationClock()  # time/iteration split into named parts (trainer/clock.py)
         self.last_experience: Optional[Experience] = None  # kept for tests and debugging
         self.ratio_trace: list[float] = []  # max |log-ratio| per mini-batch (cheap, used by tests and guards)
         # Optional programmatic reward replacing the reward model: reward_fn(prompt_ids [B, P], rollout) -> [B]
@@ -289,6 +291,7 @@ class PPOTrainer:
     def step(self) -> dict:
         """One iteration; returns the metrics record (also written to metrics.jsonl on rank 0)."""
         stats = MetricSums(self.engine.device)
+        te = time.perf_counter()
         evaluated = self.evaluate() if self.evaluator and self.iteration % self.cfg.eval_interval == 0 else {}
         t0 = time.perf_counter()
         rollouts = self.rollout_phase()
@@ -308,6 +311,7 @@ class PPOTrainer:
                "time/generate": t1 - t0,
                "time/experience": t2 - t1,
                "time/train": t3 - t2,
+               "time/eval": t0 - te,
                "throughput/samples_per_s": n_seq / (t3 - t0),
                "throughput/tokens_per_s": tokens / (t3 - t0),
                "system/optimizer_steps": self.engine.optimizer_steps("actor"),
@@ -315,12 +319,14 @@ class PPOTrainer:
                "system/kl_coef": self.kl_ctl.value}
         rec.update(evaluated)
         self.kl_ctl.update(rec["objective/kl"], int(n_seq))
-        self.metrics.write(rec)
-        if self.engine.dist.is_main and hasattr(self.metrics, "log_samples"):
-            # a few of rank 0's samples (decoding every row of every rank would cost a gather for a table)
-            few = exp.select(slice(0, self.samples_per_iteration))
-            prompts, responses = decode_rollout(self.engine.tokenizer, few.rollout)
-            self.metrics.log_samples(self.iteration, prompts, responses, few.scores.tolist())
+        rec.update(self.clock.close(rec, metrics=time.perf_counter() - t3))
+        with self.clock.timed("log"):  # falls in the next iteration's window (see IterationClock)
+            self.metrics.write(rec)
+            if self.engine.dist.is_main and hasattr(self.metrics, "log_samples"):
+                # a few of rank 0's samples (decoding every row of every rank would cost a gather for a table)
+                few = exp.select(slice(0, self.samples_per_iteration))
+                prompts, responses = decode_rollout(self.engine.tokenizer, few.rollout)
+                self.metrics.log_samples(self.iteration, prompts, responses, few.scores.tolist())
         self.iteration += 1
         return rec
 
@@ -346,12 +352,14 @@ class PPOTrainer:
                     raise NonFiniteError(f"rank {self.engine.dist.rank}, iteration {self.iteration}: {e}") from e
                 records.append(rec)
                 if self.engine.dist.is_main:
-                    log.info("iteration %d/%d  score %.4f  kl %.4f  len %.1f  %.1fs", rec["iteration"] + 1,
-                             self.total_iterations, rec["objective/score"], rec["objective/kl"],
-                             rec["rollout/response_length"], rec["time/generate"] + rec["time/experience"]
-                             + rec["time/train"])
+                    with self.clock.timed("log"):
+                        log.info("iteration %d/%d  score %.4f  kl %.4f  len %.1f  %.1fs", rec["iteration"] + 1,
+                                 self.total_iterations, rec["objective/score"], rec["objective/kl"],
+                                 rec["rollout/response_length"], rec["time/generate"] + rec["time/experience"]
+                                 + rec["time/train"])
                 # save_interval / save_interval_minutes / a preemption request (exit 75 after saving)
-                self.checkpointer.after_iteration(self.iteration, last=self.iteration == self.total_iterations)
+                with self.clock.timed("checkpoint"):
+                    self.checkpointer.after_iteration(self.iteration, last=self.iteration == self.total_iterations)
             if self.evaluator and self.iteration == self.total_iterations:  # "after": one record of eval/* keys only
                 rec = {"iteration": self.iteration, **self.evaluate()}
                 self.metrics.write(rec)
