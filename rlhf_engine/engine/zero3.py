@@ -7,9 +7,10 @@
   (the coordinator releases only parameters whose `ds_active_sub_modules` is empty); the hooks then find every
   parameter available and issue no collective at all, so ranks may even stop generating at different times.
 * `GenerationReplica`: a plain (unpartitioned, hook-free) copy of a ZeRO-3 module that generation runs on. Built once
-  on the meta device and materialised; refreshed from the partitions before every generate call by gathering a few
-  parameters at a time, so the only extra memory is one copy of the weights (plus one chunk in flight). Decoding on
-  it runs no ZeRO-3 hook and no collective (measured x3.8 generation against per-layer fetching, bench/README).
+  on the meta device; before every generate call its weights are allocated as one buffer and filled from the
+  partitions a few parameters at a time, and after the call the buffer is dropped: one copy of the weights exists
+  only while generating. Decoding on it runs no ZeRO-3 hook and no collective (measured x3.8 generation against
+  per-layer fetching, bench/README).
 * `ema_update_`: ema = decay * ema + (1 - decay) * actor, parameter by parameter; under ZeRO-3 on both sides each rank
   updates its own partition from the actor's same partition (no communication).
 """
@@ -61,30 +62,70 @@ def gathered_for_generation(module: nn.Module):
 
 
 class GenerationReplica:
-    """A hook-free copy of the ZeRO-3 Hugging Face model `source` (same class and config, the source's dtype)."""
+    """A hook-free copy of the ZeRO-3 Hugging Face model `source` (same class and config, the source's dtype) whose
+    weights exist only while generating: `refresh` allocates them as ONE flat buffer (parameters are views into it)
+    and fills it from the partitions; `release` drops the buffer. One allocation of that size is handed back to the
+    operating system (a large block, mmap-ed by the C allocator) or to PyTorch's cache on a GPU, so the training
+    phase that follows gets the memory back: the replica costs no memory between generate calls."""
 
     CHUNK_BYTES = 256 * 2**20  # full-size bytes gathered at once while refreshing
 
     def __init__(self, source: nn.Module, device: torch.device):
-        dtype = next(source.parameters()).dtype
+        self.dtype, self.device = next(source.parameters()).dtype, device
         with torch.device("meta"):
             replica = type(source)(source.config)  # a direct constructor call: no zero.Init (only from_pretrained)
-        replica = replica.to(dtype).to_empty(device=device)
-        if hasattr(replica, "tie_weights"):  # to_empty makes new tensors: tied embeddings become two copies
+        replica = replica.to(self.dtype)
+        if hasattr(replica, "tie_weights"):  # one Parameter for tied embeddings, listed once below
             replica.tie_weights()
-        for name, buf in source.named_buffers():  # buffers are never partitioned (rotary tables, position ids)
-            replica.get_buffer(name).copy_(buf)
-        missing = set(dict(source.named_parameters())) ^ set(dict(replica.named_parameters()))
+        modules = dict(replica.named_modules())
+        for name, buf in source.named_buffers():  # buffers are never partitioned (rotary tables, position ids): kept
+            owner, _, leaf = name.rpartition(".")
+            modules[owner]._buffers[leaf] = buf.detach().to(device).clone()
+        self.meta = dict(replica.named_parameters())  # unique parameters (tied ones once), on the meta device
+        missing = set(dict(source.named_parameters())) ^ set(self.meta)
         if missing:
             raise RuntimeError(f"generation replica: parameter names differ from the model's: {sorted(missing)[:5]}")
+        name_of = {id(p): n for n, p in self.meta.items()}
+        self.owners: dict[str, list] = {n: [] for n in self.meta}  # every (module, attribute) holding a parameter
+        for mod in replica.modules():
+            for leaf, q in mod._parameters.items():
+                if q is not None:
+                    self.owners[name_of[id(q)]].append((mod, leaf))
+        self.numel = sum(p.numel() for p in self.meta.values())
         self.module = replica.eval().requires_grad_(False)
+        self.params: dict[str, nn.Parameter] = {}
+        self._flat = None
+
+    @property
+    def resident(self) -> bool:
+        """Whether the weights are allocated (between `refresh` and `release`)."""
+        return self._flat is not None
+
+    def _install(self, params: dict) -> None:
+        for n, q in params.items():
+            for mod, leaf in self.owners[n]:
+                mod._parameters[leaf] = q
+
+    def release(self) -> None:
+        """Drop the weights: the module holds its meta (storage-free) parameters again, and its buffers."""
+        self._install(self.meta)
+        self.params, self._flat = {}, None
 
     @torch.no_grad()
     def refresh(self, source: nn.Module) -> nn.Module:
-        """Copy the source's current weights in (collective: every rank must call it); returns the replica."""
+        """Allocate the weights and copy the source's current ones in (collective: every rank must call it); returns
+        the replica. Call `release` when generation is done."""
         import deepspeed
 
-        mine = dict(self.module.named_parameters())
+        if self._flat is None:
+            self._flat = torch.empty(self.numel, dtype=self.dtype, device=self.device)
+            offset = 0
+            for n, m in self.meta.items():
+                view = self._flat[offset:offset + m.numel()].view(m.shape)
+                self.params[n] = nn.Parameter(view, requires_grad=False)
+                offset += m.numel()
+            self._install(self.params)
+        mine = self.params
         chunk, size = [], 0
         named = list(source.named_parameters())
         for i, (name, p) in enumerate(named):

@@ -146,7 +146,10 @@ class GenerationBackend:
         if mode == "replica" and self._replica is None:
             mode = self._build_replica(model)
         if mode == "replica":
-            yield self._replica.refresh(model)
+            try:
+                yield self._replica.refresh(model)
+            finally:
+                self._replica.release()  # the weights exist only while generating
             return
         was_training = model.training
         model.eval()
