@@ -13,6 +13,8 @@ config is validated.
     data.py        DataConfig: prompts or training rows, blends, templates
     env.py         EnvConfig: multi-turn environments
     engine.py      EngineConfig: LoRA reference, EMA, ZeRO-3 generation, backend, packing
+    scoring.py     ScoringConfig: a reward function or server in place of the reward model
+    ptx.py         PtxConfig: PPO-ptx's unsupervised text and weight
     run.py         RunConfig (run directory, checkpoints, resume, timeouts, signals) and LoggingConfig, shared by
                    every step
     train.py       TrainConfig: a PPO run
@@ -26,13 +28,15 @@ from .fields import DTYPES, ROLES, SCHEDULERS, TRAINED_ROLES, opt
 from .flat import flat_dict, flat_fields
 from .generation import BatchConfig, GenerationConfig
 from .ppo import ESTIMATOR_DEFAULTS, GROUP_KL_IN_LOSS, PPOConfig, apply_estimator_defaults
+from .ptx import PtxConfig
 from .role import RoleConfig
 from .run import PREEMPT_SIGNALS, LoggingConfig, RunConfig
+from .scoring import ScoringConfig
 from .supervised import LONG_RESPONSE_POLICIES, RewardTrainConfig, SFTConfig, SupervisedConfig
 from .train import TrainConfig
 
 __all__ = ["BAD_ROW_POLICIES", "DTYPES", "ENV_ERRORS", "ESTIMATOR_DEFAULTS", "GATHER_ONCE_MODES", "GROUP_KL_IN_LOSS",
            "LONG_PROMPT_POLICIES", "LONG_RESPONSE_POLICIES", "PREEMPT_SIGNALS", "ROLES", "SCHEDULERS", "TRAINED_ROLES",
            "BatchConfig", "DataConfig", "EngineConfig", "EnvConfig", "GenerationConfig", "LoggingConfig", "PPOConfig",
-           "RewardTrainConfig", "RoleConfig", "RunConfig", "SFTConfig", "SupervisedConfig", "TrainConfig",
-           "apply_estimator_defaults", "flat_dict", "flat_fields", "opt", "parse_data_sources"]
+           "PtxConfig", "RewardTrainConfig", "RoleConfig", "RunConfig", "ScoringConfig", "SFTConfig", "SupervisedConfig",
+           "TrainConfig", "apply_estimator_defaults", "flat_dict", "flat_fields", "opt", "parse_data_sources"]

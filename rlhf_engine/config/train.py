@@ -2,9 +2,8 @@
 from __future__ import annotations
 
 import dataclasses
-import math
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any
 
 from ..errors import Problems
 from .data import DataConfig
@@ -14,7 +13,9 @@ from .fields import DTYPES, ROLES, TRAINED_ROLES, check_choice, check_positive, 
 from .generation import BatchConfig, GenerationConfig
 from .ppo import PPOConfig
 from .role import RoleConfig
+from .ptx import PtxConfig
 from .run import LoggingConfig, RunConfig
+from .scoring import ScoringConfig
 
 
 @dataclass
@@ -34,6 +35,8 @@ class TrainConfig:
                                "packing.")
     env: EnvConfig = opt(None, "Multi-turn environments.")
     run: RunConfig = opt(None, "Run directory, checkpoints and resume, timeouts, preemption signals.")
+    scoring: ScoringConfig = opt(None, "What scores the rollouts when it is not a reward model.")
+    ptx: PtxConfig = opt(None, "PPO-ptx: a language-modelling loss on unsupervised text.")
     max_steps: int = opt(10, "PPO iterations to run (one iteration = rollouts + ppo_epochs of updates).")
     num_train_epochs: int = opt(0, "Passes over the prompt data: the run stops after min(max_steps, "
                                 "floor(num_train_epochs x batches_per_epoch / generation_batches)) iterations, "
@@ -43,32 +46,6 @@ class TrainConfig:
     eval_interval: int = opt(0, "Evaluate (greedy generation on held-out prompts: eval/score, eval/eos_rate, "
                              "eval/response_length) before iteration 0, every N iterations, and after the last (0 = off).")
     eval_data_path: str = opt("", "Held-out prompts for evaluation (.jsonl etc.); '' = the eval_split of data_path.")
-    reward_fn: str = opt("", "'module:function' scoring (prompts, responses) as text, one float each; replaces the "
-                         "reward model (no reward engine is built) and the critic then starts from the actor.")
-    reward_url: str = opt("", "A reward server instead of a reward model or function: each rank POSTs its batch as "
-                          "JSON {prompts, responses, columns} and reads {scores} back (docs/rewards.md; reference "
-                          "server: python -m rlhf_engine.rewards.serve). No reward engine is built.")
-    reward_timeout_s: float = opt(60.0, "Seconds one reward_url request, or one reward_workers call, may take: a "
-                                  "request is then retried, a worker call fails (reward_on_error).")
-    reward_retries: int = opt(3, "reward_url: further attempts after a connection error, a timeout or a 5xx answer "
-                              "(exponential backoff from 0.5 s); then the run stops naming the URL and the last "
-                              "status.")
-    reward_workers: int = opt(0, "Run reward_fn in N worker processes, one call per response, each limited to "
-                              "reward_timeout_s (0 = in the trainer's process, one call per batch, no timeout). For "
-                              "verifiers that run code: a hung or crashed call is contained.")
-    reward_on_error: str = opt("stop", "reward_workers: what a call that raised, timed out or crashed its process "
-                               "scores: 'stop' (the run stops naming the row; the default, so a broken verifier "
-                               "is not mistaken for wrong answers) or a number (e.g. 0).")
-    unsupervised_dataset_name: str = opt("", "PPO-ptx (InstructGPT): unsupervised text whose language-modelling loss "
-                                         "is added to the actor loss: a local .txt file (one document per line), a "
-                                         ".jsonl/.json/.parquet/.csv file with the column unsup_text_column, or a hub "
-                                         "dataset name; '' = ptx off. Documents are cut to max_prompt_seq_len + "
-                                         "max_answer_seq_len tokens.")
-    unsup_text_column: str = opt("text", "Column holding the documents of a table-format unsupervised_dataset_name.")
-    unsup_coef: float = opt(27.8, "ptx weight gamma: actor loss = policy loss + gamma x ptx loss, where the ptx loss "
-                            "is the mean negative log-likelihood per token (nats/token) of the mini-batch's "
-                            "unsupervised tokens on all ranks, as the policy loss is a per-token mean. 27.8 = "
-                            "InstructGPT's and DeepSpeed-Chat's value. Used only with unsupervised_dataset_name.")
     dtype: str = opt("auto", "Default dtype of every role: auto (bf16 on GPUs that support it, fp16 on other GPUs, "
                      "fp32 on CPU; resolved at start-up, logged, and stored in the checkpoints' fingerprint), fp32, "
                      "bf16 or fp16.")
@@ -79,7 +56,8 @@ class TrainConfig:
         for name, cls in (("actor", RoleConfig), ("critic", RoleConfig), ("reference", RoleConfig),
                           ("reward", RoleConfig), ("ppo", PPOConfig), ("generation", GenerationConfig),
                           ("batch", BatchConfig), ("data", DataConfig), ("logging", LoggingConfig),
-                          ("engine", EngineConfig), ("env", EnvConfig), ("run", RunConfig)):
+                          ("engine", EngineConfig), ("env", EnvConfig), ("run", RunConfig),
+                          ("scoring", ScoringConfig), ("ptx", PtxConfig)):
             if getattr(self, name) is None:
                 setattr(self, name, cls())
 
@@ -94,18 +72,13 @@ class TrainConfig:
     @property
     def scored_without_model(self) -> bool:
         """A reward function, a reward server or an environment scores the rollouts: no reward engine is built."""
-        return bool(self.reward_fn or self.reward_url or self.env.on)
+        return bool(self.scoring.reward_fn or self.scoring.reward_url or self.env.on)
 
     @property
     def response_budget(self) -> int:
         """The most tokens after the prompt: max_answer_seq_len, or an episode's budget with an environment."""
         g = self.generation
         return self.env.episode_tokens(g.max_answer_seq_len) if self.env.on else g.max_answer_seq_len
-
-    @property
-    def reward_on_error_score(self) -> Optional[float]:
-        """reward_on_error as a score, None for 'stop'."""
-        return None if self.reward_on_error == "stop" else float(self.reward_on_error)
 
     @property
     def active_roles(self) -> tuple:
@@ -161,8 +134,8 @@ class TrainConfig:
         if not self.env.on:
             return
         for name in ("reward_fn", "reward_url"):
-            if getattr(self, name):
-                p.add(name, getattr(self, name), f"and environment ({self.env.environment!r}) both score the "
+            if getattr(self.scoring, name):
+                p.add(name, getattr(self.scoring, name), f"and environment ({self.env.environment!r}) both score the "
                       "rollouts: the environment's step rewards are the episode's rewards; drop one")
         ppo, g = self.ppo, self.generation
         for name, off in (("normalize_reward", False), ("missing_eos_penalty", 0.0), ("overlong_buffer_len", 0)):
@@ -213,52 +186,21 @@ class TrainConfig:
         if not isinstance(self.num_train_epochs, int) or isinstance(self.num_train_epochs, bool) or \
                 self.num_train_epochs < 0:
             p.add("num_train_epochs", self.num_train_epochs, "must be a whole number >= 0 (0 = max_steps only)")
-        if not isinstance(self.unsupervised_dataset_name, str):
-            p.add("unsupervised_dataset_name", self.unsupervised_dataset_name, "must be a path or dataset name")
-        if not isinstance(self.unsup_text_column, str) or not self.unsup_text_column:
-            p.add("unsup_text_column", self.unsup_text_column, "must name a column")
-        check_positive(p, "", self, "unsup_coef", allow_zero=True)
-        if self.unsupervised_dataset_name and self.batch.max_tokens_per_micro_batch:
+        self.ptx.validate(p)
+        if self.ptx.unsupervised_dataset_name and self.batch.max_tokens_per_micro_batch:
             p.add("max_tokens_per_micro_batch", self.batch.max_tokens_per_micro_batch, "PPO-ptx pairs each "
                   "micro-batch with gradient_accumulation_steps ptx micro-batches; token-budget micro-batches vary "
                   "in number: not with unsupervised_dataset_name")
         for name in ("tokenizer_name_or_path", "use_chat_template"):
             if getattr(self.reward, name) and self.scored_without_model:
-                by = "reward_fn" if self.reward_fn else "reward_url"
+                by = "reward_fn" if self.scoring.reward_fn else "reward_url"
                 p.add(f"reward_{name}", getattr(self.reward, name), f"is for a reward model; {by} "
-                      f"({getattr(self, by)!r}) replaces it: drop one")
-        self._validate_reward_sources(p)
+                      f"({getattr(self.scoring, by)!r}) replaces it: drop one")
+        self.scoring.validate(p)
         for role in ("actor", "critic", "reference"):
             if getattr(self, role).use_chat_template:
                 p.add(f"{role}_use_chat_template", True, "is for the reward role only (reward_use_chat_template); "
                       "the actor's prompts follow use_chat_template")
-
-    def _validate_reward_sources(self, p: Problems) -> None:
-        """reward_fn, reward_url and their settings: one source, settings that fit it."""
-        if self.reward_fn and self.reward_url:
-            p.add("reward_url", self.reward_url, f"and reward_fn ({self.reward_fn!r}) both score the rollouts: drop "
-                  "one")
-        if self.reward_url and not str(self.reward_url).startswith(("http://", "https://")):
-            p.add("reward_url", self.reward_url, "must be an http:// or https:// URL")
-        if not (is_number(self.reward_timeout_s) and self.reward_timeout_s > 0):
-            p.add("reward_timeout_s", self.reward_timeout_s, "must be > 0 (seconds)")
-        if not (isinstance(self.reward_retries, int) and self.reward_retries >= 0):
-            p.add("reward_retries", self.reward_retries, "must be a whole number >= 0")
-        if not (isinstance(self.reward_workers, int) and self.reward_workers >= 0):
-            p.add("reward_workers", self.reward_workers, "must be a whole number >= 0 (0 = in-process)")
-        elif self.reward_workers and not self.reward_fn:
-            p.add("reward_workers", self.reward_workers, "runs a reward_fn in worker processes: set reward_fn (a "
-                  "reward_url server runs its own workers)")
-        on_error = self.reward_on_error
-        try:
-            ok = on_error == "stop" or math.isfinite(float(on_error))
-        except (TypeError, ValueError):
-            ok = False
-        if not ok:
-            p.add("reward_on_error", on_error, "must be 'stop' or a finite score, e.g. 0")
-        elif on_error != "stop" and not self.reward_workers:
-            p.add("reward_on_error", on_error, "scores failed worker calls: it needs reward_workers >= 1 (in-process "
-                  "a failing reward function stops the run)")
 
     def _validate_engine_settings(self, p: Problems) -> None:
         """LoRA per role, the adapter-disabled reference, EMA (the Hybrid Engine's checks need the model config and

@@ -138,15 +138,15 @@ def _model_side(cfg: TrainConfig) -> tuple[EnginePlan, Optional[Callable], Optio
         engine = plan_engine(cfg)
     except ConfigError as e:
         p.extend(e.problems)
-    if cfg.reward_fn:
+    sc = cfg.scoring
+    if sc.reward_fn:
         try:
-            reward_fn = (ParallelReward(cfg.reward_fn, cfg.reward_workers, cfg.reward_timeout_s,
-                                        cfg.reward_on_error_score) if cfg.reward_workers
-                         else load_reward_fn(cfg.reward_fn))
+            reward_fn = (ParallelReward(sc.reward_fn, sc.reward_workers, sc.reward_timeout_s, sc.on_error_score)
+                         if sc.reward_workers else load_reward_fn(sc.reward_fn))
         except ValueError as e:
-            p.add("reward_fn", cfg.reward_fn, str(e))
-    elif cfg.reward_url:
-        reward_fn = RemoteReward(cfg.reward_url, cfg.reward_timeout_s, cfg.reward_retries)
+            p.add("reward_fn", sc.reward_fn, str(e))
+    elif sc.reward_url:
+        reward_fn = RemoteReward(sc.reward_url, sc.reward_timeout_s, sc.reward_retries)
     elif cfg.reward.use_chat_template:
         _check_reward_chat_template(cfg, p)
     if cfg.env.on:
@@ -252,9 +252,9 @@ def plan_ppo(cfg: TrainConfig, prompt_data: Optional[PromptData] = None) -> RunP
     iterations = total_iterations(cfg, sampler.batches_per_epoch)  # max_steps, or fewer with num_train_epochs
     updates = updates_per_iteration(cfg)
     ptx = None
-    if cfg.unsupervised_dataset_name:  # ptx documents: read and checked before any weight too
-        ptx = load_ptx_data(cfg.unsupervised_dataset_name, tok, g.max_prompt_seq_len + g.max_answer_seq_len,
-                            cfg.unsup_text_column, verbose=dist.is_main, data_cache_dir=cfg.data.data_cache_dir)
+    if cfg.ptx.unsupervised_dataset_name:  # ptx documents: read and checked before any weight too
+        ptx = load_ptx_data(cfg.ptx.unsupervised_dataset_name, tok, g.max_prompt_seq_len + g.max_answer_seq_len,
+                            cfg.ptx.unsup_text_column, verbose=dist.is_main, data_cache_dir=cfg.data.data_cache_dir)
         check_fits(ptx, cfg.batch.mini_batch_size, dist.world_size)
     run_dir = RunDir(cfg.run.output_dir)
     run_dir.check(resume=bool(cfg.run.resume), overwrite=cfg.run.overwrite_output_dir)

@@ -285,7 +285,7 @@ class PPOTrainer:
         self.guard.watch("ptx loss", lm_loss)
         stats.add("ptx_loss", lm_loss.detach())
         stats.add("ptx_tokens", lm["tokens"])
-        return self.cfg.unsup_coef * lm_loss
+        return self.cfg.ptx.unsup_coef * lm_loss
 
     # ---- loop ------------------------------------------------------------------------------------------------
     def step(self) -> dict:

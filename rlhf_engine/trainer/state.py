@@ -120,7 +120,7 @@ def run_fingerprint(cfg: Any, roles: Mapping[str, Any], world_size: int, num_pro
     resolved dtype of the trained roles, from the planned `roles`), the reward function, the seed, the data (path
     and usable prompts), the batch arithmetic and PPO epochs (the LR schedule's length depends on them, and on
     max_steps when a role's schedule decays)."""
-    fp: dict = {**global_batch_sizes(cfg, world_size), "seed": cfg.seed, "reward_fn": cfg.reward_fn or cfg.reward_url,
+    fp: dict = {**global_batch_sizes(cfg, world_size), "seed": cfg.seed, "reward_fn": cfg.scoring.reward_fn or cfg.scoring.reward_url,
                 "data_path": cfg.data.data_path, "num_prompts": int(num_prompts), "ppo_epochs": cfg.ppo.ppo_epochs,
                 "advantage_estimator": cfg.ppo.advantage_estimator, "loss_agg_mode": cfg.ppo.loss_agg_mode}
     for role, plan in roles.items():
