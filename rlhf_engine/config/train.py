@@ -122,7 +122,7 @@ class TrainConfig:
         check_choice(p, "", self, "dtype", DTYPES)
         check_positive(p, "", self, "max_steps")
         check_positive(p, "", self, "eval_interval", allow_zero=True)
-        self._validate_trainer_extensions(p)
+        self._validate_epochs_ptx_scoring(p)
         self._validate_estimator(p)
         if self.eval_interval and not self.eval_data_path and not self.data.eval_split:
             p.add("eval_interval", self.eval_interval, "needs held-out prompts: set eval_data_path or eval_split")
@@ -181,8 +181,8 @@ class TrainConfig:
             if getattr(ppo, name) != getattr(PPOConfig(), name):
                 p.add(name, getattr(ppo, name), why)
 
-    def _validate_trainer_extensions(self, p: Problems) -> None:
-        """ptx, epochs (the guards, reward shaping and critic warm-up fields are checked by PPOConfig)."""
+    def _validate_epochs_ptx_scoring(self, p: Problems) -> None:
+        """Epochs, ptx, what scores the rollouts (the guards, reward shaping and critic warm-up are PPOConfig's)."""
         if not isinstance(self.num_train_epochs, int) or isinstance(self.num_train_epochs, bool) or \
                 self.num_train_epochs < 0:
             p.add("num_train_epochs", self.num_train_epochs, "must be a whole number >= 0 (0 = max_steps only)")

@@ -1,4 +1,4 @@
-"""ZeRO-3 helpers of the engine extensions: gather-once generation and the EMA update.
+"""ZeRO-3 helpers: gather-once generation, the generation replica and the EMA update.
 
 * `gathered_for_generation`: every partitioned parameter of a module gathered ONCE for a whole `generate` call and
   kept resident until it returns. A plain `deepspeed.zero.GatheredParameters` is not enough: ZeRO-3's post-forward

@@ -130,7 +130,7 @@ def run_fingerprint(cfg: Any, roles: Mapping[str, Any], world_size: int, num_pro
         rc = getattr(cfg, role)
         fp[f"{role}_zero_stage"] = roles[role].stage
         fp[f"{role}_dtype"] = roles[role].dtype
-        for name in ("lora_dim", "trainable_layers"):  # fields of the engine extensions, when present
+        for name in ("lora_dim", "trainable_layers"):  # per-role settings that change the trained weights
             if hasattr(rc, name):
                 fp[f"{role}_{name}"] = getattr(rc, name)
     if cfg.engine.enable_ema:
