@@ -458,7 +458,7 @@ def plan_model(rc: RoleConfig, need_positions: int, name: str = "model") -> tupl
     return plan, prepare_tokenizer(tok)
 
 
-# ---- LoRA, EMA, reference from the adapter ----------------------------------------------------------------------------------------------
+# ---- LoRA, EMA, reference from the adapter ---------------------------------------------------------------------------
 def check_lora_targets(p: Problems, rc: RoleConfig, config, scalar: bool, prefix: str) -> None:
     """`lora_target_modules` must match layers of the model: checked on a weightless (meta-device) copy built from
     its config."""
