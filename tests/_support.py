@@ -144,7 +144,7 @@ def run_harness(tmp: str, name: str, runs: list, nproc: int, launcher: str, scri
         return {r["name"]: r for r in json.load(f)["runs"]}
 
 
-VOLATILE = ("time/", "throughput/")  # wall-clock keys: the only metrics allowed to differ between identical runs
+VOLATILE = ("time/", "throughput/", "memory/")  # wall-clock and memory keys: the only metrics allowed to differ between identical runs
 DISCRETE = ("policy/clipfrac", "value/clipfrac")  # counts of tokens at a boundary: 1e-7 noise can flip one token
 SPLIT = ("batch/",)  # micro-batch counts and padding: what differs between splits by design
 

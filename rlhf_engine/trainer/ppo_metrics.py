@@ -154,6 +154,9 @@ def iteration_record(s: dict, world_size: int) -> dict:
         rec["rollout/correction_masked_frac"] = s["correction_masked"] / tokens if tokens else None
     if "correction_masked_seqs" in s:
         rec["rollout/correction_masked_seq_frac"] = s["correction_masked_seqs"] / n_seq
+    for key in ("peak_rss_mib", "peak_device_mib"):  # the largest rank's peak so far
+        if key in s:
+            rec[f"memory/{key}"] = s[key]
     if s.get("slots_padded"):  # the experience and training forwards' slots (rlhf_engine/packing.py)
         rec["batch/padding_fraction"] = 1.0 - s["slots_real"] / s["slots_padded"]
         if s.get("slots_packed"):

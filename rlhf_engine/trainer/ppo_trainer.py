@@ -46,6 +46,7 @@ from .evaluation import Evaluator
 from .experience import (NonFiniteError, RewardFn, build_experience, decode_rollout, experience_forwards,
                          global_mean_var, group_ids_of, text_reward, whiten_advantages)
 from .guards import StepGuard
+from .memory import peak_device_mib, peak_rss_mib
 from .metric_sums import MetricSums
 from .objectives import ActorObjective, Counts, CriticObjective, experience_steps
 from .ppo_metrics import (add_experience_stats, add_policy_stats, add_rollout_check, add_value_moments,
@@ -303,6 +304,10 @@ class PPOTrainer:
         t3 = time.perf_counter()
         for key, n in self.engine.take_slot_counts().items():  # the forwards' tokens and slots, padded and packed
             stats.add(f"slots_{key}", torch.tensor(float(n)))
+        stats.max("peak_rss_mib", torch.tensor(peak_rss_mib()))  # the largest rank's, in the same collective
+        device_peak = peak_device_mib(self.engine.device)
+        if device_peak is not None:
+            stats.max("peak_device_mib", torch.tensor(device_peak))
         s = stats.reduce()
         self.ratio_trace.extend(s.pop(k) for k in sorted(k for k in s if k.startswith(RATIO_TRACE)))
         n_seq, tokens = s["sequences"], s["tokens"]

@@ -28,7 +28,7 @@ import torch
 
 from _support import ROOT, SCRIPTS, clean_env, ppo_args
 
-VOLATILE = ("time/", "throughput/")
+VOLATILE = ("time/", "throughput/", "memory/")
 ATOL = 1e-6
 TIMEOUT_S = 15  # the collective timeout of launch 2
 RUN = dict(per_device_generation_batch_size=2, generation_batches=2, per_device_training_batch_size=2, ppo_epochs=2,

@@ -27,7 +27,7 @@ import torch
 
 from _support import ROOT, SCRIPTS, check, clean_env, launch, ppo_args
 
-VOLATILE = ("time/", "throughput/")
+VOLATILE = ("time/", "throughput/", "memory/")
 ATOL = 1e-6
 RUN = dict(per_device_generation_batch_size=3, generation_batches=2, per_device_training_batch_size=3,
            ppo_epochs=2, max_steps=8, save_interval=4, keep_last=1, seed=7, actor_learning_rate=1e-3,

@@ -19,7 +19,7 @@ from rlhf_engine.trainer.preemption import Boundary
 import launch.train_ppo as train_ppo
 import launch.train_sft as train_sft
 
-VOLATILE = ("time/", "throughput/")
+VOLATILE = ("time/", "throughput/", "memory/")
 # 32 prompts, 8 per iteration: 4 iterations an epoch, 2 epochs
 PPO = dict(per_device_generation_batch_size=8, per_device_training_batch_size=4, gradient_accumulation_steps=1,
            ppo_epochs=1, num_train_epochs=2, max_steps=100, seed=5, actor_learning_rate=1e-3,

@@ -17,7 +17,7 @@ from rlhf_engine.data.ptx import PtxData, collate_ptx, load_ptx_data
 from rlhf_engine.trainer.ptx import ptx_loss
 from rlhf_engine.data.sampler import DataCursor
 
-VOLATILE = ("time/", "throughput/")
+VOLATILE = ("time/", "throughput/", "memory/")
 DOCS = ["the quick brown fox jumps over the lazy dog", "a stitch in time saves nine",
         "all that glitters is not gold", "where there is smoke there is fire"]
 

@@ -13,7 +13,7 @@ from rlhf_engine.trainer import build_trainer
 from rlhf_engine.trainer.experience import NonFiniteError
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
-VOLATILE = ("time/", "throughput/")  # wall-clock keys: the only ones allowed to differ between identical runs
+VOLATILE = ("time/", "throughput/", "memory/")  # wall-clock and memory keys: the only ones allowed to differ between identical runs
 
 
 def _train_ppo_main():
