@@ -25,9 +25,9 @@ class EngineConfig:
     ema_dtype: str = opt("fp32", "dtype of the EMA weights: fp32 (default, whatever the actor's dtype: a bf16 EMA "
                          "loses updates smaller than its rounding) or '' (the actor's dtype).")
     generation_gather_once: str = opt("auto", "ZeRO-3 actor: how generation gets the partitioned weights. 'replica' "
-                                      "= decode on a plain copy of the actor refreshed once per generate call (one "
-                                      "extra copy of its weights per rank; no ZeRO-3 hook or collective while "
-                                      "decoding); 'on' = gather the actor once per call in place (its hooks still "
+                                      "= decode on a plain copy of the actor filled once per generate call (one "
+                                      "extra copy of its weights per rank while generating, freed after each call; "
+                                      "no ZeRO-3 hook or collective while decoding); 'on' = gather the actor once per call in place (its hooks still "
                                       "run per token); 'off' = fetch every layer for every token, ranks in "
                                       "lockstep; 'auto' = replica, or off for a LoRA actor. Only when the actor's "
                                       "weights fit gather_once_max_bytes, else off (logged).")
