@@ -1,19 +1,7 @@
-"""Shared pieces of the benchmarks: model shapes, random-weight model folders, synthetic prompts, per-phase timers,
-peak memory, FLOP counts and JSON output. Imports only the standard library at module level (torch, transformers and
-rlhf_engine are imported inside functions), so `make_readme.py` and the tests can import it cheaply.
-
-FLOP formula (stated in every result file and in the generated README):
-
-    N          = matmul parameters of a model: every 2-D weight outside embedding tables (attention and MLP
-                 projections, OPT's project_in/out, the score head) plus the LM head, counted even when it is tied
-                 to the input embedding (its matmul runs either way). Attention-score FLOPs (4 * L^2 * h per layer
-                 and sequence) are left out, as in the usual 6*N*T estimate.
-    T          = token positions a forward processes, padding included (it is computed): B * (P + R) per batch,
-                 P and R the padded prompt and response widths of the rollout buffer.
-    generation = 2 * N_actor * B * (P + R)                  (prefill + one token per step, KV cache)
-    experience = 2 * (N_actor + N_ref + N_critic + N_reward) * B * (P + R)
-    training   = 6 * (N_actor + N_critic) * B * (P + R) * ppo_epochs   (forward + backward, no recomputation)
-    TFLOP/s    = the phase's FLOPs on one rank / the phase's wall time, averaged over ranks.
+"""Shared pieces of the benchmarks: model shapes and presets, random-weight model folders, synthetic prompts,
+per-phase timers, peak memory, FLOP counts (FLOP_FORMULA, stated in every result and in the README), common arguments
+and JSON output. Only the standard library is imported at module level (torch, transformers and rlhf_engine inside
+functions), so `make_readme.py` and the tests import it cheaply.
 """
 from __future__ import annotations
 
@@ -38,63 +26,52 @@ FLOP_FORMULA = (
     "experience = 2*(N_actor+N_ref+N_critic+N_reward)*T; training = 6*(N_actor+N_critic)*T*ppo_epochs; "
     "attention-score FLOPs left out; TFLOP/s = a rank's FLOPs / wall time, averaged over ranks")
 
-# ---- model shapes ------------------------------------------------------------------------------------------------
-# OPT shapes are those of facebook/opt-1.3b and facebook/opt-350m (config.json); weights are random.
-SHAPES: dict[str, dict] = {
-    "opt-1.3b": dict(hidden_size=2048, num_hidden_layers=24, ffn_dim=8192, num_attention_heads=32,
-                     word_embed_proj_dim=2048, do_layer_norm_before=True, vocab_size=50272,
-                     max_position_embeddings=2048),
-    "opt-350m": dict(hidden_size=1024, num_hidden_layers=24, ffn_dim=4096, num_attention_heads=16,
-                     word_embed_proj_dim=512, do_layer_norm_before=False, vocab_size=50272,
-                     max_position_embeddings=2048),
-    # CPU shapes: the same architecture (OPT, incl. 350m's project_in/out and post-LN), tiny sizes
-    "opt-tiny": dict(hidden_size=64, num_hidden_layers=2, ffn_dim=256, num_attention_heads=4, word_embed_proj_dim=64,
-                     do_layer_norm_before=True, vocab_size=512, max_position_embeddings=512),
-    "opt-tiny-critic": dict(hidden_size=64, num_hidden_layers=2, ffn_dim=256, num_attention_heads=4,
-                            word_embed_proj_dim=32, do_layer_norm_before=False, vocab_size=512,
-                            max_position_embeddings=512),
-    "opt-small": dict(hidden_size=256, num_hidden_layers=4, ffn_dim=1024, num_attention_heads=4,
-                      word_embed_proj_dim=256, do_layer_norm_before=True, vocab_size=8192,
-                      max_position_embeddings=1024),
-    "opt-small-critic": dict(hidden_size=128, num_hidden_layers=4, ffn_dim=512, num_attention_heads=4,
-                             word_embed_proj_dim=64, do_layer_norm_before=False, vocab_size=8192,
-                             max_position_embeddings=1024),
+# OPT shapes of facebook/opt-1.3b and opt-350m (their config.json), and small CPU shapes of the same architecture
+# (350m's project_in/out and post-LN included); the weights are always random.
+SHAPE_KEYS = ("hidden_size", "num_hidden_layers", "ffn_dim", "num_attention_heads", "word_embed_proj_dim",
+              "do_layer_norm_before", "vocab_size", "max_position_embeddings")
+SHAPES: dict[str, dict] = {name: dict(zip(SHAPE_KEYS, v)) for name, v in {
+    "opt-1.3b": (2048, 24, 8192, 32, 2048, True, 50272, 2048),
+    "opt-350m": (1024, 24, 4096, 16, 512, False, 50272, 2048),
+    "opt-tiny": (64, 2, 256, 4, 64, True, 512, 512),
+    "opt-tiny-critic": (64, 2, 256, 4, 32, False, 512, 512),
+    "opt-small": (256, 4, 1024, 4, 256, True, 8192, 1024),
+    "opt-small-critic": (128, 4, 512, 4, 64, False, 8192, 1024),
+}.items()}
+# preset: actor shape, critic/reward shape, P, R, rollouts per iteration (all ranks), training micro-batch, dtype
+PRESETS = {
+    "cpu-tiny": dict(actor="opt-tiny", critic="opt-tiny-critic", prompt_len=16, answer_len=16, global_batch=8,
+                     micro_batch=4, dtype="fp32"),
+    "cpu-small": dict(actor="opt-small", critic="opt-small-critic", prompt_len=64, answer_len=64, global_batch=8,
+                      micro_batch=4, dtype="fp32"),
+    # DeepSpeed-Chat's single-GPU OPT example: 1.3B actor, 350M critic/reward, 256 + 256 tokens, batch 16
+    "opt-1.3b": dict(actor="opt-1.3b", critic="opt-350m", prompt_len=256, answer_len=256, global_batch=16,
+                     micro_batch=8, dtype="bf16"),
 }
-PAD_ID, EOS_ID, BOS_ID = 1, 2, 0  # OPT's own ids: <pad>=1, </s>=2 (eos and bos in OPT), <unk>=3; we use <s>=0
+PAD_ID, EOS_ID, BOS_ID = 1, 2, 0  # OPT's own ids: <s>=0, <pad>=1, </s>=2
 
 
-def shape_config(name: str, head: str):
-    """transformers OPTConfig for shape `name`; head "causal_lm" or "score" (one label)."""
+def add_common_args(p, preset: str = "cpu-tiny", iterations: int = 3) -> None:
+    """The arguments every launch of ppo_iteration.py takes, also passed through by scaling.py."""
+    p.add_argument("--preset", choices=sorted(PRESETS), default=preset)
+    p.add_argument("--warmup", type=int, default=1, help="warm-up iterations, reported but not summarized")
+    p.add_argument("--iterations", type=int, default=iterations, help="measured iterations (K)")
+    p.add_argument("--work-dir", default=os.environ.get("BENCH_WORK_DIR", os.path.join(
+        os.environ.get("TMPDIR", "/tmp"), "rlhf_bench")), help="model folders and run folders (cached)")
+    p.add_argument("--out", required=True, help="JSON result file")
+
+
+# ---- models and prompts -------------------------------------------------------------------------------------------
+def shape_config(name: str):
     from transformers import OPTConfig
 
-    s = dict(SHAPES[name])
-    return OPTConfig(**s, dropout=0.0, attention_dropout=0.0, activation_dropout=0.0, layerdrop=0.0,
+    return OPTConfig(**SHAPES[name], dropout=0.0, attention_dropout=0.0, activation_dropout=0.0, layerdrop=0.0,
                      pad_token_id=PAD_ID, bos_token_id=BOS_ID, eos_token_id=EOS_ID, num_labels=1,
                      enable_bias=True, activation_function="relu", tie_word_embeddings=True)
 
 
-def make_tokenizer(out_dir: str) -> str:
-    """A small WordLevel tokenizer with OPT's special-token ids (<s>=0, <pad>=1, </s>=2, <unk>=3). Its vocabulary is
-    smaller than the models': prompts are token ids, never text, and the tokenizer only provides pad/eos ids."""
-    if os.path.isfile(os.path.join(out_dir, "tokenizer.json")):
-        return out_dir
-    from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
-    vocab = {"<s>": 0, "<pad>": 1, "</s>": 2, "<unk>": 3}
-    vocab.update({f"w{i}": 4 + i for i in range(60)})
-    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
-    tok.pre_tokenizer = pre_tokenizers.Whitespace()
-    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", pad_token="<pad>", eos_token="</s>",
-                                   unk_token="<unk>", padding_side="left")
-    tmp = out_dir + f".tmp{os.getpid()}"
-    fast.save_pretrained(tmp)
-    _publish(tmp, out_dir)
-    return out_dir
-
-
 def _publish(tmp: str, out: str) -> None:
-    """Move a finished folder into place; another process that got there first wins (ranks may race)."""
+    """Move a finished folder into place; ranks may race, and the first one wins."""
     import shutil
 
     try:
@@ -105,15 +82,32 @@ def _publish(tmp: str, out: str) -> None:
         shutil.rmtree(tmp, ignore_errors=True)
 
 
+def make_tokenizer(out_dir: str) -> str:
+    """A WordLevel tokenizer with OPT's special-token ids: prompts are token ids, so it only supplies pad/eos."""
+    if os.path.isfile(os.path.join(out_dir, "tokenizer.json")):
+        return out_dir
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"<s>": 0, "<pad>": 1, "</s>": 2, "<unk>": 3, **{f"w{i}": 4 + i for i in range(60)}}
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tmp = out_dir + f".tmp{os.getpid()}"
+    PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", pad_token="<pad>", eos_token="</s>",
+                            unk_token="<unk>", padding_side="left").save_pretrained(tmp)
+    _publish(tmp, out_dir)
+    return out_dir
+
+
 def make_model_folder(models_dir: str, shape: str, head: str, dtype: str = "bf16", seed: int = 0) -> str:
-    """A random-weight OPT model of `shape` saved as an HF folder (weights in `dtype`, tokenizer included), cached
-    under `models_dir` by a hash of its config. Built on the GPU when there is one (fast init), else on CPU."""
+    """A random-weight OPT model ("causal_lm" or "score" head) saved as an HF folder with its tokenizer, cached under
+    `models_dir` by a hash of its config. Initialised on the GPU when there is one (much faster than on CPU)."""
     import torch
     import transformers
-    from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
+    from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer
 
     transformers.utils.logging.disable_progress_bar()
-    config = shape_config(shape, head)
+    config = shape_config(shape)
     key = hashlib.sha1(json.dumps([config.to_dict(), head, dtype, seed], sort_keys=True, default=str)
                        .encode()).hexdigest()[:10]
     out = os.path.join(models_dir, f"{shape}-{head}-{dtype}-{key}")
@@ -121,66 +115,64 @@ def make_model_folder(models_dir: str, shape: str, head: str, dtype: str = "bf16
         return out
     tok = make_tokenizer(os.path.join(models_dir, "tokenizer"))
     auto = AutoModelForCausalLM if head == "causal_lm" else AutoModelForSequenceClassification
-    device = "cuda" if torch.cuda.is_available() else "cpu"
     tdtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[dtype]
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        with torch.device(device):
+        with torch.device("cuda" if torch.cuda.is_available() else "cpu"):
             model = auto.from_config(config, dtype=tdtype)
     tmp = out + f".tmp{os.getpid()}"
     model.save_pretrained(tmp)
-    from transformers import AutoTokenizer
-
     AutoTokenizer.from_pretrained(tok).save_pretrained(tmp)
-    del model
     _publish(tmp, out)
     return out
 
 
-def matmul_params(path_or_shape: str, head: str) -> int:
-    """N of the FLOP formula for a model folder or a shape name (built on the meta device: no memory)."""
-    import torch
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSequenceClassification
+def model_folders(models_dir: str, actor: str, critic: str, dtype: str) -> dict:
+    """The actor and critic/reward folders; local rank 0 builds them while the node's other ranks wait."""
+    from rlhf_engine.engine import init_distributed
+    from rlhf_engine.engine.distributed import barrier
 
-    config = shape_config(path_or_shape, head) if path_or_shape in SHAPES else AutoConfig.from_pretrained(
-        path_or_shape, num_labels=1)
+    def build():
+        return {"actor": make_model_folder(models_dir, actor, "causal_lm", dtype, seed=0),
+                "critic": make_model_folder(models_dir, critic, "score", dtype, seed=1)}
+
+    if init_distributed().local_rank == 0:
+        build()
+    barrier()
+    return build()
+
+
+def matmul_params(shape: str, head: str) -> int:
+    """N of the FLOP formula for a shape (built on the meta device: no memory)."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
+
     auto = AutoModelForCausalLM if head == "causal_lm" else AutoModelForSequenceClassification
     with torch.device("meta"):
-        model = auto.from_config(config)
-    total = 0
-    for m in model.modules():
-        if isinstance(m, torch.nn.Embedding):
-            continue
-        for p in m.parameters(recurse=False):
-            if p.dim() == 2:
-                total += p.numel()
-    return total
+        model = auto.from_config(shape_config(shape))
+    return sum(p.numel() for m in model.modules() if not isinstance(m, torch.nn.Embedding)
+               for p in m.parameters(recurse=False) if p.dim() == 2)
 
 
-# ---- synthetic prompts -------------------------------------------------------------------------------------------
-def synthetic_prompts(n: int, length: int, vocab_size: int, seed: int, fixed: bool = True):
+def synthetic_prompts(n: int, length: int, vocab_size: int, seed: int, fixed: bool = True) -> list:
     """`n` prompts of random token ids in [4, vocab): all `length` long (`fixed`, like DeepSpeed-Chat's prompts padded
-    to max_prompt_seq_len), or lengths uniform in [length // 4, length]."""
+    to max_prompt_seq_len), or of lengths uniform in [length // 4, length]."""
     import random
 
     rng = random.Random(seed)
-    out = []
-    for _ in range(n):
-        k = length if fixed else rng.randint(max(1, length // 4), length)
-        out.append([rng.randrange(4, vocab_size) for _ in range(k)])
-    return out
+    return [[rng.randrange(4, vocab_size) for _ in range(length if fixed else rng.randint(max(1, length // 4), length))]
+            for _ in range(n)]
 
 
 def synthetic_prompt_data(prompts: list):
-    """Pre-tokenized prompts as the data layer's `PromptData`, for `build_trainer(cfg, prompt_data=...)` (no
-    `datasets` file needed; everything else of `build_trainer` runs as is)."""
+    """Pre-tokenized prompts as the data layer's `PromptData`, for `build_trainer(cfg, prompt_data=...)`."""
     from rlhf_engine.data.prompts import PromptData, PromptDataset
 
     ds = PromptDataset([list(p) for p in prompts], [[1] * len(p) for p in prompts], [""] * len(prompts))
     return PromptData(train=ds, eval=None, stats=None)
 
 
-# ---- device, memory, timing ----------------------------------------------------------------------------------------
+# ---- device, memory, timing -----------------------------------------------------------------------------------------
 def on_gpu() -> bool:
     import torch
 
@@ -194,17 +186,8 @@ def sync() -> None:
         torch.cuda.synchronize()
 
 
-def _vm_hwm_kib() -> Optional[int]:
-    try:
-        with open("/proc/self/status") as f:
-            m = re.search(r"VmHWM:\s+(\d+)\s+kB", f.read())
-        return int(m.group(1)) if m else None
-    except OSError:
-        return None
-
-
 def reset_peak_memory() -> str:
-    """Reset this process's peak-memory counter; returns the method that `peak_memory_mib` will read."""
+    """Reset this process's peak-memory counter; returns what `peak_memory_mib` will read."""
     import torch
 
     if torch.cuda.is_available():
@@ -223,39 +206,36 @@ def peak_memory_mib() -> float:
 
     if torch.cuda.is_available():
         return torch.cuda.max_memory_allocated() / 2 ** 20
-    hwm = _vm_hwm_kib()
-    if hwm is not None:
-        return hwm / 1024
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-
-
-def process_peak_mib() -> float:
-    """Peak memory of the whole process so far: CUDA max allocated (GPU) or ru_maxrss (CPU)."""
-    import torch
-
-    if torch.cuda.is_available():
-        return torch.cuda.max_memory_allocated() / 2 ** 20  # reset per iteration: see callers
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    try:
+        with open("/proc/self/status") as f:
+            return int(re.search(r"VmHWM:\s+(\d+)\s+kB", f.read()).group(1)) / 1024
+    except (OSError, AttributeError):
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
 class PhaseTimer:
-    """Wall-clock sums per key, filled by wrappers around an RLHFEngine INSTANCE's methods (the library is not
-    touched). On GPU each timed call is bracketed by torch.cuda.synchronize(), so a key holds the device time of
-    its work; the syncs are the benchmark's own and are absent from normal training."""
+    """Wall-clock sums per key, from wrappers around one RLHFEngine INSTANCE's methods (the library is untouched).
+    On GPU each timed call is bracketed by torch.cuda.synchronize(), so a key holds the device time of its work;
+    these syncs are the benchmark's own and absent from normal training."""
 
     ENGINE_METHODS = ("sample", "actor_logprobs", "ref_logprobs", "critic_values", "reward_scores",
                       "actor_forward", "critic_forward")
-    ROLE_METHODS = ("backward", "step")
+    ROLE_METHODS = ("backward", "step")  # keyed "<method>/<role>"
 
-    def __init__(self):
+    def __init__(self, engine):
         self.t: dict[str, float] = {}
         self.n: dict[str, int] = {}
+        for name in self.ENGINE_METHODS:
+            setattr(engine, name, self.wrap(lambda *a, _n=name, **k: _n, getattr(engine, name)))
+        for name in self.ROLE_METHODS:
+            setattr(engine, name, self.wrap(lambda role, *a, _n=name, **k: f"{_n}/{role}", getattr(engine, name)))
 
     def reset(self) -> None:
         self.t, self.n = {}, {}
 
-    def wrap(self, key: str, fn: Callable) -> Callable:
+    def wrap(self, key_of: Callable, fn: Callable) -> Callable:
         def timed(*a, **k):
+            key = key_of(*a, **k)
             sync()
             t0 = time.perf_counter()
             try:
@@ -267,109 +247,80 @@ class PhaseTimer:
 
         return timed
 
-    def wrap_role(self, name: str, fn: Callable) -> Callable:
-        def timed(role, *a, **k):
-            return self.wrap(f"{name}/{role}", lambda: fn(role, *a, **k))()
-
-        return timed
-
-    def instrument(self, engine) -> None:
-        for name in self.ENGINE_METHODS:
-            setattr(engine, name, self.wrap(name, getattr(engine, name)))
-        for name in self.ROLE_METHODS:
-            setattr(engine, name, self.wrap_role(name, getattr(engine, name)))
-
-
-def split_phases(rec: dict, timer: PhaseTimer) -> dict:
-    """The trainer's phase times plus the finer splits from the timers (seconds)."""
-    t = timer.t
-    gen, exp, train = rec["time/generate"], rec["time/experience"], rec["time/train"]
-    exp_parts = {k: t.get(k, 0.0) for k in ("actor_logprobs", "ref_logprobs", "critic_values", "reward_scores")}
-    actor = t.get("actor_forward", 0.0) + t.get("backward/actor", 0.0) + t.get("step/actor", 0.0)
-    critic = t.get("critic_forward", 0.0) + t.get("backward/critic", 0.0) + t.get("step/critic", 0.0)
-    return {
-        "generation": gen,
-        "experience": exp,
-        "experience/actor_logprobs": exp_parts["actor_logprobs"],
-        "experience/reference": exp_parts["ref_logprobs"],
-        "experience/reward": exp_parts["reward_scores"],
-        "experience/critic": exp_parts["critic_values"],
-        "experience/other": max(0.0, exp - sum(exp_parts.values())),
-        "training": train,
-        "training/actor": actor,
-        "training/critic": critic,
-        "training/other": max(0.0, train - actor - critic),
-        "training/actor_forward": t.get("actor_forward", 0.0),
-        "training/actor_backward": t.get("backward/actor", 0.0),
-        "training/actor_step": t.get("step/actor", 0.0),
-        "training/critic_forward": t.get("critic_forward", 0.0),
-        "training/critic_backward": t.get("backward/critic", 0.0),
-        "training/critic_step": t.get("step/critic", 0.0),
-    }
+    def split(self, rec: dict) -> dict:
+        """The trainer's phase times (`rec`, one `step()` record) plus the finer splits of the timers (seconds)."""
+        t = self.t.get
+        exp, train = rec["time/experience"], rec["time/train"]
+        out = {"generation": rec["time/generate"], "experience": exp,
+               "experience/actor_logprobs": t("actor_logprobs", 0.0), "experience/reference": t("ref_logprobs", 0.0),
+               "experience/reward": t("reward_scores", 0.0), "experience/critic": t("critic_values", 0.0),
+               "training": train}
+        out["experience/other"] = max(0.0, exp - sum(out[f"experience/{k}"] for k in (
+            "actor_logprobs", "reference", "reward", "critic")))
+        for role in ("actor", "critic"):
+            parts = {"forward": t(f"{role}_forward", 0.0), "backward": t(f"backward/{role}", 0.0),
+                     "step": t(f"step/{role}", 0.0)}
+            out[f"training/{role}"] = sum(parts.values())
+            out.update({f"training/{role}_{k}": v for k, v in parts.items()})
+        out["training/other"] = max(0.0, train - out["training/actor"] - out["training/critic"])
+        return out
 
 
 def iteration_flops(n: dict, batch: int, width: int, ppo_epochs: int) -> dict:
-    """FLOPs of one iteration on one rank (see FLOP_FORMULA). `n` maps role -> matmul params."""
+    """FLOPs of one iteration on one rank (FLOP_FORMULA); `n` maps role -> matmul parameters."""
     T = batch * width
-    return {
-        "generation": 2 * n["actor"] * T,
-        "experience": 2 * (n["actor"] + n["reference"] + n["critic"] + n["reward"]) * T,
-        "training": 6 * (n["actor"] + n["critic"]) * T * ppo_epochs,
-    }
+    return {"generation": 2 * n["actor"] * T,
+            "experience": 2 * (n["actor"] + n["reference"] + n["critic"] + n["reward"]) * T,
+            "training": 6 * (n["actor"] + n["critic"]) * T * ppo_epochs}
 
 
-# ---- environment and output ----------------------------------------------------------------------------------------
-def _cpu_model() -> str:
+# ---- environment and output ---------------------------------------------------------------------------------------
+def git_commit() -> Optional[str]:
     try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown"
+        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True,
+                              timeout=10).stdout.strip() or None
+    except (OSError, subprocess.SubprocessError):
+        return None
 
 
 def machine_info() -> dict:
     import torch
 
-    info = {"date_utc": time.strftime("%Y-%m-%d %H:%M", time.gmtime()), "python": platform.python_version(), "platform": platform.platform(), "cpu": _cpu_model(),
-            "cpu_count": os.cpu_count(), "torch": torch.__version__,
-            "omp_num_threads": os.environ.get("OMP_NUM_THREADS"),
-            "loadavg_at_start": [round(x, 2) for x in os.getloadavg()] if hasattr(os, "getloadavg") else None}
+    info = {"date_utc": time.strftime("%Y-%m-%d %H:%M", time.gmtime()), "python": platform.python_version(),
+            "platform": platform.platform(), "cpu": platform.processor() or "unknown", "cpu_count": os.cpu_count(),
+            "torch": torch.__version__, "omp_num_threads": os.environ.get("OMP_NUM_THREADS"),
+            "loadavg_at_start": [round(x, 2) for x in os.getloadavg()], "gpu": None}
+    try:
+        with open("/proc/cpuinfo") as f:
+            info["cpu"] = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
+        with open("/proc/meminfo") as f:
+            info["ram_gib"] = round(int(re.search(r"MemTotal:\s+(\d+)", f.read()).group(1)) / 2 ** 20, 1)
+    except (OSError, StopIteration, AttributeError):
+        pass
     for mod in ("transformers", "deepspeed", "accelerate"):
         try:
             info[mod] = __import__(mod).__version__
         except Exception as e:  # noqa: BLE001
             info[mod] = f"unavailable ({type(e).__name__})"
-    try:
-        with open("/proc/meminfo") as f:
-            info["ram_gib"] = round(int(re.search(r"MemTotal:\s+(\d+)", f.read()).group(1)) / 2 ** 20, 1)
-    except (OSError, AttributeError):
-        pass
     if torch.cuda.is_available():
         p = torch.cuda.get_device_properties(0)
         info.update(gpu=p.name, gpu_count=torch.cuda.device_count(), gpu_memory_gib=round(p.total_memory / 2 ** 30, 1),
                     cuda=torch.version.cuda)
-    else:
-        info["gpu"] = None
-    try:
-        info["git_commit"] = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
-                                            text=True, timeout=10).stdout.strip() or None
-        # the measured code: rlhf_engine (the benchmark's own files are the instrument, not the subject)
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no", "--", "rlhf_engine"],
-                               cwd=ROOT, capture_output=True, text=True, timeout=10).stdout.strip()
-        info["git_dirty"] = bool(dirty)
-    except (OSError, subprocess.SubprocessError):
-        info["git_commit"] = None
+    info["git_commit"] = git_commit()
+    # only rlhf_engine counts as the measured code: the bench files are the instrument
+    status = ["git", "status", "--porcelain", "--untracked-files=no", "--", "rlhf_engine"]
+    info["git_dirty"] = bool(subprocess.run(status, cwd=ROOT, capture_output=True, text=True).stdout.strip())
     return info
 
 
 def command_line(argv: list) -> str:
-    """The command that produced a result, with this checkout's absolute path removed (so it reads the same on any
-    machine)."""
+    """The command that produced a result, without this checkout's absolute path (it reads the same anywhere)."""
     prefix = ROOT.rstrip("/") + "/"
     return " ".join(a.replace(prefix, "") for a in argv)
+
+
+def script_command() -> str:
+    return command_line([os.path.relpath(sys.argv[0], ROOT)] + sys.argv[1:])
 
 
 def cell(text: Any) -> str:
@@ -378,11 +329,11 @@ def cell(text: Any) -> str:
 
 
 def write_json(path: str, obj: Any) -> None:
-    """Atomic write (a reader or a killed run never leaves half a file)."""
+    """Atomic write: a reader or a killed run never leaves half a file."""
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     tmp = f"{path}.tmp{os.getpid()}"
     with open(tmp, "w") as f:
-        json.dump(obj, f, indent=1, sort_keys=False, default=str)
+        json.dump(obj, f, indent=1, default=str)
         f.write("\n")
     os.replace(tmp, path)
 
@@ -396,7 +347,7 @@ def median(xs: list) -> Optional[float]:
 
 
 def fmt(x: Any, digits: int = 3) -> str:
-    """A number for a table: 3 significant digits (no scientific notation for ordinary sizes)."""
+    """A number for a table: 3 significant digits, thousands separated, no scientific notation."""
     if x is None:
         return "–"
     if isinstance(x, str):
@@ -405,10 +356,8 @@ def fmt(x: Any, digits: int = 3) -> str:
         return "yes" if x else "no"
     if x == 0:
         return "0"
-    ax = abs(x)
-    if ax >= 10 ** digits:
-        return f"{x:,.0f}"
     from math import floor, log10
 
-    decimals = max(0, digits - 1 - floor(log10(ax)))
-    return f"{x:.{decimals}f}"
+    if abs(x) >= 10 ** digits:
+        return f"{x:,.0f}"
+    return f"{x:.{max(0, digits - 1 - floor(log10(abs(x))))}f}"

@@ -112,8 +112,7 @@ bench() {  # name cap args...
     if [ "$cap" -lt 30 ]; then echo "gpu.sh: $name skipped: no time left"; \
         record "$name" '"skipped: no time left in the budget"' 0 0; return; fi
     run_capped "$name" "$cap" "$py" "$root/bench/ppo_iteration.py" --preset "$preset" --work-dir "$work" \
-        --adam "${BENCH_ADAM:-torch}" --label "$name" --time-budget $(( cap - 30 )) --out "$out/$name.json" \
-        --md "$out/$name.md" "$@"
+        --adam "${BENCH_ADAM:-torch}" --label "$name" --time-budget $(( cap - 30 )) --out "$out/$name.json" "$@"
 }
 if [ "$env_rc" = 0 ]; then
     run_capped models "$(cap_for 120)" "$py" "$root/bench/ppo_iteration.py" --preset "$preset" --work-dir "$work" \

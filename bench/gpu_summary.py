@@ -1,5 +1,5 @@
-"""Merge the steps of bench/gpu.sh into one file: <dir>/gpu.json (environment, every step's exit status and time,
-every step's ppo_iteration result) and <dir>/gpu.md (the table, next to DeepSpeed-Chat's reference figure).
+"""Merge the steps of bench/gpu.sh into <dir>/gpu.json (environment, every step's exit status, time and
+ppo_iteration result) and <dir>/gpu.md (the table, next to DeepSpeed-Chat's reference figure).
 
     python bench/gpu_summary.py --dir bench/results/gpu --budget 465 --elapsed 431 --tiny 0
 """
@@ -21,45 +21,39 @@ REFERENCE = {"source": "DeepSpeed-Chat (figure quoted in our benchmark issue)", 
              "samples_per_s": 6.3}
 
 
-def _read(path: str):
+def _read(path: str, tail: int = 0):
+    """The JSON at `path`, or (tail > 0) its last `tail` characters of text; None when missing or broken."""
     try:
-        with open(path) as f:
-            return json.load(f)
+        with open(path, errors="replace") as f:
+            return f.read()[-tail:] if tail else json.load(f)
     except (OSError, ValueError):
         return None
 
 
-def _tail(path: str, n: int = 3000) -> str | None:
+def _lines(path: str) -> list:
     try:
-        with open(path, errors="replace") as f:
-            return f.read()[-n:]
+        with open(path) as f:
+            return [json.loads(line) for line in f if line.strip()]
     except OSError:
-        return None
+        return []
 
 
 def build(d: str, budget: float, elapsed: float, tiny: bool) -> dict:
-    steps = []
-    try:
-        with open(os.path.join(d, "steps.jsonl")) as f:
-            steps = [json.loads(line) for line in f if line.strip()]
-    except OSError:
-        pass
-    for s in steps:
-        rc = s.get("rc")
-        s["timed_out"] = rc in (124, 137)
-        s["result"] = _read(os.path.join(d, f"{s['name']}.json"))
-        if rc not in (0, None) and not isinstance(rc, str):
-            s["log_tail"] = _tail(os.path.join(d, f"{s['name']}.log"))
+    steps = _lines(os.path.join(d, "steps.jsonl"))
     rows = []
     for s in steps:
+        s["timed_out"] = s.get("rc") in (124, 137)
+        s["result"] = _read(os.path.join(d, f"{s['name']}.json"))
+        res = s["result"] or {}
+        if s.get("rc") not in (0, None) and not isinstance(s.get("rc"), str):
+            s["log_tail"] = _read(os.path.join(d, f"{s['name']}.log"), 3000)
         if s["name"] not in STEPS:
             continue
-        res = s.get("result") or {}
         for v in res.get("variants", []):
             summ = v.get("summary") or {}
             row = {"step": s["name"], "variant": v["name"], "zero": v["spec"].get("zero", 0),
                    "hybrid_engine": bool(v["spec"].get("hybrid_engine")),
-                   "status": ("timed out" if s["timed_out"] else "ok" if s["rc"] == 0 else f"rc {s['rc']}"),
+                   "status": "timed out" if s["timed_out"] else "ok" if s["rc"] == 0 else f"rc {s['rc']}",
                    "skipped": v.get("skipped"), "error": v.get("error")}
             if summ:
                 row.update(samples_per_s=summ["samples_per_s"], generated_tokens_per_s=summ["generated_tokens_per_s"],
@@ -77,55 +71,49 @@ def build(d: str, budget: float, elapsed: float, tiny: bool) -> dict:
                          "greedy_check": res["greedy_harness_check"]})
         if not res.get("variants") and isinstance(s.get("rc"), str):
             rows.append({"step": s["name"], "variant": s["name"], "status": s["rc"]})
-    env = _read(os.path.join(d, "env.json"))
-    prebuild = _tail(os.path.join(d, "prebuild.log"), 1500)
-    machine = next((s["result"]["machine"] for s in steps if s.get("result") and s["result"].get("machine")), None)
+    machine = next((s["result"]["machine"] for s in steps if (s["result"] or {}).get("machine")), None)
     return {"kind": "gpu_benchmark", "tiny": tiny, "budget_s": budget, "elapsed_s": elapsed,
-            "within_budget": elapsed <= budget, "machine": machine, "env": env, "reference": REFERENCE,
-            "hybrid_kernels_prebuild_log": prebuild,
+            "within_budget": elapsed <= budget, "machine": machine, "env": _read(os.path.join(d, "env.json")),
+            "reference": REFERENCE, "hybrid_kernels_prebuild_log": _read(os.path.join(d, "prebuild.log"), 1500),
             "flop_formula": bl.FLOP_FORMULA, "steps": steps, "table": rows}
 
 
 def markdown(summary: dict) -> str:
     out = ["| step | ZeRO | Hybrid Engine | status | samples/s | gen. tokens/s (in generation) | iteration s "
            "| generation / experience / actor train / critic train | TFLOP/s per rank | peak memory per rank (MiB) "
-           "| vs DeepSpeed-Chat 6.3 samples/s |",
-           "|---|---|---|---|---|---|---|---|---|---|---|"]
+           "| vs DeepSpeed-Chat 6.3 samples/s |", "|---" * 11 + "|"]
     for r in summary["table"]:
-        if "greedy_check" in r and "samples_per_s" not in r and r["variant"].startswith("greedy"):
-            continue
         if "samples_per_s" not in r:
-            why = bl.cell(r.get("skipped") or r.get("error") or r.get("status"))
-            out.append(f"| {r['step']} | {r.get('zero', '–')} | {bl.fmt(r.get('hybrid_engine'))} | {why} "
-                       "| – | – | – | – | – | – | – |")
+            if not r["variant"].startswith("greedy"):
+                why = bl.cell(r.get("skipped") or r.get("error") or r.get("status"))
+                out.append(f"| {r['step']} | {r.get('zero', '–')} | {bl.fmt(r.get('hybrid_engine'))} | {why} "
+                           "| – | – | – | – | – | – | – |")
             continue
-        sh = r["share"]
-        shares = " / ".join(f"{100 * sh[k]:.0f}%" for k in ("generation", "experience", "training/actor",
-                                                            "training/critic"))
         vs = "–" if r["vs_reference"] is None else f"{r['vs_reference']:.2f}x"
+        shares = " / ".join(f"{100 * r['share'][k]:.0f}%" for k in ("generation", "experience", "training/actor",
+                                                                    "training/critic"))
         out.append(f"| {r['step']} | {r['zero']} | {bl.fmt(r['hybrid_engine'])} | {r['status']} "
                    f"({r['iterations']} it.) | {bl.fmt(r['samples_per_s'])} | "
                    f"{bl.fmt(r['generated_tokens_per_s'])} ({bl.fmt(r['generation_tokens_per_s'])}) | "
                    f"{bl.fmt(r['iteration_s'])} | {shares} | {bl.fmt(r['tflops']['overall'])} | "
                    f"{', '.join(bl.fmt(m) for m in r['peak_mem_mib'])} | {vs} |")
-    checks = [r for r in summary["table"] if r.get("greedy_check")]
-    for r in checks:
-        g = r["greedy_check"]
-        if "error" in g:
+    for r in summary["table"]:
+        g = r.get("greedy_check")
+        if g and "error" in g:
             out.append(f"\nGreedy self-check ({r['variant']}): **error** {bl.cell(g['error'])}")
-        else:
+        elif g:
             out.append(f"\nGreedy self-check ({r['variant']}): {'passed' if g['passed'] else '**FAILED**'}; "
                        f"{g['prompts']} prompts x {g['new_tokens']} tokens, token agreement "
                        f"{100 * g['token_agreement']:.1f}%, first-token agreement "
                        f"{100 * g['first_token_agreement']:.0f}%, prefill logits max |diff| "
-                       f"{bl.fmt(g['prefill_logits_max_abs_diff'])} (max |logit| {bl.fmt(g['prefill_logits_max_abs'])}),"
-                       f" inference containers {g['inference_containers']}, generate "
-                       f"{bl.fmt(g['native_generate_s'])}s native vs {bl.fmt(g['checked_generate_s'])}s checked")
+                       f"{bl.fmt(g['prefill_logits_max_abs_diff'])} (max |logit| "
+                       f"{bl.fmt(g['prefill_logits_max_abs'])}), inference containers {g['inference_containers']}, "
+                       f"generate {bl.fmt(g['native_generate_s'])}s native vs {bl.fmt(g['checked_generate_s'])}s checked")
     return "\n".join(out) + "\n"
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__)
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--dir", required=True)
     p.add_argument("--budget", type=float, required=True)
     p.add_argument("--elapsed", type=float, required=True)
@@ -137,8 +125,7 @@ def main(argv=None) -> int:
     with open(os.path.join(args.dir, "gpu.md"), "w") as f:
         f.write(md)
     print(md)
-    steps = summary["steps"]
-    return 0 if steps and all(s["rc"] == 0 for s in steps) else 1
+    return 0 if summary["steps"] and all(s["rc"] == 0 for s in summary["steps"]) else 1
 
 
 if __name__ == "__main__":

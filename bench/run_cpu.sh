@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # The CPU benchmark set behind bench/README.md, then the README itself (generated from the JSON results).
 #
-#   bash bench/run_cpu.sh                  everything (about 10 minutes on 2 cores)
-#   bash bench/run_cpu.sh scaling readme   some steps: phases backends trim scaling costs costs_zero3 tokenize tiny readme
+#   bash bench/run_cpu.sh                  everything (about 7 minutes on 2 cores)
+#   bash bench/run_cpu.sh scaling readme   some steps: phases backends trim scaling tokenize tiny readme
 #
 # Results go to bench/results/cpu/*.json; models and run folders to $BENCH_WORK_DIR (default $TMPDIR/rlhf_bench).
 set -euo pipefail
@@ -15,7 +15,7 @@ export TORCH_EXTENSIONS_DIR=${TORCH_EXTENSIONS_DIR:-$(dirname "$py")/../torch_ex
 mkdir -p "$res"
 cd "$root"
 steps=("$@")
-[ ${#steps[@]} -eq 0 ] && steps=(phases backends trim scaling costs costs_zero3 tokenize tiny readme)
+[ ${#steps[@]} -eq 0 ] && steps=(phases backends trim scaling tokenize tiny readme)
 timings=$res/run_cpu_timings.jsonl
 [ $# -eq 0 ] && rm -f "$timings"
 
@@ -44,20 +44,6 @@ for step in "${steps[@]}"; do
         scaling)
             run scaling "$py" bench/scaling.py --preset cpu-small --repeats 2 --warmup 1 --iterations 2 \
                 --out "$res/scaling.json" ;;
-        costs)  # applied fixes as before (patched back to the old code) -> current; candidates as current -> fix
-            run costs "$py" bench/costs.py --preset cpu-small --reps 5 --check-equivalence --label costs-1rank \
-                --variant current --variant full_lm_head:patch=full_lm_head \
-                --variant top_k_default:patch=top_k_default --variant checks_in_hot_loop:patch=checks_in_hot_loop \
-                --variant all_before:patch=full_lm_head+top_k_default+checks_in_hot_loop \
-                --variant no_entropy:patch=no_entropy --out "$res/costs_1rank.json" ;;
-        costs_zero3)
-            run costs_zero3 "$(dirname "$py")/torchrun" --nproc_per_node 2 --master_port "$("$py" -c \
-                'import socket; s=socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')" \
-                bench/costs.py --preset cpu-small --zero 3 --reps 3 --check-equivalence --label costs-zero3-2ranks \
-                --variant current --variant checks_in_hot_loop:patch=checks_in_hot_loop \
-                --variant gather_once:gather_once=1 --variant gather_once_patch:patch=gather_once \
-                --variant gather_copy:patch=gather_copy \
-                --out "$res/costs_zero3_2ranks.json" ;;
         tokenize)  # applied fix: tokenized data cached per node (no cache -> local rank 0 builds -> warm entry)
             run tokenize "$(dirname "$py")/torchrun" --nproc_per_node 2 --master_port "$("$py" -c \
                 'import socket; s=socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')" \

@@ -3,12 +3,12 @@
     python bench/side_by_side.py --harness ../shared/peer/side_by_side.sh --rounds 3 \
         --out bench/results/cpu/dschat_side_by_side.json
 
-The harness (not part of this project: see its README) runs one launch of our `launch/train_ppo.py` and then one of
-DeepSpeed-Chat's step 3 on the same weights, prompts, shapes, ZeRO stages and dtype, 2 ranks, and prints the median
-iteration time of each (end-of-iteration stamps, the first 2 dropped). This script calls it once per configuration
-and round, configurations in turn within a round (so slow drift of a shared machine spreads over all of them), and
-records every launch: both medians, our phase medians (time/generate, time/experience, time/train from the run's
-metrics.jsonl, the first 2 iterations dropped) and DeepSpeed-Chat's own printed generation latency.
+The harness (not part of this project: see its README) runs one launch of our `launch/train_ppo.py`, then one of
+DeepSpeed-Chat's step 3, on the same weights, prompts, shapes, ZeRO stages and dtype, 2 ranks, and prints the median
+iteration time of each (end-of-iteration stamps, the first 2 dropped). This script calls it once per configuration and
+round, the configurations in turn within a round (slow drift of a shared machine spreads over all of them), and keeps
+every launch: both medians, our phase medians (time/generate, time/experience, time/train of the run's metrics.jsonl,
+the first 2 iterations dropped) and DeepSpeed-Chat's own printed generation latency.
 """
 from __future__ import annotations
 
@@ -21,63 +21,46 @@ import subprocess
 import sys
 import time
 
-BENCH = os.path.dirname(os.path.abspath(__file__))
-ROOT = os.path.dirname(BENCH)
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import benchlib as bl  # noqa: E402
 
-# NAME: (H L B P R ZA ZC DTYPE, iterations): the harness README's three configurations
+# name: (the harness's H L B P R ZA ZC DTYPE, iterations, description): its README's three configurations
 CONFIGS = {
-    "small_z2": ("64 2 4 32 32 2 2 bf16", 12),
-    "small_z3": ("64 2 4 32 32 3 2 bf16", 12),
-    "mid_z2": ("256 4 8 32 64 2 2 bf16", 10),
+    "small_z2": ("64 2 4 32 32 2 2 bf16", 12, "OPT H64 L2, 4 prompts/rank, 32+32 tokens, ZeRO 2/2, bf16"),
+    "small_z3": ("64 2 4 32 32 3 2 bf16", 12, "same, actor ZeRO 3"),
+    "mid_z2": ("256 4 8 32 64 2 2 bf16", 10, "OPT H256 L4, 8 prompts/rank, 32+64 tokens, ZeRO 2/2, bf16"),
 }
-DESCRIBE = {
-    "small_z2": "OPT H64 L2, 4 prompts/rank, 32+32 tokens, ZeRO 2/2, bf16",
-    "small_z3": "same, actor ZeRO 3",
-    "mid_z2": "OPT H256 L4, 8 prompts/rank, 32+64 tokens, ZeRO 2/2, bf16",
-}
-# the issue's measurement before this work (project at 7ba5f3b, 2026-12-01, median of 3 launches each)
+# the performance issue's starting point (median of 3 launches each), which the targets are relative to
 BASELINE = {"commit": "7ba5f3b", "date": "2026-12-01",
             "configs": {"small_z2": {"ours": 0.116, "theirs": 0.096}, "small_z3": {"ours": 0.395, "theirs": 0.341},
                         "mid_z2": {"ours": 0.515, "theirs": 0.468}},
             "mid_z2_phases": {"generate": 0.216, "experience": 0.066, "train": 0.233}}
-PHASES = ("time/generate", "time/experience", "time/train")
 
 
-def _summary(path: str) -> dict:
-    out = {}
-    for line in open(path):
-        m = re.match(r"(ours|theirs) rc=(\d+) (\S+) (\d+)", line)
-        if m:
-            out[m.group(1)] = {"rc": int(m.group(2)), "median_s": None if m.group(3) == "nan" else float(m.group(3)),
-                               "intervals": int(m.group(4))}
-    return out
-
-
-def _our_phases(work: str) -> dict:
-    path = os.path.join(work, "ourout", "metrics.jsonl")
-    if not os.path.isfile(path):
-        return {}
-    recs = [json.loads(line) for line in open(path) if line.strip()][2:]
-    return {k.split("/")[1]: statistics.median(r[k] for r in recs) for k in PHASES if recs}
-
-
-def _their_generation(work: str) -> float | None:
-    path = os.path.join(work, "theirs_1.log")
-    vals = [float(x) for x in re.findall(r"Generation => Latency: ([0-9.]+)s", open(path).read())] \
-        if os.path.isfile(path) else []
-    return statistics.median(vals[2:] or vals) if vals else None
+def _read(path: str) -> str:
+    try:
+        with open(path) as f:
+            return f.read()
+    except OSError:
+        return ""
 
 
 def launch(harness: str, name: str) -> dict:
-    args, iters = CONFIGS[name]
+    args, iters, _ = CONFIGS[name]
     t = time.time()
-    proc = subprocess.run(["bash", harness, name, *args.split(), "1", str(iters)], cwd=ROOT, capture_output=True,
+    proc = subprocess.run(["bash", harness, name, *args.split(), "1", str(iters)], cwd=bl.ROOT, capture_output=True,
                           text=True)
-    work = os.path.join("/tmp/peer", name)
-    s = _summary(os.path.join(work, "summary.txt"))
+    work = os.path.join("/tmp/peer", name)  # where the harness leaves its logs
+    s = {m[0]: {"rc": int(m[1]), "median_s": None if m[2] == "nan" else float(m[2])}
+         for m in re.findall(r"(ours|theirs) rc=(\d+) (\S+) \d+", _read(os.path.join(work, "summary.txt")))}
+    recs = [json.loads(line) for line in _read(os.path.join(work, "ourout", "metrics.jsonl")).splitlines() if line][2:]
+    gens = [float(x) for x in re.findall(r"Generation => Latency: ([0-9.]+)s", _read(os.path.join(work,
+                                                                                              "theirs_1.log")))]
     return {"ours_s": s.get("ours", {}).get("median_s"), "theirs_s": s.get("theirs", {}).get("median_s"),
             "ours_rc": s.get("ours", {}).get("rc"), "theirs_rc": s.get("theirs", {}).get("rc"),
-            "ours_phases_s": _our_phases(work), "theirs_generation_s": _their_generation(work),
+            "ours_phases_s": {k: statistics.median(r[f"time/{k}"] for r in recs)
+                              for k in ("generate", "experience", "train")} if recs else {},
+            "theirs_generation_s": statistics.median(gens[2:] or gens) if gens else None,
             "wall_s": round(time.time() - t, 1), "harness_rc": proc.returncode,
             "tail": proc.stdout[-400:] if proc.returncode else ""}
 
@@ -86,18 +69,17 @@ def summarize(launches: list) -> dict:
     ok = [x for x in launches if x["ours_s"] and x["theirs_s"]]
     if not ok:
         return {}
-    ours, theirs = [x["ours_s"] for x in ok], [x["theirs_s"] for x in ok]
-    ratios = [x["ours_s"] / x["theirs_s"] for x in ok]
-    phases = {k: statistics.median(x["ours_phases_s"][k] for x in ok if k in x["ours_phases_s"])
-              for k in ("generate", "experience", "train") if any(k in x["ours_phases_s"] for x in ok)}
-    return {"ours_median_s": statistics.median(ours), "theirs_median_s": statistics.median(theirs),
-            "ratio": statistics.median(ours) / statistics.median(theirs),
-            "ratio_per_launch": ratios, "ours_phases_median_s": phases}
+    ours, theirs = statistics.median(x["ours_s"] for x in ok), statistics.median(x["theirs_s"] for x in ok)
+    return {"ours_median_s": ours, "theirs_median_s": theirs, "ratio": ours / theirs,
+            "ratio_per_launch": [x["ours_s"] / x["theirs_s"] for x in ok],
+            "ours_phases_median_s": {k: statistics.median(x["ours_phases_s"][k] for x in ok if k in x["ours_phases_s"])
+                                     for k in ("generate", "experience", "train")
+                                     if any(k in x["ours_phases_s"] for x in ok)}}
 
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--harness", default=os.path.join(ROOT, "..", "shared", "peer", "side_by_side.sh"))
+    p.add_argument("--harness", default=os.path.join(bl.ROOT, "..", "shared", "peer", "side_by_side.sh"))
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--configs", default=",".join(CONFIGS))
     p.add_argument("--out", required=True)
@@ -106,12 +88,10 @@ def main(argv=None) -> int:
     unknown = [n for n in names if n not in CONFIGS]
     if unknown or not os.path.isfile(args.harness):
         p.error(f"unknown configurations {unknown}" if unknown else f"no harness at {args.harness}")
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
-                            text=True).stdout.strip()
-    res = {"commit": commit, "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+    res = {"commit": bl.git_commit(), "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
            "load_average_at_start": os.getloadavg()[0], "rounds": args.rounds, "baseline": BASELINE,
-           "command": "python bench/side_by_side.py --rounds %d --out %s" % (args.rounds, args.out),
-           "configs": {n: {"args": CONFIGS[n][0], "iterations": CONFIGS[n][1], "describe": DESCRIBE[n],
+           "command": f"python bench/side_by_side.py --rounds {args.rounds} --out {args.out}",
+           "configs": {n: {"args": CONFIGS[n][0], "iterations": CONFIGS[n][1], "describe": CONFIGS[n][2],
                            "launches": []} for n in names}}
     for r in range(args.rounds):
         for n in names:
@@ -121,9 +101,7 @@ def main(argv=None) -> int:
                   flush=True)
     for n in names:
         res["configs"][n].update(summarize(res["configs"][n]["launches"]))
-    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-    with open(args.out, "w") as f:
-        json.dump(res, f, indent=1)
+    bl.write_json(args.out, res)
     print(f"wrote {args.out}")
     return 0
 

@@ -1,5 +1,5 @@
-"""Count host<->device synchronisation points reached from Python, by rlhf_engine site (the idea of bench/patches.py's
-SyncCounter, reduced to what the tests assert). On CPU they cost nothing, so tests count them instead of timing."""
+"""Count host<->device synchronisation points reached from Python, by rlhf_engine site. On CPU they cost nothing, so
+tests count them instead of timing."""
 import sys
 from collections import Counter
 
