@@ -24,12 +24,16 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import benchlib as bl  # noqa: E402
 
-# name: (the harness's H L B P R ZA ZC DTYPE, iterations, description): its README's three configurations
+# name: (the harness's H L B P R ZA ZC DTYPE, iterations, description): its README's three configurations, then two
+# shapes of our own that nothing was tuned on (wide: few layers, wide matmuls; deep: many thin layers)
 CONFIGS = {
-    "small_z2": ("64 2 4 32 32 2 2 bf16", 12, "OPT H64 L2, 4 prompts/rank, 32+32 tokens, ZeRO 2/2, bf16"),
+    "small_z2": ("64 2 4 32 32 2 2 bf16", 20, "OPT H64 L2, 4 prompts/rank, 32+32 tokens, ZeRO 2/2, bf16"),
     "small_z3": ("64 2 4 32 32 3 2 bf16", 12, "same, actor ZeRO 3"),
-    "mid_z2": ("256 4 8 32 64 2 2 bf16", 10, "OPT H256 L4, 8 prompts/rank, 32+64 tokens, ZeRO 2/2, bf16"),
+    "mid_z2": ("256 4 8 32 64 2 2 bf16", 12, "OPT H256 L4, 8 prompts/rank, 32+64 tokens, ZeRO 2/2, bf16"),
+    "wide_z2": ("512 2 4 64 64 2 2 bf16", 12, "ours: OPT H512 L2, 4 prompts/rank, 64+64 tokens, ZeRO 2/2, bf16"),
+    "deep_z2": ("128 8 8 48 48 2 2 bf16", 12, "ours: OPT H128 L8, 8 prompts/rank, 48+48 tokens, ZeRO 2/2, bf16"),
 }
+OUR_TIMES = ("generate", "experience", "train", "metrics", "log", "checkpoint", "eval", "other", "iteration")
 # the performance issue's starting point (median of 3 launches each), which the targets are relative to
 BASELINE = {"commit": "7ba5f3b", "date": "2026-12-01",
             "configs": {"small_z2": {"ours": 0.116, "theirs": 0.096}, "small_z3": {"ours": 0.395, "theirs": 0.341},
@@ -54,13 +58,17 @@ def launch(harness: str, name: str) -> dict:
     s = {m[0]: {"rc": int(m[1]), "median_s": None if m[2] == "nan" else float(m[2])}
          for m in re.findall(r"(ours|theirs) rc=(\d+) (\S+) \d+", _read(os.path.join(work, "summary.txt")))}
     recs = [json.loads(line) for line in _read(os.path.join(work, "ourout", "metrics.jsonl")).splitlines() if line][2:]
-    gens = [float(x) for x in re.findall(r"Generation => Latency: ([0-9.]+)s", _read(os.path.join(work,
-                                                                                              "theirs_1.log")))]
+    theirs = _read(os.path.join(work, "theirs_1.log"))
+    gens = [float(x) for x in re.findall(r"Generation => Latency: ([0-9.]+)s", theirs)]
+    trains = [float(x) for x in re.findall(r"Training   => Latency: ([0-9.]+)s", theirs)]
     return {"ours_s": s.get("ours", {}).get("median_s"), "theirs_s": s.get("theirs", {}).get("median_s"),
             "ours_rc": s.get("ours", {}).get("rc"), "theirs_rc": s.get("theirs", {}).get("rc"),
             "ours_phases_s": {k: statistics.median(r[f"time/{k}"] for r in recs)
-                              for k in ("generate", "experience", "train")} if recs else {},
+                              for k in OUR_TIMES if recs and f"time/{k}" in recs[0]},
+            # DeepSpeed-Chat's own per-iteration prints (rounded to 10 ms): generation; training (train_rlhf); the
+            # stamp-to-stamp rest is its experience forwards and logging
             "theirs_generation_s": statistics.median(gens[2:] or gens) if gens else None,
+            "theirs_training_s": statistics.median(trains[2:] or trains) if trains else None,
             "wall_s": round(time.time() - t, 1), "harness_rc": proc.returncode,
             "tail": proc.stdout[-400:] if proc.returncode else ""}
 
@@ -73,8 +81,9 @@ def summarize(launches: list) -> dict:
     return {"ours_median_s": ours, "theirs_median_s": theirs, "ratio": ours / theirs,
             "ratio_per_launch": [x["ours_s"] / x["theirs_s"] for x in ok],
             "ours_phases_median_s": {k: statistics.median(x["ours_phases_s"][k] for x in ok if k in x["ours_phases_s"])
-                                     for k in ("generate", "experience", "train")
-                                     if any(k in x["ours_phases_s"] for x in ok)}}
+                                     for k in OUR_TIMES if any(k in x["ours_phases_s"] for x in ok)},
+            "theirs_phases_median_s": {k: statistics.median(x[f"theirs_{k}_s"] for x in ok if x.get(f"theirs_{k}_s"))
+                                       for k in ("generation", "training") if any(x.get(f"theirs_{k}_s") for x in ok)}}
 
 
 def main(argv=None) -> int:

@@ -11,7 +11,7 @@ from _support import Z, as_flags, fixed_model, z_logits
 
 from rlhf_engine.cli import parse_args
 from rlhf_engine.engine import RLHFEngine
-from rlhf_engine.engine.generation import BACKENDS
+from rlhf_engine.engine.generation import BACKENDS, SamplingParams
 from rlhf_engine.engine.preflight import plan_engine
 from rlhf_engine.rollout import pad_prompts
 
@@ -132,3 +132,34 @@ def test_trimmed_forwards_equal_the_full_ones(pair):
     for a, b in zip(out[True][0] + out[True][1:], out[False][0] + out[False][1:]):
         assert a.shape == b.shape and torch.allclose(a, b, atol=1e-5, rtol=0), (a - b).abs().max()
     assert float(out[True][0][0][1, 1:].abs().max()) == 0.0  # padding after row 2's one-token response
+
+
+@pytest.mark.parametrize("attn", ["sdpa", "eager"])
+@pytest.mark.parametrize("arch", ["tiny", "tiny_llama"])
+def test_prepared_decode_masks_equal_the_models_own(request, monkeypatch, arch, attn):
+    """The decode steps' 4D masks, built once, give the log-probs and tokens of the 2D masks the model expands
+    itself at every step (left-padded prompts, sampled, fp32); a mask that ignores the padding does not."""
+    from transformers import AutoModelForCausalLM
+
+    from rlhf_engine.engine.generation import lean
+
+    setup = request.getfixturevalue(arch)
+    model = AutoModelForCausalLM.from_pretrained(setup.actor, attn_implementation=attn).eval()
+    ids, mask = pad_prompts([[(5 * i + 3 * j) % 300 + 20 for j in range(2 + 3 * i)] for i in range(4)], 0)
+    params = SamplingParams(max_new_tokens=6, min_new_tokens=6, temperature=1.0, do_sample=True, top_k=0,
+                            top_p=1.0, stop_token_ids=(), pad_token_id=0)
+
+    def decode(masks):
+        monkeypatch.setattr(lean, "decode_step_masks", masks)
+        torch.manual_seed(0)
+        with torch.no_grad():
+            return lean.LeanBackend._decode(None, model, ids, mask, torch.tensor([], dtype=torch.long), params, False)
+
+    build = lean.decode_step_masks
+    prepared = build(model, torch.cat([mask, mask.new_ones(4, 6)], 1))
+    assert prepared is not None and prepared.shape == (4, 1, 1, ids.shape[1] + 6)
+    ours, own = decode(build), decode(lambda m, f: None)
+    assert torch.equal(ours[0], own[0]) and torch.allclose(ours[1], own[1], atol=1e-6, rtol=0), \
+        (ours[1] - own[1]).abs().max()
+    everything = decode(lambda m, f: build(m, torch.ones_like(f)))  # negative control
+    assert (everything[1] - own[1]).abs().max() > 1e-3
