@@ -1,4 +1,4 @@
-"""The lean backend: our own decoding loop over the actor's forward and a preallocated KV cache (the default).
+"""The lean backend: our own decoding loop over the actor's forward and its KV cache (the default).
 
 Per token it runs one forward of the new tokens against the cache and the token selection of `sampling.py`; nothing
 else (Hugging Face generate adds its input preparation, processor and stopping-criteria machinery around every
