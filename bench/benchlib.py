@@ -1,7 +1,6 @@
-"""Shared pieces of the benchmarks: model shapes and presets, random-weight model folders, synthetic prompts,
-per-phase timers, peak memory, FLOP counts (FLOP_FORMULA, stated in every result and in the README), common arguments
-and JSON output. Only the standard library is imported at module level (torch, transformers and rlhf_engine inside
-functions), so `make_readme.py` and the tests import it cheaply.
+"""Shared pieces of the benchmarks: model shapes and presets, random-weight model folders, synthetic prompts, phase
+timers, peak memory, FLOP counts, machine info and output. Only the standard library is imported at module level (torch,
+transformers and rlhf_engine inside functions), so `make_readme.py` and the tests import it cheaply.
 """
 from __future__ import annotations
 
@@ -11,6 +10,7 @@ import os
 import platform
 import re
 import resource
+import statistics
 import subprocess
 import sys
 import time
@@ -328,6 +328,24 @@ def cell(text: Any) -> str:
     return str(text).strip().splitlines()[0].replace("|", "/") if str(text).strip() else ""
 
 
+def read_json(path: str) -> Any:
+    """The JSON at `path`, or None when it is missing or broken."""
+    try:
+        with open(path) as f:
+            return json.load(f)
+    except (OSError, ValueError):
+        return None
+
+
+def read_jsonl(path: str) -> list:
+    """One JSON value per non-empty line; [] when the file is missing."""
+    try:
+        with open(path) as f:
+            return [json.loads(line) for line in f if line.strip()]
+    except OSError:
+        return []
+
+
 def write_json(path: str, obj: Any) -> None:
     """Atomic write: a reader or a killed run never leaves half a file."""
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
@@ -339,11 +357,9 @@ def write_json(path: str, obj: Any) -> None:
 
 
 def median(xs: list) -> Optional[float]:
-    xs = sorted(x for x in xs if x is not None)
-    if not xs:
-        return None
-    k = len(xs) // 2
-    return xs[k] if len(xs) % 2 else (xs[k - 1] + xs[k]) / 2
+    """The median of the values that are not None (None when there are none)."""
+    xs = [x for x in xs if x is not None]
+    return statistics.median(xs) if xs else None
 
 
 def fmt(x: Any, digits: int = 3) -> str:

@@ -1,10 +1,7 @@
 """Memory a critic-free run saves: GAE (actor + critic trained, reference, reward) against GRPO (no critic) on the
-same models, prompts and batch (CPU, one rank). The variants alternate, each repeat in a child process of its own, so
-one's memory never counts for the other and the machine's drift hits both alike.
-
-A child builds the trainer with `build_trainer`, runs 2 iterations and reports its peak resident memory (ru_maxrss)
-and the bytes its engines hold (parameters + optimizer state, counted from the live DeepSpeed engines). GRPO samples
-2 responses per prompt from half the prompts, so both variants train on the same number of rollouts per iteration.
+same models and prompts, CPU, one rank; GRPO samples 2 responses from half the prompts, so both train on the same
+rollouts per iteration. Each repeat of a variant is a child process of its own (the variants alternate), so one's
+memory never counts for the other: it runs 2 iterations and reports its peak RSS and its engines' bytes.
 
     .venv/bin/python bench/critic_free_memory.py --out bench/results/cpu/critic_free_memory.json --md
 """

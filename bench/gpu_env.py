@@ -1,13 +1,11 @@
-"""Prepare the Python environment of the benchmark machine from carried wheels, without touching torch.
+"""Prepare the benchmark machine's Python from the carried wheels (bench/fetch_wheels.sh), never touching torch.
 
     python bench/gpu_env.py --wheels bench/wheels --target bench/.pydeps --report env.json
 
-Each package DeepSpeed and rlhf_engine need beyond torch and transformers (deepspeed, its pure-Python dependencies,
-accelerate for ZeRO-3 model construction) is installed from its carried wheel into `--target` (which the caller puts
-first on PYTHONPATH) when it is missing or older than the wheel; nothing is downloaded (`pip --no-index --no-deps`),
-and torch, transformers and numpy already present are never replaced. Without pip a wheel is unpacked (it is a zip of
-its files). Then `import deepspeed, accelerate, transformers` is checked in a fresh interpreter with the new
-PYTHONPATH. Prints one JSON report (also written to `--report`); exit code 1 when the imports fail.
+Each of PACKAGES that is missing or older than its wheel is installed into `--target` (the caller puts it first on
+PYTHONPATH) by `pip --no-index --no-deps`, or unpacked (a wheel is a zip) without pip; torch, transformers and numpy
+already present are kept. Then the imports are checked in a fresh interpreter. Prints one JSON report (also written to
+`--report`); exit code 1 when the imports fail.
 """
 from __future__ import annotations
 
@@ -44,16 +42,13 @@ def version_tuple(v: str) -> tuple:
 
 def installed_version(dist: str, target: str) -> str | None:
     """The version the benchmark will import: `target` first (PYTHONPATH order), then the interpreter's."""
-    for path in glob.glob(os.path.join(target, "*.dist-info")):
-        name, _, ver = os.path.basename(path)[: -len(".dist-info")].partition("-")
-        if norm(name) == norm(dist):
-            return ver
-    for name in (dist.replace("_", "-"), dist):
-        try:
-            return metadata.version(name)
-        except metadata.PackageNotFoundError:
-            pass
-    return None
+    local = next(iter(metadata.distributions(name=dist, path=[target])), None)
+    if local is not None:
+        return local.version
+    try:
+        return metadata.version(dist)
+    except metadata.PackageNotFoundError:
+        return None
 
 
 def find_wheel(wheels: str, dist: str) -> str | None:

@@ -6,7 +6,6 @@ ppo_iteration result) and <dir>/gpu.md (the table, next to DeepSpeed-Chat's refe
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 
@@ -21,32 +20,24 @@ REFERENCE = {"source": "DeepSpeed-Chat (figure quoted in our benchmark issue)", 
              "samples_per_s": 6.3}
 
 
-def _read(path: str, tail: int = 0):
-    """The JSON at `path`, or (tail > 0) its last `tail` characters of text; None when missing or broken."""
+def _tail(path: str, n: int):
+    """The last `n` characters of a log; None when it is missing."""
     try:
         with open(path, errors="replace") as f:
-            return f.read()[-tail:] if tail else json.load(f)
-    except (OSError, ValueError):
+            return f.read()[-n:]
+    except OSError:
         return None
 
 
-def _lines(path: str) -> list:
-    try:
-        with open(path) as f:
-            return [json.loads(line) for line in f if line.strip()]
-    except OSError:
-        return []
-
-
 def build(d: str, budget: float, elapsed: float, tiny: bool) -> dict:
-    steps = _lines(os.path.join(d, "steps.jsonl"))
+    steps = bl.read_jsonl(os.path.join(d, "steps.jsonl"))
     rows = []
     for s in steps:
         s["timed_out"] = s.get("rc") in (124, 137)
-        s["result"] = _read(os.path.join(d, f"{s['name']}.json"))
+        s["result"] = bl.read_json(os.path.join(d, f"{s['name']}.json"))
         res = s["result"] or {}
         if s.get("rc") not in (0, None) and not isinstance(s.get("rc"), str):
-            s["log_tail"] = _read(os.path.join(d, f"{s['name']}.log"), 3000)
+            s["log_tail"] = _tail(os.path.join(d, f"{s['name']}.log"), 3000)
         if s["name"] not in STEPS:
             continue
         for v in res.get("variants", []):
@@ -73,8 +64,8 @@ def build(d: str, budget: float, elapsed: float, tiny: bool) -> dict:
             rows.append({"step": s["name"], "variant": s["name"], "status": s["rc"]})
     machine = next((s["result"]["machine"] for s in steps if (s["result"] or {}).get("machine")), None)
     return {"kind": "gpu_benchmark", "tiny": tiny, "budget_s": budget, "elapsed_s": elapsed,
-            "within_budget": elapsed <= budget, "machine": machine, "env": _read(os.path.join(d, "env.json")),
-            "reference": REFERENCE, "hybrid_kernels_prebuild_log": _read(os.path.join(d, "prebuild.log"), 1500),
+            "within_budget": elapsed <= budget, "machine": machine, "env": bl.read_json(os.path.join(d, "env.json")),
+            "reference": REFERENCE, "hybrid_kernels_prebuild_log": _tail(os.path.join(d, "prebuild.log"), 1500),
             "flop_formula": bl.FLOP_FORMULA, "steps": steps, "table": rows}
 
 
@@ -108,7 +99,8 @@ def markdown(summary: dict) -> str:
                        f"{100 * g['first_token_agreement']:.0f}%, prefill logits max |diff| "
                        f"{bl.fmt(g['prefill_logits_max_abs_diff'])} (max |logit| "
                        f"{bl.fmt(g['prefill_logits_max_abs'])}), inference containers {g['inference_containers']}, "
-                       f"generate {bl.fmt(g['native_generate_s'])}s native vs {bl.fmt(g['checked_generate_s'])}s checked")
+                       f"generate {bl.fmt(g['native_generate_s'])}s native vs "
+                       f"{bl.fmt(g['checked_generate_s'])}s checked")
     return "\n".join(out) + "\n"
 
 

@@ -8,7 +8,6 @@ benchmark adds one such function. A missing result file renders as "Not measured
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import sys
@@ -24,11 +23,7 @@ SECTIONS = []
 
 # ---- generic helpers ----------------------------------------------------------------------------------------------
 def load(res: str, name: str):
-    try:
-        with open(os.path.join(res, name)) as f:
-            return json.load(f)
-    except (OSError, ValueError):
-        return None
+    return bl.read_json(os.path.join(res, name))
 
 
 def section(title: str, name: str | None = None, how: str = ""):
@@ -46,6 +41,10 @@ def section(title: str, name: str | None = None, how: str = ""):
 def table(head: list, rows: list) -> list[str]:
     return ["| " + " | ".join(head) + " |", "|---" * len(head) + "|"] + ["| " + " | ".join(map(str, r)) + " |"
                                                                          for r in rows]
+
+
+def fmts(xs, sep: str = ", ") -> str:
+    return sep.join(fmt(x) for x in xs)
 
 
 def pct(x) -> str:
@@ -103,11 +102,7 @@ def header(r, res):
 @section("## Machine and method")
 def method(r, res):
     m = (load(res, "cpu/phases.json") or {}).get("machine")
-    try:
-        with open(os.path.join(res, "cpu", "run_cpu_timings.jsonl")) as f:
-            steps = [json.loads(line) for line in f if line.strip()]
-    except OSError:
-        steps = []
+    steps = bl.read_jsonl(os.path.join(res, "cpu", "run_cpu_timings.jsonl"))
     took = (f" The CPU set took {fmt(sum(t['seconds'] for t in steps))} s ("
             + ", ".join(f"{t['step']} {t['seconds']} s" for t in steps) + ")." if steps else "")
     return [(f"CPU results: {machine_line(m)}; `OMP_NUM_THREADS={m.get('omp_num_threads')}` per rank. " if m else "")
@@ -144,16 +139,17 @@ def side_by_side(r, res):
         ok = [y for y in x["launches"] if y["ours_s"] and y["theirs_s"]]
         b = base["configs"].get(name)
         rows.append([name, "failed: see the JSON", "", "", "", ""] if "ratio" not in x else [
-            f"{name} ({x['describe']})", f"{fmt(x['ours_median_s'])} ({', '.join(fmt(y['ours_s']) for y in ok)})",
-            f"{fmt(x['theirs_median_s'])} ({', '.join(fmt(y['theirs_s']) for y in ok)})",
+            f"{name} ({x['describe']})", f"{fmt(x['ours_median_s'])} ({fmts(y['ours_s'] for y in ok)})",
+            f"{fmt(x['theirs_median_s'])} ({fmts(y['theirs_s'] for y in ok)})",
             f"**{x['ratio']:.2f}** ({min(x['ratio_per_launch']):.2f}–{max(x['ratio_per_launch']):.2f})",
             f"{b['ours'] / b['theirs']:.2f}" if b else "—",
-            " / ".join(fmt(x["ours_phases_median_s"].get(k)) for k in ("generate", "experience", "train"))])
+            fmts((x["ours_phases_median_s"].get(k) for k in ("generate", "experience", "train")), " / ")])
     out += table(["config", "ours s/iteration (per launch)", "DS-Chat s/iteration (per launch)",
                   "ours / DS-Chat (range over launches)", "before: ours / DS-Chat",
                   "our phases: generation / experience / training s"], rows) + ["", "Targets:", ""]
-    out += [f"* {n}: ours / DeepSpeed-Chat ≤ 0.8: {x['ratio']:.2f}, "
-            + ("met." if x["ratio"] <= 0.8 else f"missed by {x['ratio'] - 0.8:.2f}.")
+    goal = {n: 0.5 if "_z3" in n else 0.8 for n in c}  # the performance issue's targets: ZeRO-3 0.5, ZeRO-2 0.8
+    out += [f"* {n}: ours / DeepSpeed-Chat ≤ {goal[n]}: {x['ratio']:.2f}, "
+            + ("met." if x["ratio"] <= goal[n] else f"missed by {x['ratio'] - goal[n]:.2f}.")
             for n, x in c.items() if "ratio" in x]
     if "ours_median_s" in c.get("small_z3", {}):
         x = base["configs"]["small_z3"]["ours"] / c["small_z3"]["ours_median_s"]
@@ -167,19 +163,68 @@ def side_by_side(r, res):
                    f"{fmt(base['mid_z2_phases']['generate'])} s before, "
                    f"{fmt(c.get('mid_z2', {}).get('ours_phases_median_s', {}).get('generate'))} s now (vocabulary "
                    "300: the sampler's gain is small there, the per-token forward dominates).")
-    gens = {n: statistics.median([y["theirs_generation_s"] for y in x["launches"] if y.get("theirs_generation_s")]
-                                 or [float("nan")]) for n, x in c.items()}
-    return out + [
-        "", "Where the time goes in the missed ones (profiled; see the performance issue's closing note): with a "
-        "300-token vocabulary and 2-4 layers an iteration is per-op overhead and small bf16 matmuls. Our training "
-        "step runs the same kernels as a DeepSpeed-Chat-style step on the same engines; the gap is in generation "
-        "(per-token forwards of the Hugging Face modules) and our per-iteration guard and metric collectives (about "
-        "0.4 ms each on 2 CPU ranks). The CPU flash-attention backward in bf16 is about a quarter of training; "
-        "eager attention would halve it but slows generation and the experience forwards more "
-        "(`--*_attn_implementation` exists for other machines).", "",
-        "DeepSpeed-Chat's own printed generation latency (2 decimals), median: "
-        + ", ".join(f"{n} {fmt(v)} s" for n, v in gens.items()) + "; before, ours in mid_z2 was "
-        + " / ".join(fmt(base["mid_z2_phases"][k]) for k in ("generate", "experience", "train")) + " s.", ""]
+    return out + ["", "### Where an iteration goes, both programs", ""] + breakdown(c) + [
+        "Where the time goes (py-spy over 200 iterations of small_z2, both ranks, 2026-12-03): generation is about "
+        "47% of our step and almost all of it the model's per-token forwards (a bf16 `Linear` costs at least 20 µs "
+        "per call on this CPU, fp32 4 µs; the rest is the Hugging Face modules' Python); training 36% (autograd "
+        "backward 21%, DeepSpeed's step 4%, of which its bf16 overflow check, redundant with our step guard, "
+        "1.4%); the experience forwards 16%; the guards, metrics, logging and checkpoint polls together under 1%. "
+        "Eager attention measured within ±5% of sdpa per phase on these shapes (2026-12-03), so `auto` stays sdpa.",
+        ""]
+
+
+def breakdown(c: dict) -> list[str]:
+    """Median seconds per phase: ours from the run's time/* metrics, DeepSpeed-Chat from its own printed latencies
+    (rounded to 10 ms) and its stamp-to-stamp median (the rest is its experience forwards and logging)."""
+    rows = []
+    for name, x in c.items():
+        o, t = x.get("ours_phases_median_s", {}), x.get("theirs_phases_median_s", {})
+        if "iteration" in o:
+            share = x.get("ours_named_share_median")
+            rows.append([name, "ours", fmt(o["generate"]), fmt(o["experience"]), fmt(o["train"]),
+                         fmt(o.get("metrics", 0) + o.get("log", 0) + o.get("checkpoint", 0)), fmt(o.get("other")),
+                         fmt(o["iteration"]), "–" if share is None else f"{100 * share:.1f}%"])
+        if t and x.get("theirs_median_s"):
+            rest = x["theirs_median_s"] - t.get("generation", 0) - t.get("training", 0)
+            rows.append([name, "DeepSpeed-Chat", fmt(t.get("generation")), f"{fmt(rest)} (the rest)",
+                         fmt(t.get("training")), "in the rest", "–", fmt(x["theirs_median_s"]), "–"])
+    if not rows:
+        return ["Not in this result file (recorded before the breakdown): rerun `python bench/side_by_side.py`.", ""]
+    return table(["config", "program", "generation s", "experience s", "training s", "metrics + log + checkpoint s",
+                  "other s", "iteration s", "named / iteration"], rows) + [
+        "", "Ours: medians of the run's `time/*` metrics (`time/iteration` is stamp to stamp, like the harness's; "
+        "`time/other` what no named part counts; named / iteration: the named parts' sum over "
+        "`time/iteration`, per iteration, median). DeepSpeed-Chat: its printed generation and training latencies; "
+        "the rest of its stamp-to-stamp median is its experience forwards and logging.", ""]
+
+
+@section("## 0b. Side by side on SmolLM2-135M-Instruct (CPU, 2 ranks)", "cpu/smollm_side_by_side.json",
+         "`bash bench/smollm_side_by_side.sh 3 8 2 64 48 bf16`")
+def smollm(r, res):
+    o, t = r["ours_s_per_iteration"], r["theirs_s_per_iteration"]
+    op, tp = r["ours_phases_s"], r["theirs_printed_s"]
+    return [f"{r['what']}. Measured {r['date']} at commit {r['commit']}; {r['machine']}.", ""] + table(
+        ["program", "s/iteration, median (per launch)", "phases"],
+        [["ours", f"{fmt(statistics.median(o))} ({fmts(o)})", f"generation {fmts(op['generate'])}; experience "
+          f"{fmts(op['experience'])}; training {fmts(op['train'])}"],
+         ["DeepSpeed-Chat", f"{fmt(statistics.median(t))} ({fmts(t)})", f"generation {fmts(tp['generation'])}; "
+          f"experience + training {fmts(tp['training_incl_experience'])}"]]) + [
+        "", f"Ratio ours / DeepSpeed-Chat: **{r['ratio']:.2f}**. Our mean response length "
+        f"{fmt(r['our_mean_response_length'])} tokens (greedy, to EOS); DeepSpeed-Chat generates "
+        f"{tp['answer_length']}. Phases: {op['note']}; {tp['note']}.", ""]
+
+
+@section("### ZeRO-3: peak memory of the generation replica", "cpu/zero3_replica_memory.json",
+         "see the command in `bench/results/cpu/zero3_replica_memory.json`")
+def replica_memory(r, res):
+    return [f"{r['what']}; `{r['command']}`; {r['machine']}; {r['date']}. The replica holds "
+            f"{fmt(r['replica_bytes'] / 2**20)} MiB of weights.", ""] + table(
+        ["generation_gather_once", "commit", "peak RSS (MiB)", "/ per-layer"],
+        [[x["mode"], x["commit"], fmt(x["peak_rss_kib"] / 1024),
+          f"{x['peak_rss_kib'] / r['runs'][0]['peak_rss_kib']:.3f}"] for x in r["runs"]]) + [
+        "", "Target: the replica within 10% of per-layer fetching: "
+        f"{100 * (r['ratio_replica_to_off'] - 1):+.1f}% ({'met' if r['ratio_replica_to_off'] <= 1.1 else 'missed'}).",
+        ""]
 
 
 PHASE_ROWS = {"generation": "generation", "experience": "experience (all)",
@@ -200,7 +245,7 @@ def phases(r, res):
          "peak RSS (MiB)"],
         [[v["name"], fmt(s["samples_per_s"]), f"{fmt(s['generated_tokens_per_s'])} "
           f"({fmt(s['generation_tokens_per_s'])})", fmt(s["iteration_s_median"]), fmt(s["tflops_per_rank"]["overall"]),
-          ", ".join(fmt(m) for m in s["peak_mem_mib_per_rank"])] for v, s in zip(summaries(r), vs)])
+          fmts(s["peak_mem_mib_per_rank"])] for v, s in zip(summaries(r), vs)])
     rows = [[label] + [f"{pct(s['share'][k])} ({fmt(s['phase_s_mean'][k])})" for s in vs]
             for k, label in PHASE_ROWS.items()]
     rows.append(["TFLOP/s: generation / experience / training"] + [" / ".join(
@@ -245,7 +290,7 @@ def scaling(r, res):
     kinds, m = list(r["kinds"]), r["machine"]
     label = {"1r": "1 rank × 1 thread", "2r": "2 ranks × 1 thread", "1r2t": "1 rank × 2 threads"}
     out = [f"`{r['command']}` — {shape_line(r)}; the SAME global batch in every column (per rank: batch / ranks). "
-           f"Launch order {', '.join(r['launch_order'])} (launch times {', '.join(fmt(x) for x in r['launch_s'])} s); "
+           f"Launch order {', '.join(r['launch_order'])} (launch times {fmts(r['launch_s'])} s); "
            f"every launch runs all variants interleaved; {provenance(r)}. Load average when the first launch "
            f"started: {(m.get('loadavg_at_start') or ['?'])[0]} on {m.get('cpu_count')} cores: with other jobs on "
            "the cores, 2 ranks compete with them for cores (and 1 rank × 2 threads shows what the second core gives a "
@@ -265,7 +310,7 @@ def scaling(r, res):
     rows = [[name] + [ratio(sps(row, k), sps(base, k)) for k in kinds]
             + [" / ".join(pct(c2["share"][k]) for k in ("generation", "experience", "training/actor",
                                                         "training/critic")) if "share" in c2 else "–",
-               ", ".join(fmt(x) for x in c2.get("peak_mem_mib_per_rank", [])) or "–"]
+               fmts(c2.get("peak_mem_mib_per_rank", [])) or "–"]
             for name, row in r["table"].items() for c2 in [row.get("2r", {})]]
     return out + ["", "Relative to ZeRO 0 in the same column, and where the time goes on 2 ranks:", ""] + table(
         ["variant"] + [f"vs ZeRO 0, {label.get(k, k)}" for k in kinds]
@@ -374,7 +419,7 @@ def critic_free(r, res):
             "bytes are counted from the live engines (parameters + Adam state); peak RSS is the process's maximum "
             "resident memory.", ""] + table(
         ["variant", "engines built", "engine bytes (MiB)", "peak RSS per rank (MiB, per repeat)"],
-        [[n, ", ".join(v["roles"]), fmt(v["engine_mib"]), ", ".join(fmt(x) for x in v["peak_rss_mib"])]
+        [[n, ", ".join(v["roles"]), fmt(v["engine_mib"]), fmts(v["peak_rss_mib"])]
          for n, v in r["variants"].items()]) + [
         "", f"Peak RSS GRPO / GAE (medians): x{fmt(r['peak_rss_ratio_grpo_over_gae'])}.", ""]
 

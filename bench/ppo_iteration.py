@@ -1,14 +1,8 @@
-"""K PPO iterations of rlhf_engine for one model/batch setup and one or more engine variants; a JSON result.
+"""K PPO iterations of rlhf_engine for one model/batch setup and one or more engine variants; a JSON result. What
+runs and what is measured: bench/README.md, "Machine and method".
 
     python bench/ppo_iteration.py --preset cpu-tiny --out /tmp/r.json                            (one rank)
     torchrun --nproc_per_node 2 bench/ppo_iteration.py --preset cpu-tiny --global-batch 8 ...    (two ranks)
-    python bench/ppo_iteration.py --preset opt-1.3b --variant z2:zero=2 --out z2.json               (GPU)
-
-What runs: `rlhf_engine.trainer.build_trainer(cfg)` (the data layer replaced by pre-tokenized random prompts,
-`benchlib.synthetic_prompt_data`), then `trainer.step()` W (warm-up) + K times, on random-weight OPT models built from
-configs (`benchlib.SHAPES`, sizes by `--preset`: `benchlib.PRESETS`). Fixed length (the default) sets
-min_answer_seq_len = max_answer_seq_len: every prompt has exactly P tokens and every response exactly R
-(DeepSpeed-Chat's benchmark setting).
 
 Variants (`--variant NAME:key=value,...`, repeatable) are built side by side in ONE process and their iterations are
 interleaved (round r starts with variant r mod n), so a noisy machine affects them alike: compare them by their
@@ -16,10 +10,6 @@ ratios. Keys: zero (actor/critic ZeRO stage; reference/reward follow: 3 if 3, el
 actor and critic), gather_once (engine.generation_gather_once: auto, replica, on, off; 1/0 = on/off), backend
 (engine.generation_backend: lean, hf), trim (engine.trim_padding), packing (engine.packing: on, off, auto), tokens
 (batch.max_tokens_per_micro_batch), hybrid_engine (engine.enable_hybrid_engine; CUDA only).
-
-Per iteration: wall time; the trainer's phases (time/generate, time/experience, time/train) and finer splits from
-timers wrapped around the engine INSTANCE's methods; samples and generated tokens; peak memory per rank (CUDA max
-allocated, or the process's peak RSS over the iteration on CPU); FLOPs by `benchlib.FLOP_FORMULA`.
 """
 from __future__ import annotations
 
@@ -79,11 +69,9 @@ def nvcc_available() -> bool:
 def adam_choice(requested: str) -> str:
     """'torch' (torch.optim.AdamW through DeepSpeed's torch_adam: no JIT build) or 'deepspeed' (FusedAdam, JIT-built
     with the CUDA toolkit). On CPU always torch's, as rlhf_engine itself chooses."""
-    if not bl.on_gpu():
+    if not bl.on_gpu() or requested == "torch":
         return "torch"
-    if requested == "auto":
-        return "deepspeed" if nvcc_available() else "torch"
-    return {"fused": "deepspeed", "torch": "torch"}[requested]
+    return "deepspeed" if requested == "fused" or nvcc_available() else "torch"
 
 
 def build_config(args, v: dict, world: int, models: dict, out_dir: str):
@@ -192,8 +180,9 @@ def run_iteration(b: Built, it: int, warmup: bool, n_params: dict) -> dict:
     return entry
 
 
-def summarize(b: Built) -> dict:
-    its = [e for e in b.iterations if not e["warmup"]] or b.iterations
+def summarize(iterations: list) -> dict:
+    """The measured iterations (all when there are only warm-ups) summed up; scaling.py sums launches with it."""
+    its = [e for e in iterations if not e["warmup"]] or iterations
     if not its:
         return {}
     wall = sum(e["wall_s"] for e in its)
@@ -324,9 +313,8 @@ def main(argv=None) -> int:
     dist = init_distributed()
     world, is_main = dist.world_size, dist.is_main
     models = bl.model_folders(models_dir, args.actor_shape, args.critic_shape, args.dtype)
-    n_params = {r: bl.matmul_params(args.actor_shape if r in ("actor", "reference") else args.critic_shape,
-                                    "causal_lm" if r in ("actor", "reference") else "score")
-                for r in ("actor", "reference", "critic", "reward")}
+    na, nc = bl.matmul_params(args.actor_shape, "causal_lm"), bl.matmul_params(args.critic_shape, "score")
+    n_params = {"actor": na, "reference": na, "critic": nc, "reward": nc}
     rounds = args.warmup + args.iterations
     prompts = bl.synthetic_prompts(args.global_batch * rounds, args.prompt_len,
                                    bl.SHAPES[args.actor_shape]["vocab_size"], seed=args.seed, fixed=args.fixed_length)
@@ -371,7 +359,7 @@ def main(argv=None) -> int:
     def save():
         if is_main:
             for b in built:
-                b.entry.update(iterations=b.iterations, summary=summarize(b))
+                b.entry.update(iterations=b.iterations, summary=summarize(b.iterations))
             result.update(elapsed_s=time.perf_counter() - T_START,
                           loadavg_at_end=[round(x, 2) for x in os.getloadavg()])
             bl.write_json(args.out, result)

@@ -1,13 +1,11 @@
-"""Scaling tables: the same global batch on 1 rank and on 2 ranks, ZeRO 0/2/3, optimizer offload, and ZeRO-3 with
+"""Scaling tables: the same global batch on 1 and 2 ranks, ZeRO 0/2/3, optimizer offload, and ZeRO-3 with
 generation_gather_once off and on.
 
     python bench/scaling.py --preset cpu-small --out bench/results/cpu/scaling.json
 
-Launch kinds (torchrun, one process per rank):
-    1r  1 rank x 1 thread       2r  2 ranks x 1 thread each       1r2t  1 rank x 2 threads (the same cores as 2r)
-Every launch runs bench/ppo_iteration.py with ALL variants side by side, iterations interleaved; the launches
-themselves alternate (1r, 2r, 1r2t, 1r, ...), so a change in machine load hits every cell alike. A cell's throughput is
-its samples / its wall time summed over the measured iterations of all launches of its kind.
+Launch kinds (torchrun): 1r = 1 rank x 1 thread, 2r = 2 ranks x 1 thread, 1r2t = 1 rank x 2 threads (2r's cores).
+Every launch runs bench/ppo_iteration.py with ALL variants, interleaved; the launches alternate (1r, 2r, 1r2t, 1r, ...)
+so a change in machine load hits every cell alike. A cell sums the measured iterations of all launches of its kind.
 """
 from __future__ import annotations
 
@@ -22,7 +20,7 @@ import time
 BENCH = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, BENCH)
 import benchlib as bl  # noqa: E402
-from ppo_iteration import GATHER_ONCE_FLAG  # noqa: E402
+from ppo_iteration import GATHER_ONCE_FLAG, summarize  # noqa: E402
 
 KINDS = {"1r": (1, 1), "2r": (2, 1), "1r2t": (1, 2)}  # name -> (ranks, threads per rank)
 VARIANTS = ["zero0:zero=0", "zero2:zero=2", "zero3:zero=3,gather_once=0", "zero2+offload:zero=2,offload=1",
@@ -58,15 +56,11 @@ def launch(kind: str, args, out: str) -> dict:
 
 
 def cell(its: list) -> dict:
-    wall = sum(e["wall_s"] for e in its)
-    return {"iterations": len(its), "samples_per_s": sum(e["samples"] for e in its) / wall,
-            "generated_tokens_per_s": sum(e["generated_tokens"] for e in its) / wall,
-            "iteration_s_median": bl.median([e["wall_s"] for e in its]),
-            "iteration_s": [round(e["wall_s"], 4) for e in its],
-            "share": {k: sum(e["phases_s"][k] for e in its) / wall for k in its[0]["phases_s"]},
-            "tflops_per_rank": sum(sum(e["flops_per_rank"].values()) for e in its) / wall / 1e12,
-            "peak_mem_mib_per_rank": [max(e["peak_mem_mib"][r] for e in its)
-                                      for r in range(len(its[0]["peak_mem_mib"]))],
+    s = summarize(its)  # a single run's sums, over the measured iterations of all launches of a kind
+    return {"iterations": len(its), "samples_per_s": s["samples_per_s"],
+            "generated_tokens_per_s": s["generated_tokens_per_s"], "iteration_s_median": s["iteration_s_median"],
+            "iteration_s": [round(e["wall_s"], 4) for e in its], "share": s["share"],
+            "tflops_per_rank": s["tflops_per_rank"]["overall"], "peak_mem_mib_per_rank": s["peak_mem_mib_per_rank"],
             "B_per_rank": its[0]["shape"]["B_per_rank"]}
 
 

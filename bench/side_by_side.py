@@ -65,6 +65,7 @@ def launch(harness: str, name: str) -> dict:
             "ours_rc": s.get("ours", {}).get("rc"), "theirs_rc": s.get("theirs", {}).get("rc"),
             "ours_phases_s": {k: statistics.median(r[f"time/{k}"] for r in recs)
                               for k in OUR_TIMES if recs and f"time/{k}" in recs[0]},
+            "ours_named_share": named_share(recs),
             # DeepSpeed-Chat's own per-iteration prints (rounded to 10 ms): generation; training (train_rlhf); the
             # stamp-to-stamp rest is its experience forwards and logging
             "theirs_generation_s": statistics.median(gens[2:] or gens) if gens else None,
@@ -73,12 +74,23 @@ def launch(harness: str, name: str) -> dict:
             "tail": proc.stdout[-400:] if proc.returncode else ""}
 
 
+def named_share(recs: list):
+    """Median over iterations of (generation + experience + training + eval + metrics + log + checkpoint) /
+    time/iteration: how much of the stamp-to-stamp time the named parts account for."""
+    named = [k for k in OUR_TIMES if k not in ("other", "iteration")]
+    ok = [r for r in recs if r.get("time/iteration")]
+    return statistics.median(sum(r.get(f"time/{k}", 0.0) for k in named) / r["time/iteration"] for r in ok) if ok \
+        else None
+
+
 def summarize(launches: list) -> dict:
     ok = [x for x in launches if x["ours_s"] and x["theirs_s"]]
     if not ok:
         return {}
     ours, theirs = statistics.median(x["ours_s"] for x in ok), statistics.median(x["theirs_s"] for x in ok)
+    shares = [x["ours_named_share"] for x in ok if x.get("ours_named_share")]
     return {"ours_median_s": ours, "theirs_median_s": theirs, "ratio": ours / theirs,
+            "ours_named_share_median": statistics.median(shares) if shares else None,
             "ratio_per_launch": [x["ours_s"] / x["theirs_s"] for x in ok],
             "ours_phases_median_s": {k: statistics.median(x["ours_phases_s"][k] for x in ok if k in x["ours_phases_s"])
                                      for k in OUR_TIMES if any(k in x["ours_phases_s"] for x in ok)},

@@ -68,4 +68,6 @@ def main(out: str, dsc_data: str) -> None:
 
 
 if __name__ == "__main__":
+    if len(sys.argv) != 3 or sys.argv[1] in ("-h", "--help"):
+        sys.exit(__doc__)
     main(sys.argv[1], sys.argv[2])

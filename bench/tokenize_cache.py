@@ -1,15 +1,10 @@
 """What the per-node tokenized-data cache saves at start-up: every rank tokenizing the whole dataset (no_cache), local
-rank 0 building the entry while the node's other ranks wait and read it (cold), and every rank reading an entry of an
-earlier run (warm). The variants alternate round after round in one launch (no_cache and cold swap places every round,
-so an order effect cancels out).
+rank 0 building the entry while the node's other ranks wait and read it (cold), every rank reading an earlier run's
+entry (warm). The variants alternate round after round in one launch (no_cache and cold swap places every round, so
+an order effect cancels out); bench/README.md says what is measured.
 
     torchrun --nproc_per_node 2 bench/tokenize_cache.py --prompts 20000 --rounds 3 \
         --out bench/results/cpu/tokenize_cache.json
-
-Per variant and round: wall time of `load_prompt_data` from a barrier before to a barrier after (the slowest rank:
-training starts only then) and CPU seconds summed over the ranks. Ratios: no cache / variant, the median over rounds.
-The tokenizer is a byte-level BPE trained by `rlhf_engine.assets` (`--vocab`); the prompts are `assets.tiny_prompts`
-in one .jsonl file, with a prompt template so that step is measured too.
 """
 from __future__ import annotations
 
