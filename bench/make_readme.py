@@ -167,9 +167,10 @@ def side_by_side(r, res):
         "Where the time goes (py-spy over 200 iterations of small_z2, both ranks, 2026-12-03): generation is about "
         "47% of our step and almost all of it the model's per-token forwards (a bf16 `Linear` costs at least 20 µs "
         "per call on this CPU, fp32 4 µs; the rest is the Hugging Face modules' Python); training 36% (autograd "
-        "backward 21%, DeepSpeed's step 4%, of which its bf16 overflow check, redundant with our step guard, "
-        "1.4%); the experience forwards 16%; the guards, metrics, logging and checkpoint polls together under 1%. "
-        "Eager attention measured within ±5% of sdpa per phase on these shapes (2026-12-03), so `auto` stays sdpa.",
+        "backward 21%, DeepSpeed's step 4%, of which its bf16 overflow check 1.4%: redundant with our step guard, "
+        "off since this run); the experience forwards 16%; the guards, metrics, logging and checkpoint polls "
+        "together under 1%. Eager attention measured within ±5% of sdpa per phase on these shapes (2026-12-03), so "
+        "`auto` stays sdpa.",
         ""]
 
 
@@ -208,10 +209,13 @@ def smollm(r, res):
         [["ours", f"{fmt(statistics.median(o))} ({fmts(o)})", f"generation {fmts(op['generate'])}; experience "
           f"{fmts(op['experience'])}; training {fmts(op['train'])}"],
          ["DeepSpeed-Chat", f"{fmt(statistics.median(t))} ({fmts(t)})", f"generation {fmts(tp['generation'])}; "
-          f"experience + training {fmts(tp['training_incl_experience'])}"]]) + [
+          f"training {fmts(tp['training'])}"]]) + [
         "", f"Ratio ours / DeepSpeed-Chat: **{r['ratio']:.2f}**. Our mean response length "
         f"{fmt(r['our_mean_response_length'])} tokens (greedy, to EOS); DeepSpeed-Chat generates "
-        f"{tp['answer_length']}. Phases: {op['note']}; {tp['note']}.", ""]
+        f"{tp['answer_length']}. Phases: {op['note']}; {tp['note']}."] + ([
+        f"Before: {b['ratio']:.2f} (ours {fmts(b['ours_s_per_iteration'])}, DeepSpeed-Chat "
+        f"{fmts(b['theirs_s_per_iteration'])} s/iteration; {b['date']}, commit {b['commit']})."]
+        if (b := r.get("before")) else []) + [""]
 
 
 @section("### ZeRO-3: peak memory of the generation replica", "cpu/zero3_replica_memory.json",

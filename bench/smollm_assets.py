@@ -49,7 +49,8 @@ def main(out: str, dsc_data: str) -> None:
     base = AutoModel.from_pretrained(actor)
     base.config.save_pretrained(critic)
     tok.save_pretrained(critic)
-    torch.save(RewardModel(base, tok, num_padding_at_beginning=0).state_dict(), os.path.join(critic, "pytorch_model.bin"))
+    torch.save(RewardModel(base, tok, num_padding_at_beginning=0).state_dict(),
+               os.path.join(critic, "pytorch_model.bin"))
     rows = []
     with open(builtin_prompts()) as f:
         for line in f:
