@@ -58,9 +58,8 @@ def launch(harness: str, name: str) -> dict:
     s = {m[0]: {"rc": int(m[1]), "median_s": None if m[2] == "nan" else float(m[2])}
          for m in re.findall(r"(ours|theirs) rc=(\d+) (\S+) \d+", _read(os.path.join(work, "summary.txt")))}
     recs = [json.loads(line) for line in _read(os.path.join(work, "ourout", "metrics.jsonl")).splitlines() if line][2:]
-    theirs = _read(os.path.join(work, "theirs_1.log"))
-    gens = [float(x) for x in re.findall(r"Generation => Latency: ([0-9.]+)s", theirs)]
-    trains = [float(x) for x in re.findall(r"Training   => Latency: ([0-9.]+)s", theirs)]
+    printed = theirs_latencies(_read(os.path.join(work, "theirs_1.log")))
+    gens, trains = printed["generation"], printed["training"]
     return {"ours_s": s.get("ours", {}).get("median_s"), "theirs_s": s.get("theirs", {}).get("median_s"),
             "ours_rc": s.get("ours", {}).get("rc"), "theirs_rc": s.get("theirs", {}).get("rc"),
             "ours_phases_s": {k: statistics.median(r[f"time/{k}"] for r in recs)
@@ -72,6 +71,13 @@ def launch(harness: str, name: str) -> dict:
             "theirs_training_s": statistics.median(trains[2:] or trains) if trains else None,
             "wall_s": round(time.time() - t, 1), "harness_rc": proc.returncode,
             "tail": proc.stdout[-400:] if proc.returncode else ""}
+
+
+def theirs_latencies(log: str) -> dict:
+    """DeepSpeed-Chat's own per-iteration prints in its log (seconds, rounded to 10 ms): generation, and training
+    (train_rlhf); its experience forwards are in neither."""
+    return {k: [float(x) for x in re.findall(rf"{word} => Latency: ([0-9.]+)s", log)]
+            for k, word in (("generation", "Generation"), ("training", "Training  "))}
 
 
 def named_share(recs: list):

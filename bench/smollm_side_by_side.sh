@@ -8,7 +8,8 @@
 #
 #   bash bench/smollm_side_by_side.sh [ROUNDS ITERS B P R DTYPE]     (defaults: 3 8 2 64 48 bf16)
 #   env: PEER = the shared peer folder (prep_dschat.sh, shims.py; default ../shared/peer), DSC = where DeepSpeed-Chat is
-#   unpacked (default /tmp/dschat/applications/DeepSpeed-Chat), VENV = our venv (default .venv), W = work folder.
+#   unpacked (default /tmp/dschat/applications/DeepSpeed-Chat), VENV = our venv (default .venv), W = work folder,
+#   OUT = the result JSON (default bench/results/cpu/smollm_side_by_side.json; its previous headline is kept as "before").
 # Measurement only: DeepSpeed-Chat's code is run from its own checkout, never copied into the project.
 set -u
 ROUNDS=${1:-3} ITERS=${2:-8} B=${3:-2} P=${4:-64} R=${5:-48} DT=${6:-bf16}
@@ -55,20 +56,41 @@ for i in $(seq 1 "$ROUNDS"); do
   theirs > "$W/theirs_$i.log" 2>&1; echo "theirs rc=$? $(med "$W/theirs_$i.log")" >> "$W/summary.txt"
 done
 cat "$W/summary.txt"
-"$VENV/bin/python" - "$W" <<'PY'
-import json, os, statistics, sys
-w = sys.argv[1]
+OUT=${OUT:-$PROJ/bench/results/cpu/smollm_side_by_side.json}
+PYTHONPATH=$PROJ/bench "$VENV/bin/python" - "$W" "$OUT" "$ROUNDS $ITERS $B $P $R $DT" <<'PY'
+import json, os, statistics, sys, time
+import benchlib as bl
+from side_by_side import theirs_latencies
+w, out_path, args = sys.argv[1:]
+rounds, iters, b, p, r, dt = args.split()
 o, t = [], []
 for line in open(os.path.join(w, "summary.txt")):
     k, rc, m, n = line.split()
     if m != "nan" and int(n) >= 3:  # DS-Chat exits 1 after its iterations under transformers 5: count the stamps
         (o if k == "ours" else t).append(float(m))
-recs = [json.loads(x) for x in open(os.path.join(w, "ourout", "metrics.jsonl"))] if os.path.exists(
-    os.path.join(w, "ourout", "metrics.jsonl")) else []
-lengths = [r["rollout/response_length"] for r in recs if "rollout/response_length" in r]
-out = {"ours_s_per_iteration": o, "theirs_s_per_iteration": t,
+recs = bl.read_jsonl(os.path.join(w, "ourout", "metrics.jsonl")) or []
+lengths = [x["rollout/response_length"] for x in recs if "rollout/response_length" in x]
+before = bl.read_json(out_path)  # the previous result's headline, kept as "before"
+mach = bl.machine_info()
+res = {"what": f"bench/smollm_side_by_side.sh {args}: SmolLM2-135M-Instruct as the actor of DeepSpeed-Chat step 3 "
+               "and of launch/train_ppo.py; critic and reward on the same backbone (DeepSpeed-Chat's RewardModel / "
+               f"LlamaForSequenceClassification); ZeRO 2/2, {dt}, 2 ranks (deepspeed launcher, gloo), "
+               f"OMP_NUM_THREADS=1; {b} prompts per rank, chat-formatted review openings (DeepSpeed-Chat pads them to "
+               f"{p}), greedy decoding to EOS or {r} tokens; 1 PPO epoch; {iters} iterations per launch, first 2 "
+               "dropped, median per launch; launches alternate ours / theirs",
+       "machine": f"{mach.get('cpu')}, {mach.get('cpu_count')} cores, {mach.get('ram_gib')} GiB",
+       "date": time.strftime("%Y-%m-%d"), "commit": bl.git_commit(),
+       "ours_s_per_iteration": o, "theirs_s_per_iteration": t,
        "ratio": statistics.median(o) / statistics.median(t) if o and t else None,
-       "our_mean_response_length": statistics.mean(lengths) if lengths else None}
-json.dump(out, open(os.path.join(w, "result.json"), "w"), indent=1)
-print(json.dumps(out))
+       "our_mean_response_length": statistics.mean(lengths) if lengths else None,
+       "ours_phases_s": {k: [round(x[f"time/{k}"], 3) for x in recs[2:]] for k in ("generate", "experience", "train")}
+       | {"note": "iterations 2 onwards of the last launch of ours (time/* metrics)"},
+       "theirs_printed_s": theirs_latencies(open(os.path.join(w, "theirs_1.log")).read())
+       | {"answer_length": int(r), "note": "DeepSpeed-Chat's own print_throughput_step3 lines of its first launch "
+                                           "(generation; train_rlhf; its experience forwards are in neither)"}}
+if before and before.get("ratio"):
+    res["before"] = {k: before[k] for k in ("date", "commit", "ours_s_per_iteration", "theirs_s_per_iteration",
+                                            "ratio")}
+bl.write_json(out_path, res)
+print(json.dumps({k: res[k] for k in ("ours_s_per_iteration", "theirs_s_per_iteration", "ratio")}))
 PY
