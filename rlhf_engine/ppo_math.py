@@ -794,7 +794,10 @@ def kl_loss(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, action_mask: tor
     lp = _tensor("logprobs", logprobs, ndim=2)
     ref = _tensor("ref_logprobs", ref_logprobs, shape=lp.shape, shape_of="logprobs").detach()
     m = _mask("action_mask", action_mask, lp.shape, "logprobs", None)
-    k = _kl(lp.float(), ref.float(), _estimator("estimator", estimator))
+    # select before the estimator: junk at padding (inf, NaN) would otherwise reach k3's exp and, through the
+    # masked product's backward (0 * inf), turn the gradient into NaN
+    d_lp, d_ref = torch.where(m, lp.float(), 0.0), torch.where(m, ref.float(), 0.0)
+    k = _kl(d_lp, d_ref, _estimator("estimator", estimator))
     loss = torch.where(m, k * token_weights.detach(), 0.0).sum()
     with torch.no_grad():
         kl = torch.where(m, k, 0.0).sum() / m.sum().clamp(min=1)

@@ -116,6 +116,29 @@ def test_kl_loss_gradients_by_hand(estimator):
     assert torch.allclose(lp.grad[0], torch.cat([grad / 2, torch.zeros(1)]), atol=1e-6)  # padding: no gradient
 
 
+@pytest.mark.parametrize("junk", [float("nan"), float("inf"), -float("inf")])
+@pytest.mark.parametrize("estimator", ["k1", "k2", "k3"])
+def test_kl_loss_ignores_junk_at_padding(estimator, junk):
+    """Non-finite log-probs at padding give the same loss and gradient as zeros there (negative control: the
+    estimator evaluated before masking, as before the fix, gives a NaN gradient under k3 / k2)."""
+    mask, ref = torch.tensor([[1, 1, 0]]), torch.zeros(1, 3)
+    w = loss_token_weights(mask, "token_mean", 2, 1, 3)
+    clean = torch.tensor([[0.5, -0.25, 0.0]], requires_grad=True)
+    dirty = torch.tensor([[0.5, -0.25, junk]], requires_grad=True)
+    (l_clean, _), (l_dirty, _) = kl_loss(clean, ref, mask, estimator, w), kl_loss(dirty, ref, mask, estimator, w)
+    l_clean.backward()
+    l_dirty.backward()
+    assert l_dirty.item() == l_clean.item() and torch.equal(dirty.grad, clean.grad)
+    assert dirty.grad[0, 2] == 0.0
+    if (estimator, math.isnan(junk)) in (("k2", True), ("k3", True)) or (estimator, junk) == ("k3", -math.inf):
+        # the old order, by hand: the estimator's derivative at the junk (NaN, or k3's exp(inf)) times a zero
+        late = dirty.detach().clone().requires_grad_(True)
+        d = late - ref
+        k = {"k1": d, "k2": d * d / 2, "k3": torch.exp(-d) - 1 + d}[estimator]
+        torch.where(mask.bool(), k * w, 0.0).sum().backward()
+        assert not bool(torch.isfinite(late.grad).all())
+
+
 def test_aggregation_modes_on_a_ragged_batch_and_any_split():
     mask = torch.tensor([[1, 1, 1], [1, 0, 0], [1, 1, 0]])
     tokens, seqs = 6, 3
