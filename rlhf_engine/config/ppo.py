@@ -24,12 +24,23 @@ ESTIMATOR_DEFAULTS = {
     "dr_grpo": {**GROUP_KL_IN_LOSS, "loss_agg_mode": "seq_mean_token_sum_norm"},
 }
 
+# Likewise per policy loss, applied after the estimator's (a loss's own aggregation wins over the family's): GSPO's
+# ratio is already a per-response mean, so a token mean over the batch would weight long responses again; verl runs
+# GSPO with seq-mean-token-mean.
+POLICY_LOSS_DEFAULTS = {"gspo": {"loss_agg_mode": "seq_mean_token_mean"}}
+
+
+def run_defaults(ppo: Any) -> dict:
+    """The defaults the run's estimator family and policy loss ask for (`ESTIMATOR_DEFAULTS`, then
+    `POLICY_LOSS_DEFAULTS`), by PPO field."""
+    return {**ESTIMATOR_DEFAULTS.get(ppo.advantage_estimator, {}), **POLICY_LOSS_DEFAULTS.get(ppo.policy_loss, {})}
+
 
 def apply_estimator_defaults(cfg: Any, explicit: set) -> dict:
-    """Set the estimator family's defaults (`ESTIMATOR_DEFAULTS`) on the PPO fields of `cfg` (a TrainConfig) that
-    are not in `explicit` (the flat keys a run gave); returns what was set."""
+    """Set the estimator family's and the policy loss's defaults (`run_defaults`) on the PPO fields of `cfg` (a
+    TrainConfig) that are not in `explicit` (the flat keys a run gave); returns what was set."""
     applied = {}
-    for key, value in ESTIMATOR_DEFAULTS.get(cfg.ppo.advantage_estimator, {}).items():
+    for key, value in run_defaults(cfg.ppo).items():
         if key not in explicit:
             setattr(cfg.ppo, key, value)
             applied[key] = value

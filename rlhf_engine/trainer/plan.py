@@ -204,13 +204,14 @@ def check_columns(columns: Optional[ColumnRequest], datasets: list) -> None:
 
 
 def log_estimator_defaults(cfg: TrainConfig, dist: DistInfo) -> None:
-    """The estimator family's defaults (config.ESTIMATOR_DEFAULTS) and what is in effect, once at start-up."""
-    from ..config import ESTIMATOR_DEFAULTS
+    """The estimator family's and the policy loss's defaults (config.run_defaults) and what is in effect, once at
+    start-up."""
+    from ..config.ppo import run_defaults
 
-    family = ESTIMATOR_DEFAULTS.get(cfg.ppo.advantage_estimator, {})
+    family = run_defaults(cfg.ppo)
     if family and dist.is_main:
-        log.info("advantage_estimator %s: its defaults %s (explicit flags win); in effect %s",
-                 cfg.ppo.advantage_estimator, ", ".join(f"{k} {v}" for k, v in family.items()),
+        log.info("advantage_estimator %s, policy_loss %s: their defaults %s (explicit flags win); in effect %s",
+                 cfg.ppo.advantage_estimator, cfg.ppo.policy_loss, ", ".join(f"{k} {v}" for k, v in family.items()),
                  ", ".join(f"{k} {getattr(cfg.ppo, k)}" for k in family))
 
 

@@ -192,6 +192,23 @@ def test_estimator_family_defaults(est, want):
     assert {k: getattr(ppo, k) for k in want} == want
 
 
+@pytest.mark.parametrize("est, flags, want", [
+    ("gae", [], "seq_mean_token_mean"),
+    ("grpo", ["--n_samples_per_prompt", "2"], "seq_mean_token_mean"),
+    ("dr_grpo", ["--n_samples_per_prompt", "2"], "seq_mean_token_mean"),
+    ("grpo", ["--n_samples_per_prompt", "2", "--loss_agg_mode", "token_mean"], "token_mean"),
+])
+def test_gspo_aggregates_by_sequence_unless_told(est, flags, want):
+    """GSPO's default aggregation is verl's seq-mean-token-mean; the ppo_clip control keeps the family's."""
+    from rlhf_engine.cli import parse_args
+
+    base = ["--actor_model_name_or_path", "/x", "--data_path", "/x.jsonl", "--advantage_estimator", est, *flags]
+    assert parse_args(base + ["--policy_loss", "gspo"]).ppo.loss_agg_mode == want
+    control = parse_args(base).ppo.loss_agg_mode
+    assert control == ("token_mean" if "--loss_agg_mode" in flags else
+                       {"dr_grpo": "seq_mean_token_sum_norm"}.get(est, "token_mean"))
+
+
 def test_explicit_flags_and_config_file_keys_win_over_the_family_defaults(tmp_path):
     from rlhf_engine.cli import parse_args
 
