@@ -73,19 +73,24 @@ def gather_at(values: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
     return values.gather(1, index.long().unsqueeze(1)).squeeze(1)
 
 
-def response_mask(response_ids: torch.Tensor, stop_token_ids: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor]:
+def response_mask(response_ids: torch.Tensor, stop_token_ids: Sequence[int],
+                  limits: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
     """[B, G] generated ids -> (action_mask [B, G] long, ended_with_eos [B] bool).
 
     A response ends at its first stop token, which stays a real token; whatever follows it (the pad/EOS filler that
     `generate` emits for finished rows) is padding. Works when pad == EOS: only the first EOS counts as real.
+    `limits` ([B] long, optional): row b's response is at most its first limits[b] tokens; what follows is filler
+    even where it is a stop token (pad == EOS), so such a row did not end at a stop token unless one came first.
     """
+    G = response_ids.shape[1]
+    within = (torch.ones_like(response_ids, dtype=torch.bool) if limits is None else
+              torch.arange(G, device=response_ids.device)[None, :] < limits.to(response_ids.device)[:, None])
     if not stop_token_ids:
-        return torch.ones_like(response_ids), torch.zeros(response_ids.shape[0], dtype=torch.bool,
-                                                          device=response_ids.device)
+        return within.long(), torch.zeros(response_ids.shape[0], dtype=torch.bool, device=response_ids.device)
     stops = torch.tensor(sorted(set(int(s) for s in stop_token_ids)), device=response_ids.device)
-    is_stop = torch.isin(response_ids, stops).long()
+    is_stop = (torch.isin(response_ids, stops) & within).long()
     stops_before = is_stop.cumsum(-1) - is_stop  # stop tokens strictly before t
-    return (stops_before == 0).long(), is_stop.any(-1)
+    return ((stops_before == 0) & within).long(), is_stop.any(-1)
 
 
 @dataclass
@@ -112,7 +117,7 @@ class Rollout:
     @classmethod
     def from_generation(cls, prompt_ids: torch.Tensor, prompt_attention_mask: torch.Tensor,
                         generated_ids: torch.Tensor, stop_token_ids: Sequence[int], pad_token_id: int,
-                        includes_prompt: Optional[bool] = None) -> "Rollout":
+                        includes_prompt: Optional[bool] = None, limits: Optional[torch.Tensor] = None) -> "Rollout":
         """Build the layout from left-padded prompts and what `generate` returned.
 
         prompt_ids [B, P], prompt_attention_mask [B, P] (as the tokenizer returned it: never derived from ids != pad,
@@ -148,7 +153,7 @@ class Rollout:
             generated_ids = generated_ids[:, P:]
         if generated_ids.shape[1] == 0:
             raise ValueError("generated_ids holds no response tokens (generate returned the prompt only)")
-        action_mask, ended = response_mask(generated_ids, stop_token_ids)
+        action_mask, ended = response_mask(generated_ids, stop_token_ids, limits)
         lengths = action_mask.sum(-1)
         R = max(int(lengths.max()), 1)
         action_mask = action_mask[:, :R]

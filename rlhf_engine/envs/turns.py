@@ -82,8 +82,7 @@ def cut_at_stop_strings(tokenizer: Any, ids: Sequence[int], stop_strings: Sequen
         return len(ids)
 
     def has(k: int) -> bool:
-        text = tokenizer.decode(list(ids[:k]), skip_special_tokens=False)
-        return any(s in text for s in stop_strings)
+        return contains_stop_string(tokenizer, ids[:k], stop_strings)
 
     if not has(len(ids)):
         return len(ids)
@@ -95,3 +94,11 @@ def cut_at_stop_strings(tokenizer: Any, ids: Sequence[int], stop_strings: Sequen
         else:
             lo = mid + 1
     return lo
+
+
+def contains_stop_string(tokenizer: Any, ids: Sequence[int], stop_strings: Sequence[str]) -> bool:
+    """Whether the text of `ids` holds any of `stop_strings` (the turn ended at one)."""
+    if not stop_strings or not ids:
+        return False
+    text = tokenizer.decode(list(ids), skip_special_tokens=False)
+    return any(s in text for s in stop_strings)

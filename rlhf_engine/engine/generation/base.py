@@ -31,6 +31,10 @@ class SamplingParams:
     top_k: int = 0  # 0 = off
     stop_token_ids: tuple = ()
     pad_token_id: int = 0
+    # per row, the most tokens that row may take (<= max_new_tokens; () = max_new_tokens for every row): an episode's
+    # turn stops at its own room, never at a batch-mate's. A row at its limit is done (not ended by a stop token) and
+    # its positions no longer advance in the lean backend.
+    row_limits: tuple = ()
 
     @classmethod
     def from_config(cls, g: Any, stop_token_ids, pad_token_id: int) -> "SamplingParams":
@@ -41,6 +45,17 @@ class SamplingParams:
 
     def greedy(self) -> "SamplingParams":
         return dataclasses.replace(self, do_sample=False)
+
+    def limits(self, batch: int, device: torch.device) -> Optional[torch.Tensor]:
+        """[B] long per-row token limits, or None when every row may take max_new_tokens."""
+        if not self.row_limits:
+            return None
+        if len(self.row_limits) != batch:
+            raise ValueError(f"row_limits has {len(self.row_limits)} entries for a batch of {batch} rows")
+        limits = torch.tensor(self.row_limits, dtype=torch.long, device=device)
+        if bool((limits < 1).any()):
+            raise ValueError(f"row_limits must be >= 1 (a row generates at least one token); got {self.row_limits}")
+        return limits.clamp(max=self.max_new_tokens)
 
 
 @dataclass

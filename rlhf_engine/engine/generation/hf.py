@@ -17,7 +17,7 @@ import contextlib
 import logging
 
 import torch
-from transformers import GenerationConfig
+from transformers import GenerationConfig, StoppingCriteria, StoppingCriteriaList
 
 from ...rollout import Rollout
 from .base import GenerationBackend, Generated, SamplingParams
@@ -66,6 +66,18 @@ class SampledLogprobs:
         return torch.stack(self.out, dim=1)
 
 
+class RowLimits(StoppingCriteria):
+    """Ends each row after its own number of new tokens (`SamplingParams.row_limits`); Hugging Face pads it after.
+    Its positions keep advancing while other rows generate, so the run's position check counts a whole turn past
+    the episode budget for this backend (config: `TrainConfig.position_budget`)."""
+
+    def __init__(self, prompt_width: int, limits: torch.Tensor):
+        self.prompt_width, self.limits = prompt_width, limits
+
+    def __call__(self, input_ids: torch.Tensor, scores, **kwargs) -> torch.Tensor:
+        return (input_ids.shape[1] - self.prompt_width) >= self.limits
+
+
 class HFBackend(GenerationBackend):
     name = "hf"
 
@@ -103,17 +115,19 @@ class HFBackend(GenerationBackend):
         gen_config, synced = self.generation_config(params)
         ids, mask = prompt_ids.to(self.device), prompt_mask.to(self.device)
         recorder = SampledLogprobs(params.temperature if params.do_sample else 1.0)
+        limits = params.limits(ids.shape[0], self.device)
+        stopping = StoppingCriteriaList([RowLimits(ids.shape[1], limits)] if limits is not None else [])
         # with the whole actor held for the call no collective runs inside, so ranks may finish at different times:
         # synced_gpus (one all-reduce per token, dummy forwards) is on only for per-layer ZeRO-3 fetching
         with self.generation_model() as model, neutral_generation_config(model):
             out = model.generate(input_ids=ids, attention_mask=mask, generation_config=gen_config,
-                                 logits_processor=[recorder], synced_gpus=synced)
-        return generated(ids, mask, out, params, recorder)
+                                 logits_processor=[recorder], stopping_criteria=stopping, synced_gpus=synced)
+        return generated(ids, mask, out, params, recorder, limits)
 
 
 def generated(ids: torch.Tensor, mask: torch.Tensor, out: torch.Tensor, params: SamplingParams,
-              recorder: SampledLogprobs) -> Generated:
+              recorder: SampledLogprobs, limits=None) -> Generated:
     """The rollout of a generate call and its generation-time log-probs, aligned with its action mask."""
-    rollout = Rollout.from_generation(ids, mask, out, params.stop_token_ids, params.pad_token_id)
+    rollout = Rollout.from_generation(ids, mask, out, params.stop_token_ids, params.pad_token_id, limits=limits)
     lp = recorder.finish(out)[:, :rollout.response_width]
     return Generated(rollout, lp * rollout.action_mask)

@@ -34,21 +34,24 @@ class LeanBackend(GenerationBackend):
         stop = torch.tensor(params.stop_token_ids, dtype=torch.long, device=self.device)
         lockstep = self.lockstep()
         fetching = self.zero3_mode() == "per_layer"
+        limits = params.limits(ids.shape[0], self.device)
         with self.generation_model() as model:
             # inference mode: no autograd bookkeeping per op (measured -7% decoding time on a small model); the
             # results are cloned out of it so that the rollout may enter autograd (training forwards) later. Not
             # where ZeRO-3 fetches layers inside the loop (per-layer mode): a parameter it gathers there and keeps
             # (the persistent small ones) would be an inference tensor, refused by the next training backward.
             with torch.no_grad() if fetching else torch.inference_mode():
-                tokens, logprobs = self._decode(model, ids, mask, stop, params, lockstep)
+                tokens, logprobs = self._decode(model, ids, mask, stop, params, lockstep, limits)
             tokens, logprobs = tokens.clone(), logprobs.clone()
         rollout = Rollout.from_generation(ids, mask, tokens, params.stop_token_ids, params.pad_token_id,
-                                          includes_prompt=False)
+                                          includes_prompt=False, limits=limits)
         return Generated(rollout, logprobs[:, :rollout.response_width] * rollout.action_mask)
 
     def _decode(self, model, ids: torch.Tensor, mask: torch.Tensor, stop: torch.Tensor, params: SamplingParams,
-                lockstep: bool) -> tuple[torch.Tensor, torch.Tensor]:
-        """([B, G] response tokens, pad after each row's stop token; [B, G] fp32 log-probs), G <= max_new_tokens."""
+                lockstep: bool, limits: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """([B, G] response tokens, pad after each row's stop token or its limit; [B, G] fp32 log-probs),
+        G <= max_new_tokens. A finished row's position stops advancing: the filler it is fed never reaches a position
+        past its last real token (a row at its limit may sit at the end of the positions checked at start-up)."""
         B, P = ids.shape
         R = params.max_new_tokens
         temperature = params.temperature if params.do_sample else 1.0
@@ -71,6 +74,8 @@ class LeanBackend(GenerationBackend):
             tokens[:, t] = torch.where(unfinished, tok, params.pad_token_id)
             logprobs[:, t] = lp * unfinished
             unfinished &= ~torch.isin(tok, stop)
+            if limits is not None:
+                unfinished &= limits > t + 1
             if t == R - 1:
                 return tokens, logprobs
             if lockstep:  # every rank stops at the same step: each forward gathers layers collectively
@@ -79,7 +84,7 @@ class LeanBackend(GenerationBackend):
                     break
             elif not bool(unfinished.any()):
                 break
-            position = position + 1
+            position = position + unfinished[:, None]
             step_mask = full_mask[:, :P + t + 1] if step_masks is None else step_masks[..., :P + t + 1]
             out = model(input_ids=tokens[:, t:t + 1], attention_mask=step_mask, position_ids=position, cache=cache,
                         use_cache=True, **keep)

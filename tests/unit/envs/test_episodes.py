@@ -127,10 +127,98 @@ def test_resume_in_the_middle_of_a_run_is_bitwise(tiny, dist_single, tmp_path):
 
 
 def test_no_episode_outgrows_its_budget(tiny, dist_single, tmp_path):
-    """Each turn asks for at most the smallest room left: contexts never pass max_prompt + max_episode_tokens."""
+    """Each row's turn takes at most its own room: contexts never pass max_prompt + max_episode_tokens."""
     t = trainer_for(tiny, tmp_path, max_episode_tokens=11, max_answer_seq_len=8, max_steps=1, stop_token_ids=[])
     rec = t.step()
     r = t.last_experience.rollout
     # turn 1 writes 8, the observation takes 1-2, so turn 2 may write only what is left of 11
     assert int(r.response_lengths.max()) == 11 and r.response_width == 11
     assert rec["env/turns_mean"] == 2.0
+
+
+def _play(t, prompts):
+    """Play `prompts` as one batch with the trainer's episode runner: per row (response ids, action flags,
+    generation log-probs of the actions, turn rewards on the actions), the rollout and the batch's stats."""
+    import json  # noqa: F401  (kept local: the module's other tests do not need it)
+
+    from rlhf_engine.rollout import PromptRow, pad_prompts
+
+    tok = t.engine.tokenizer
+    ids, mask = pad_prompts([tok(p, add_special_tokens=False)["input_ids"] for p in prompts], t.engine.pad_token_id)
+    rollout, logprobs, stats, failure = t.episodes.run(ids, mask, [PromptRow(p, {}) for p in prompts])
+    assert failure is None
+    rows = []
+    for i in range(len(prompts)):
+        real, act = rollout.response_attention[i].bool(), rollout.action_mask[i].bool()
+        rows.append((rollout.responses[i][real].tolist(), rollout.action_mask[i][real].tolist(),
+                     logprobs[i][act], rollout.turn_rewards[i][real].tolist()))
+    return rows, rollout, stats
+
+
+def test_a_rows_episode_is_the_same_alone_as_beside_others(tiny, dist_single, tmp_path):
+    """Rows with a long first observation have 3 tokens of room for turn 2; their batch-mates a whole turn. Each row
+    plays to its own room: alone or beside the others, the same episode (greedy), and the cut turns are truncated,
+    never scored by the environment. (Before the fix every row's turn 2 was cut to the smallest room.)"""
+    import json
+
+    from _envs import RoomHungry
+    from rlhf_engine.envs.turns import TurnFormat
+
+    turn = 8
+    tok = AutoTokenizer.from_pretrained(tiny.tokenizer)
+    long_obs = len(TurnFormat(tok, False).context(" x" * RoomHungry.LONG_OBSERVATION, None))
+    t = trainer_for(tiny, tmp_path, environment="_envs:room_hungry", max_turns=2, max_answer_seq_len=turn,
+                    max_episode_tokens=turn + long_obs + 3, do_sample="false", stop_token_ids=[], max_steps=1)
+    with open(tiny.prompts) as f:
+        texts = [json.loads(line)["prompt"] for line in f]
+    even, odd = [p for p in texts if len(p) % 2 == 0][:2], [p for p in texts if len(p) % 2 == 1][:2]
+    batch = [even[0], odd[0], even[1], odd[1]]
+    together, rollout, stats = _play(t, batch)
+    obs_tokens = [len(r[1]) - sum(r[1]) for r in together]
+    assert obs_tokens[0] == obs_tokens[2] == long_obs and obs_tokens[1] == obs_tokens[3] < long_obs, obs_tokens
+    for i, (ids, actions, lps, rewards) in enumerate(together):
+        alone = _play(t, [batch[i]])[0][0]
+        assert alone[0] == ids and alone[1] == actions and alone[3] == rewards, batch[i]
+        assert torch.allclose(alone[2], lps, atol=1e-5, rtol=0), batch[i]
+        second = len(actions) - actions.index(0) - obs_tokens[i]  # turn 2's tokens, after the observation
+        if i % 2:  # a whole turn beside rows with 3 tokens of room, and scored by the environment
+            assert second == turn and sum(rewards) == pytest.approx(0.25 + 0.1 * (len(tok_text(t, ids[-turn:])) % 7))
+        else:  # cut at its own room: truncated, the fragment not sent to the environment (turn 2 scores 0)
+            assert second == 3 and sum(rewards) == pytest.approx(0.25)
+    assert stats.truncated == 2 and rollout.ended_with_eos.tolist() == [False] * 4
+
+
+def tok_text(t, ids):
+    return t.engine.tokenizer.decode(ids, skip_special_tokens=True)
+
+
+@pytest.mark.parametrize("backend", ["lean", "hf"])
+def test_a_row_cut_by_its_budget_stops_at_its_limit_even_when_pad_is_a_stop_token(tiny, dist_single, tmp_path,
+                                                                                   backend):
+    """A backend with per-row limits: each row's response is the first `limit` tokens of its unlimited
+    greedy response (or shorter where it stopped), the filler after a limit is not an action even where pad == EOS,
+    and a row at its limit did not end at a stop token."""
+    import dataclasses
+    import json
+
+    from rlhf_engine.rollout import pad_prompts
+
+    t = trainer_for(tiny, tmp_path, max_turns=2, max_answer_seq_len=8, do_sample="false", max_steps=1,
+                    generation_backend=backend)
+    tok = t.engine.tokenizer
+    with open(tiny.prompts) as f:
+        texts = [json.loads(line)["prompt"] for line in f][:4]
+    ids, mask = pad_prompts([tok(p, add_special_tokens=False)["input_ids"] for p in texts], t.engine.pad_token_id)
+    params = dataclasses.replace(t.engine.sampling, do_sample=False, stop_token_ids=(tok.eos_token_id,))
+    assert tok.pad_token_id == tok.eos_token_id
+    free = t.engine.sample(ids, mask, params)
+    limits = (1, 3, 8, 2)
+    cut = t.engine.sample(ids, mask, dataclasses.replace(params, row_limits=limits))
+    assert sum(int(n) > k for n, k in zip(free.rollout.response_lengths, limits)) >= 2  # the limits bite
+    for i, k in enumerate(limits):
+        n = int(free.rollout.response_lengths[i])
+        want = min(n, k)
+        assert int(cut.rollout.response_lengths[i]) == want
+        assert torch.equal(cut.rollout.responses[i, :want], free.rollout.responses[i, :want])
+        assert torch.allclose(cut.logprobs[i, :want], free.logprobs[i, :want], atol=1e-6, rtol=0)
+        assert bool(cut.rollout.ended_with_eos[i]) == (bool(free.rollout.ended_with_eos[i]) and n <= k)
