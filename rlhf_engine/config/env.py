@@ -25,6 +25,11 @@ class EnvConfig:
                                   "together (0 = max_turns x max_answer_seq_len). An episode that reaches it ends "
                                   "truncated (env/truncated_rate).")
     env_timeout_s: float = opt(30.0, "Seconds one reset() or step() call may take before it counts as an error.")
+    env_max_abandoned_calls: int = opt(16, "Most environment calls abandoned after env_timeout_s whose threads "
+                                       "are still running, on a rank (a thread cannot be killed; "
+                                       "env/abandoned_calls counts the calls abandoned per iteration): past it the "
+                                       "run stops naming both flags instead of leaking threads to a hanging "
+                                       "environment. 0 = stop at the first call left running.")
     env_workers: int = opt(8, "Environment calls of a turn run in this many threads, across the batch's rows.")
     env_errors: str = opt("stop", "What an environment call that raised or timed out does: 'stop' (the default: "
                           "the run stops naming the row, so a broken environment is not mistaken for a failing "
@@ -50,5 +55,9 @@ class EnvConfig:
         if not (isinstance(v, int) and not isinstance(v, bool) and v >= 0):
             p.add(prefix + "max_episode_tokens", v, "must be a whole number >= 0 (0 = max_turns x "
                   "max_answer_seq_len)")
+        v = self.env_max_abandoned_calls
+        if not (isinstance(v, int) and not isinstance(v, bool) and v >= 0):
+            p.add(prefix + "env_max_abandoned_calls", v, "must be a whole number >= 0 (abandoned environment threads "
+                  "still running that the run tolerates; 0 = none)")
         check_positive(p, prefix, self, "env_timeout_s")
         check_choice(p, prefix, self, "env_errors", ENV_ERRORS)

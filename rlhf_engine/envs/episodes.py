@@ -3,11 +3,13 @@ its observation as context, until every episode is done, out of turns or out of 
 
 Each turn is one generation call over the unfinished rows, their whole context (prompt and every earlier turn) as the
 prompt: the backend prefills it again (docs/environments.md has the measurement against continuing from the cache).
-A call asks for max_answer_seq_len tokens, or fewer when an unfinished episode has less room left in its budget (so no
-context outgrows the positions checked at start-up); a turn is then cut at the environment's stop strings and at its
-episode's room, on the sampled ids (a prefix of a sample is a sample). Under ZeRO-3 on several ranks every generate
-call is collective, so the ranks agree each turn (one all-reduce) whether any still plays and on the turn's length,
-and a rank whose episodes are all over generates a throw-away turn while another rank still plays.
+Every row of a call may write max_answer_seq_len tokens, or its own episode's room when that is less
+(`SamplingParams.row_limits`): a row's turn never depends on its batch-mates or on the world size. A turn cut by its
+episode's room is truncated: the environment does not see the fragment, the episode ends there and the turn scores 0.
+A turn is also cut at the environment's stop strings, on the sampled ids (a prefix of a sample is a sample). Under
+ZeRO-3 on several ranks every generate call is collective, so the ranks agree each turn (one all-reduce) whether any
+still plays, and a rank whose episodes are all over generates a throw-away token from a bare prompt while another
+rank still plays.
 """
 from __future__ import annotations
 
@@ -21,7 +23,7 @@ from ..comm import all_reduce
 from ..rollout import PromptRow, Rollout, pad_prompts
 from .base import EnvironmentFailure, as_step
 from .calls import EnvCalls
-from .turns import TurnFormat, cut_at_stop_strings
+from .turns import TurnFormat, contains_stop_string, cut_at_stop_strings
 
 
 @dataclass
@@ -50,12 +52,13 @@ class EpisodeStats:
     observation_tokens: int = 0
     truncated: int = 0
     errors: int = 0
+    abandoned_calls: int = 0  # environment calls given up on after env_timeout_s in this batch (threads left alive)
     turn_reward_sums: list = field(default_factory=list)  # [k]: the summed reward of every episode's turn k
     turn_counts: list = field(default_factory=list)  # [k]: episodes that played a turn k
 
     def add_to(self, stats: Any) -> None:
         """Into a MetricSums (every key a sum, all-reduced with the iteration's metrics)."""
-        for key in ("episodes", "turns", "observation_tokens", "truncated", "errors"):
+        for key in ("episodes", "turns", "observation_tokens", "truncated", "errors", "abandoned_calls"):
             stats.add(f"env_{key}", torch.tensor(float(getattr(self, key))))
         for k, (s, n) in enumerate(zip(self.turn_reward_sums, self.turn_counts)):
             stats.add(f"env_turn{k + 1}_reward_sum", torch.tensor(float(s)))
@@ -89,6 +92,7 @@ class EpisodeRunner:
         stats = EpisodeStats(episodes=len(rows), turn_reward_sums=[0.0] * self.max_turns,
                              turn_counts=[0] * self.max_turns)
         failure: list[EnvironmentFailure] = []
+        abandoned_before = self.calls.abandoned  # the resets' calls count too
         try:
             episodes = self._start(prompt_ids, prompt_mask, rows, stats, failure)
         except Exception as e:  # noqa: BLE001  (as in a turn below: end here, keep the protocol, stop together)
@@ -98,18 +102,22 @@ class EpisodeRunner:
                         for i in range(len(rows))]
         for turn in range(self.max_turns):
             live = [e for e in episodes if not e.over]
-            # the turn's length: no episode may outgrow its budget (positions beyond it were never checked)
-            room = min((self.budget - len(e.tokens) for e in live), default=0)
-            any_live, room = self._agree(bool(live), room)
-            if not any_live:
+            if not self._any_live(bool(live)):
                 break
+            # not inside the try: a failing generate call is not the environment's, and where generation is
+            # collective the peers wait inside it, so this rank must not go on to the next turn's all-reduce (the
+            # error ends this process, and the launcher the job)
+            gen, limits = self._generate(live, episodes)
+            if not live:
+                continue
             try:
-                self._play_turn(live, episodes, turn, rows, stats, failure, min(room, self.params.max_new_tokens))
+                self._play_turn(live, episodes, turn, rows, stats, failure, gen, limits)
             except Exception as e:  # noqa: BLE001  (this rank's own step: it ends its episodes and keeps the
                 # turn protocol with its peers; the trainer then stops every rank with this error)
                 failure[:0] = [EnvironmentFailure(f"turn {turn + 1}: {type(e).__name__}: {e}")]
                 for episode in episodes:
                     episode.over = True
+        stats.abandoned_calls = self.calls.abandoned - abandoned_before
         if failure:
             return None, None, stats, failure[0]
         for e in episodes:
@@ -167,24 +175,27 @@ class EpisodeRunner:
             failure.append(EnvironmentFailure(message + " (env_errors 'score_zero' ends such an episode there, "
                                               "the failed turn scoring 0, instead of stopping)"))
 
-    def _agree(self, live: bool, room: int) -> tuple[bool, int]:
-        """(whether any rank still plays, the smallest room of the live episodes of every rank): one all-reduce
-        where generate calls are collective, so every rank makes the same calls with the same length."""
+    def _any_live(self, live: bool) -> bool:
+        """Whether any rank still plays: one all-reduce where generate calls are collective, so that every rank
+        makes the same number of calls."""
         if not self.collective():
-            return live, room
-        big = self.params.max_new_tokens
-        flags = torch.tensor([float(live), -float(room if live else big)], device=self.device)
-        any_live, neg_room = all_reduce(flags, "max").tolist()
-        return any_live > 0, int(-neg_room)
+            return live
+        flag = torch.tensor([float(live)], device=self.device)
+        return all_reduce(flag, "max").item() > 0
 
-    def _play_turn(self, live: list[Episode], episodes: list[Episode], turn: int, rows, stats, failure,
-                   new_tokens: int) -> None:
-        batch = live or episodes[:1]  # a rank without live episodes keeps its collective peers company
-        ids, mask = pad_prompts([e.prompt + e.tokens for e in batch], self.pad,
-                                [e.prompt_mask + [1] * len(e.tokens) for e in batch])
-        gen = self.sample(ids, mask, dataclasses.replace(self.params, max_new_tokens=max(new_tokens, 1)))
-        if not live:
-            return
+    def _generate(self, live: list[Episode], episodes: list[Episode]) -> tuple[Any, tuple]:
+        """The turn's generate call: (its output, each live row's token limit)."""
+        if live:  # each row to its own room: no context outgrows the positions checked at start-up
+            batch = [(e.prompt + e.tokens, e.prompt_mask + [1] * len(e.tokens)) for e in live]
+            limits = tuple(min(self.budget - len(e.tokens), self.params.max_new_tokens) for e in live)
+        else:  # keeping collective peers company: one token from a bare prompt (any context may be at its budget)
+            batch, limits = [(episodes[0].prompt, episodes[0].prompt_mask)], (1,)
+        ids, mask = pad_prompts([b[0] for b in batch], self.pad, [b[1] for b in batch])
+        # max_new_tokens stays the run's on every rank: lockstep decoding (per-layer ZeRO-3) needs the same bound
+        return self.sample(ids, mask, dataclasses.replace(self.params, row_limits=limits)), limits
+
+    def _play_turn(self, live: list[Episode], episodes: list[Episode], turn: int, rows, stats, failure, gen: Any,
+                   limits: tuple) -> None:
         r = gen.rollout
         responses = r.responses.tolist()
         lengths = r.response_lengths.tolist()
@@ -192,12 +203,13 @@ class EpisodeRunner:
         texts = []
         for j, e in enumerate(live):
             resp = responses[j][:int(lengths[j])]
-            keep = cut_at_stop_strings(self.tokenizer, resp, getattr(e.env, "stop_strings", ()) or ())
-            room = self.budget - len(e.tokens)
-            cut_by_budget = keep > room
-            keep = min(keep, room)
+            stop_strings = getattr(e.env, "stop_strings", ()) or ()
+            keep = cut_at_stop_strings(self.tokenizer, resp, stop_strings)
+            closed_by = resp[keep - 1] if keep and resp[keep - 1] in self.stops else None
+            # the row's limit was its room and it used all of it without ending its turn: the budget cut it
+            cut_by_budget = (limits[j] < self.params.max_new_tokens and keep == len(resp) == limits[j]
+                             and closed_by is None and not contains_stop_string(self.tokenizer, resp, stop_strings))
             resp = resp[:keep]
-            closed_by = resp[-1] if resp and resp[-1] in self.stops else None
             e.tokens += resp
             e.actions += [1] * len(resp)
             e.logprobs += (lps[j][:keep] if lps is not None else [0.0] * keep)
@@ -205,12 +217,13 @@ class EpisodeRunner:
             e.ended_with_eos = closed_by is not None
             e.truncated = cut_by_budget
             texts.append(self.tokenizer.decode(resp, skip_special_tokens=True))
-        playing = [(e, t) for e, t in zip(live, texts) if e.env is not None]  # None: its reset failed
+        # a fragment cut by the budget is not a turn: its environment never sees it
+        playing = [(e, t) for e, t in zip(live, texts) if e.env is not None and not e.truncated]
         outcomes = iter(self.calls.run([lambda e=e, t=t: as_step(e.env.step(t)) for e, t in playing]))
         index = {id(e): i for i, e in enumerate(episodes)}
         for e in live:
             stats.turn_counts[turn] += 1
-            if e.env is None:
+            if e.env is None or e.truncated:  # a failed reset (score_zero), or a turn cut by the budget
                 e.turn_rewards.append(0.0)
                 e.over = True
                 continue

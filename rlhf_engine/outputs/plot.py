@@ -1,6 +1,6 @@
-"""`<output_dir>/metrics.png`: score, KL, response length and the two losses against the iteration, read back from
-metrics.jsonl. Uses matplotlib's object API with the Agg canvas, so the process-wide backend is never changed and no
-display is needed."""
+"""`<output_dir>/metrics.png`: score, KL, response length, the policy term, the actor's whole loss and the value loss
+against the iteration, read back from metrics.jsonl. Uses matplotlib's object API with the Agg canvas, so the
+process-wide backend is never changed and no display is needed."""
 from __future__ import annotations
 
 import os
@@ -8,7 +8,7 @@ from typing import Optional, Sequence
 
 from .metrics import read_metrics
 
-PLOT_KEYS = ("objective/score", "objective/kl", "rollout/response_length", "policy/loss", "value/loss")
+PLOT_KEYS = ("objective/score", "objective/kl", "rollout/response_length", "policy/loss", "actor/loss", "value/loss")
 
 
 def plot_metrics(metrics_path: str, png_path: Optional[str] = None, keys: Sequence[str] = PLOT_KEYS,

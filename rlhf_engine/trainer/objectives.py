@@ -59,8 +59,8 @@ class ActorObjective:
         self.needs_weights = ppo.loss_agg_mode != "token_mean" or bool(ppo.kl_loss_coef)
 
     def __call__(self, micro: Experience, counts: Counts) -> tuple[torch.Tensor, dict]:
-        """Training forward and loss of one micro-batch -> (loss [], stats: the policy loss's, `kl_loss`,
-        `max_abs_log_ratio` (fp64, the ratio trace); all detached)."""
+        """Training forward and loss of one micro-batch -> (loss [], stats: the policy loss's, `policy_term` (the
+        policy loss alone), `kl_loss`, `max_abs_log_ratio` (fp64, the ratio trace); all detached)."""
         ppo, r = self.ppo, micro.rollout
         # check=False: no host sync per micro-batch; its ids and masks were checked with the whole experience
         logprobs, entropy = self.engine.actor_forward(r, with_entropy=self.with_entropy, check=False)
@@ -72,6 +72,7 @@ class ActorObjective:
             action_mask=pmask, clip_eps=ppo.clip_eps, clip_eps_high=ppo.upper_clip, dual_clip=ppo.dual_clip,
             num_tokens=counts.policy_tokens, check=False,
             token_weights=None if ppo.loss_agg_mode == "token_mean" else weights)  # token_mean: sum / tokens
+        stats["policy_term"] = loss.detach()  # logged alone as policy/loss; the sum below is actor/loss
         if ppo.kl_loss_coef:
             kloss, _ = kl_loss(logprobs, micro.ref_logprobs, pmask, ppo.kl_loss_estimator, weights)
             loss = loss + ppo.kl_loss_coef * kloss

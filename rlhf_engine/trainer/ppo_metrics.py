@@ -81,9 +81,11 @@ def add_correction_stats(stats: MetricSums, mode: str, cs: dict) -> None:
 
 
 def add_policy_stats(stats: MetricSums, loss: torch.Tensor, ps: dict) -> None:
-    """policy/*: one actor micro-batch (`ps`: policy_loss's stats)."""
+    """policy/*, actor/loss: one actor micro-batch (`loss`: the actor's whole loss; `ps`: its stats, with the policy
+    term alone in `policy_term`)."""
     t = ps["tokens"]
-    stats.add("policy_loss", loss.detach())
+    stats.add("actor_loss", loss.detach())
+    stats.add("policy_loss", ps["policy_term"])
     if "kl_loss" in ps:
         stats.add("kl_loss", ps["kl_loss"])
     stats.add("approx_kl_sum", ps["approx_kl"] * t)
@@ -109,7 +111,8 @@ def max_abs_diff(logprobs: torch.Tensor, old_logprobs: torch.Tensor, mask: torch
 
 
 def iteration_record(s: dict, world_size: int) -> dict:
-    """The objective/, policy/, ptx/, value/ and rollout/ keys from the reduced sums `s` of one iteration."""
+    """The objective/, policy/, actor/, ptx/, value/, rollout/, env/ and reward/ keys from the reduced sums `s` of
+    one iteration."""
     n_seq, tokens = s["sequences"], s["tokens"]
     train_tokens = s.get("train_tokens", 0.0)
     minibatches = s["minibatches"] / world_size  # every rank counted each mini-batch
@@ -123,7 +126,8 @@ def iteration_record(s: dict, world_size: int) -> dict:
         rec["objective/shaped_score"] = s["shaped_score_sum"] / n_seq
     if "policy_loss" in s:  # the actor trained (not a critic warm-up iteration)
         rec.update({
-            "policy/loss": s["policy_loss"] / minibatches,
+            "policy/loss": s["policy_loss"] / minibatches,  # the policy term alone
+            "actor/loss": s["actor_loss"] / minibatches,  # what the actor's backward saw: + KL loss - entropy term
             "policy/approx_kl": s["approx_kl_sum"] / train_tokens if train_tokens else None,
             "policy/clipfrac": s["clipfrac_sum"] / train_tokens if train_tokens else None,
             "policy/ratio_mean": s["ratio_sum"] / train_tokens if train_tokens else None,
@@ -166,6 +170,9 @@ def iteration_record(s: dict, world_size: int) -> dict:
         rec["batch/empty_micro_batches"] = s["empty_micro_batches"] / world_size
     if "env_episodes" in s:
         rec.update(episode_record(s))
+    if "reward_worker_timeouts" in s:  # --reward_workers: calls killed at --reward_timeout_s, processes replaced
+        rec["reward/worker_timeouts"] = int(s["reward_worker_timeouts"])
+        rec["reward/worker_restarts"] = int(s["reward_worker_restarts"])
     rec.update({
         "rollout/response_length": s["response_length_sum"] / n_seq,
         "rollout/eos_rate": s["eos_sum"] / n_seq,
@@ -179,6 +186,8 @@ def episode_record(s: dict) -> dict:
     n = max(s["env_episodes"], 1.0)
     rec = {"env/turns_mean": s["env_turns"] / n, "env/observation_tokens_mean": s["env_observation_tokens"] / n,
            "env/truncated_rate": s["env_truncated"] / n, "env/errors": s["env_errors"]}
+    if "env_abandoned_calls" in s:  # calls given up on at env_timeout_s whose threads were left running (a sum)
+        rec["env/abandoned_calls"] = int(s["env_abandoned_calls"])
     k = 1
     while f"env_turn{k}_count" in s:
         count = s[f"env_turn{k}_count"]

@@ -89,7 +89,8 @@ def episode_runner(plan: RunPlan, engine):
                          engine.sample, engine.generator.collective_calls, engine.sampling, max_turns=env.max_turns,
                          max_episode_tokens=cfg.response_budget, max_prompt_len=g.max_prompt_seq_len,
                          stop_token_ids=engine.sampling.stop_token_ids, pad_token_id=engine.pad_token_id,
-                         calls=EnvCalls(env.env_workers, env.env_timeout_s), on_error=env.env_errors,
+                         calls=EnvCalls(env.env_workers, env.env_timeout_s, env.env_max_abandoned_calls),
+                         on_error=env.env_errors,
                          device=engine.device)
 
 
@@ -304,6 +305,9 @@ class PPOTrainer:
         t3 = time.perf_counter()
         for key, n in self.engine.take_slot_counts().items():  # the forwards' tokens and slots, padded and packed
             stats.add(f"slots_{key}", torch.tensor(float(n)))
+        take_counts = getattr(self.plan.reward_fn, "take_counts", None)  # --reward_workers: timeouts, restarts
+        for key, n in (take_counts() if take_counts else {}).items():
+            stats.add(f"reward_{key}", torch.tensor(float(n)))
         stats.max("peak_rss_mib", torch.tensor(peak_rss_mib()))  # the largest rank's, in the same collective
         device_peak = peak_device_mib(self.engine.device)
         if device_peak is not None:
