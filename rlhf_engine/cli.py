@@ -267,10 +267,21 @@ def _run(argv: list, description: str, config_cls: type, run: Callable[..., Any]
             from .comm import rank as this_rank
 
             msg = str(e) if str(e).startswith("rank ") else f"rank {this_rank()}: {e}"  # the trainer may name it
-        if not msg:
-            raise
         import traceback
 
+        if not msg:
+            from . import comm
+
+            if comm.initialized() and comm.world_size() > 1:
+                # one rank's own error (a bug, a failing generate call): its peers may already wait inside a
+                # collective, so this process ends now, skipping exit handlers that could join one, and the launcher
+                # ends the job (deepspeed and torchrun stop every rank when one exits non-zero)
+                traceback.print_exc()
+                print(f"error: rank {comm.rank()}: {type(e).__name__}: {e} (this rank ends the job: its peers may be "
+                      "waiting for it in a collective)", file=sys.stderr, flush=True)
+                sys.stdout.flush()
+                os._exit(EXIT_FAILED)
+            raise
         traceback.print_exc()
         print(f"error: {msg}", file=sys.stderr, flush=True)
         return EXIT_FAILED

@@ -6,6 +6,8 @@
                                                    next collective: a hung rank)
     RLHF_ENGINE_TEST_SIGNAL="RANK:ITERATION:PHASE"  that rank sends itself SIGUSR1 there (a preemption notice that
                                                    arrives at a chosen moment; trainer/preemption.py answers it)
+    RLHF_ENGINE_TEST_RAISE="RANK:ITERATION:PHASE"   that rank raises InjectedFailure there (a bug or an error inside
+                                                   a step, while its peers go on into the next collective)
 
 Several points may be joined with ','. ITERATION is the 0-based PPO iteration (for `checkpoint`: the tag's number,
 i.e. iterations completed). PHASE:
@@ -17,6 +19,8 @@ i.e. iterations completed). PHASE:
                  accumulation): the weights in memory have moved, nothing of this iteration is on disk
     checkpoint   inside the save of checkpoint iter_ITERATION: after the DeepSpeed engine files were written,
                  before the per-rank state files and the COMPLETE marker (a save cut short)
+    generate     inside each generate call of the iteration's rollouts (the generation backend wrapped by the
+                 hooks), before it decodes: under ZeRO-3 the peers are then inside the call's collectives
 
 The variables are read here only (`fault_point`). The trainer consults its points through its `TestHooks`
 (rlhf_engine/hooks.py) at the start of each phase and after each guarded step; `checkpoint` is called directly by
@@ -32,7 +36,12 @@ import time
 KILL_VAR = "RLHF_ENGINE_TEST_KILL"
 STALL_VAR = "RLHF_ENGINE_TEST_STALL"
 SIGNAL_VAR = "RLHF_ENGINE_TEST_SIGNAL"
-PHASES = ("rollout", "experience", "train", "train_step", "checkpoint")
+RAISE_VAR = "RLHF_ENGINE_TEST_RAISE"
+PHASES = ("rollout", "experience", "train", "train_step", "checkpoint", "generate")
+
+
+class InjectedFailure(RuntimeError):
+    """The error `RLHF_ENGINE_TEST_RAISE` raises."""
 
 
 def _points(var: str) -> set[tuple[int, int, str]]:
@@ -53,7 +62,7 @@ def _points(var: str) -> set[tuple[int, int, str]]:
 
 def active() -> bool:
     """True when any fault point is set (the hooks are installed only then)."""
-    return bool(_points(KILL_VAR) or _points(STALL_VAR) or _points(SIGNAL_VAR))
+    return bool(_points(KILL_VAR) or _points(STALL_VAR) or _points(SIGNAL_VAR) or _points(RAISE_VAR))
 
 
 def fault_point(phase: str, iteration: int, rank: int) -> None:
@@ -65,6 +74,9 @@ def fault_point(phase: str, iteration: int, rank: int) -> None:
     if point in _points(SIGNAL_VAR):
         _say(f"rank {rank} (pid {os.getpid()}) sends itself SIGUSR1 at iteration {iteration}, phase {phase}")
         os.kill(os.getpid(), signal.SIGUSR1)
+    if point in _points(RAISE_VAR):
+        _say(f"rank {rank} (pid {os.getpid()}) raises InjectedFailure at iteration {iteration}, phase {phase}")
+        raise InjectedFailure(f"injected failure on rank {rank} at iteration {iteration}, phase {phase}")
     if point in _points(STALL_VAR):
         _say(f"rank {rank} (pid {os.getpid()}) stalls forever at iteration {iteration}, phase {phase}")
         while True:

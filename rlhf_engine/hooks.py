@@ -7,6 +7,7 @@
 Points the loop consults (each returns its argument, or 0, at once when nothing is set):
 
     hooks.at(phase, iteration)              # rollout / experience / train / checkpoint: kill or stall this rank here
+    hooks.wrap_generator(backend)           # generate: a fault point inside every generate call (wraps the object)
     hooks.after_step(iteration)             # train_step: after the iteration's first actor optimizer step
     hooks.scores(reward_fn, iteration)      # the reward function, or one that returns a NaN in row 0
     hooks.advantages(advantages, iteration) # advantage [0, 0] set to NaN
@@ -94,6 +95,7 @@ class TestHooks:
         self.skip_on_resume = frozenset(skip_on_resume)
         self.rank, self.actor_steps = 0, (lambda: 0)
         self._steps_before: Optional[int] = None
+        self._iteration = 0  # the last phase point's iteration (the generate point's)
 
     @classmethod
     def from_env(cls, **switches: Any) -> "TestHooks":
@@ -124,9 +126,24 @@ class TestHooks:
     # ---- kill / stall ----------------------------------------------------------------------------------------------
     def at(self, phase: str, iteration: int) -> None:
         if self.faults:
+            self._iteration = iteration
             faults.fault_point(phase, iteration, self.rank)
             if phase == "train":
                 self._steps_before = self.actor_steps()
+
+    def wrap_generator(self, backend: Any) -> Any:
+        """The generation backend, with the `generate` fault point (at the iteration of the last `rollout` point)
+        inside its every call; unchanged unless a fault point is set."""
+        if not self.faults:
+            return backend
+        real, hooks = backend.generate, self
+
+        def generate(*args, **kwargs):
+            faults.fault_point("generate", hooks._iteration, hooks.rank)
+            return real(*args, **kwargs)
+
+        backend.generate = generate
+        return backend
 
     def after_step(self, iteration: int) -> None:
         """After a guarded step: the `train_step` point once the actor's optimizer has really stepped (not a

@@ -78,7 +78,8 @@ class RLHFEngine:
         self._ema_steps = 0  # actor optimizer steps the EMA has seen
         if ext.enable_ema:
             self._build_ema(num_training_steps)
-        self.generator = backend(GenerationContext(self.actor, dist, self.plans["actor"].stage, cfg))
+        self.generator = self.hooks.wrap_generator(
+            backend(GenerationContext(self.actor, dist, self.plans["actor"].stage, cfg)))
         # packing: forwards on packed rows where every model computes them right (engine/packed_forward.py)
         self.packing = self._resolve_packing(ext.packing)
         # with trimmed or packed rows the experience forwards run on the training micro-batches' rows exactly, so

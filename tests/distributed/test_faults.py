@@ -212,3 +212,23 @@ def test_resume_after_the_faults_equals_the_uninterrupted_run(faults):
     assert any(n.startswith("metrics.jsonl.dropped-") for n in os.listdir(faults["victim"]))
     assert torch.load(os.path.join(faults["victim"], "checkpoints", "iter_000004", "state_rank1.pt"),
                       weights_only=True)["iteration"] == 4
+
+
+@pytest.mark.distributed
+def test_an_error_inside_generate_on_one_rank_ends_the_job_before_the_collective_timeout(tiny, tmp_path):
+    """Rank 1 raises inside a generate call of iteration 1 while rank 0 is inside the same call's collectives
+    (per-layer ZeRO-3, an environment's turn loop, whose own failures are caught to keep the turn protocol): rank 1
+    must exit with its error, and the launcher end rank 0, well before the 15 s collective timeout."""
+    flags = dict(RUN, max_steps=2, save_interval=0, environment="_envs:counting", max_turns=2, actor_zero_stage=3,
+                 reference_zero_stage=3, critic_zero_stage=3, generation_gather_once="off",
+                 dist_timeout_minutes=TIMEOUT_S / 60)
+    res = launch_watched(os.path.join(ROOT, "launch", "train_ppo.py"), args_for(tiny, str(tmp_path / "run"), **flags),
+                         str(tmp_path), str(tmp_path / "raise.log"), env={"RLHF_ENGINE_TEST_RAISE": "1:1:generate"})
+    out = res["out"]
+    assert res["rc"] != 0, out[-4000:]
+    assert "raises InjectedFailure at iteration 1, phase generate" in out, out[-4000:]
+    assert "InjectedFailure: injected failure on rank 1 at iteration 1, phase generate" in out, out[-4000:]
+    assert "timed out" not in out, out[-4000:]  # it did not take the collective timeout to end
+    assert "(this rank ends the job: its peers may be waiting for it in a collective)" in out, out[-4000:]
+    assert res["t_exit"] - _fault_time(out) < TIMEOUT_S, out[-3000:]
+    assert len(res["ranks"]) == 2 and res["survivors"] == {}, res
