@@ -68,9 +68,72 @@ def varying(row):
     return Varying(row)
 
 
+class RankVarying(Varying):
+    """Varying, by rank (the RANK variable): on rank 0 1 or 2 turns by the prompt's length, on the other ranks 3, so
+    in every generation batch the ranks' longest episodes differ and rank 0 makes throw-away calls."""
+
+    def __init__(self, row):
+        import os
+
+        super().__init__(row)
+        self.turns = 1 + len(row["prompt"]) % 2 if os.environ.get("RANK", "0") == "0" else 3
+
+
+def rank_varying(row):
+    return RankVarying(row)
+
+
 class BadStopStrings(Counting):
     stop_strings = 5  # not a sequence of strings: the episode runner's own step fails on it
 
 
 def bad_stop_strings(row):
     return BadStopStrings(row)
+
+
+class RoomHungry(Counting):
+    """Two turns; turn 1's observation is long (LONG_OBSERVATION words) for prompts of an even length in
+    characters, short for the others: with max_episode_tokens just above turn 1 + the long observation, the
+    long-observation rows have a few tokens of room for turn 2 and the others a whole turn. Turn 2 ends with a
+    reward of a tenth of the response's length in characters (mod 7)."""
+
+    LONG_OBSERVATION = 6
+
+    def __init__(self, row):
+        super().__init__(row)
+        self.long = len(row["prompt"]) % 2 == 0
+
+    def step(self, response):
+        self.turn += 1
+        if self.turn == 1:
+            return Step(" x" * self.LONG_OBSERVATION if self.long else " ok", 0.25, False)
+        return Step(None, 0.1 * (len(response) % 7), True)
+
+
+def room_hungry(row):
+    return RoomHungry(row)
+
+
+class RankSplit(Counting):
+    """On rank 0 (the RANK variable) the episode fills its budget: turn 1 gets an observation as long as a turn
+    (FILL words, one token each for the tiny tokenizer), so turn 2 ends exactly at max_episode_tokens = 2 turns +
+    FILL; on the other ranks observations are one word and episodes play on to turn 3. Under ZeRO-3 rank 0 then keeps
+    its peer company while its contexts sit at the end of the positions checked at start-up."""
+
+    FILL = 4
+
+    def __init__(self, row):
+        import os
+
+        super().__init__(row)
+        self.fills = int(os.environ.get("RANK", "0")) == 0
+
+    def step(self, response):
+        self.turn += 1
+        if self.turn >= 3:
+            return Step(None, 1.0, True)
+        return Step(" x" * self.FILL if self.fills else " ok", 0.25, False)
+
+
+def rank_split(row):
+    return RankSplit(row)

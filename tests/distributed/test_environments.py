@@ -17,22 +17,74 @@ LR0 = dict(per_device_generation_batch_size=4, generation_batches=2, experience_
            per_device_training_batch_size=2, gradient_accumulation_steps=2, ppo_epochs=2, max_steps=2, seed=1,
            actor_learning_rate=0.0, critic_learning_rate=0.0, **ENV)
 Z3 = dict(actor_zero_stage=3, reference_zero_stage=3, critic_zero_stage=3, generation_gather_once="off")
+BY_RANK = dict(environment="_envs:rank_varying")  # rank 0 plays 1-2 turns, rank 1 plays 3
 GRPO = dict(advantage_estimator="grpo", n_samples_per_prompt=2, per_device_generation_batch_size=2,
             actor_zero_stage=2)
 INV = dict(do_sample="false", max_steps=2, ppo_epochs=2, seed=3, actor_learning_rate=2e-4, critic_learning_rate=2e-4,
            **ENV)
 
 
+def room_flags(tiny) -> dict:
+    """Greedy 2-turn episodes of `_envs:room_hungry` whose long-observation rows have 3 tokens of room for turn 2."""
+    from _envs import RoomHungry
+    from transformers import AutoTokenizer
+
+    from rlhf_engine.envs.turns import TurnFormat
+
+    long_obs = len(TurnFormat(AutoTokenizer.from_pretrained(tiny.tokenizer), False).context(
+        " x" * RoomHungry.LONG_OBSERVATION, None))
+    return dict(environment="_envs:room_hungry", max_turns=2, max_answer_seq_len=8, max_episode_tokens=8 + long_obs + 3,
+                do_sample="false", stop_token_ids=[], max_steps=1, actor_learning_rate=0.0,
+                critic_learning_rate=0.0, seed=2)
+
+
+def budget_setup(tiny, tmp: str) -> tuple[dict, int]:
+    """`_envs:rank_split` on prompts of one token length L and an actor with exactly L + max_episode_tokens positions:
+    rank 0's episodes end at their budget while rank 1 plays a third turn. Returns (flags, rank 1's turn-3 room)."""
+    import json
+
+    from _envs import RankSplit
+    from transformers import AutoTokenizer
+
+    from rlhf_engine.assets import build_tiny_model
+    from rlhf_engine.envs.turns import TurnFormat
+
+    tok = AutoTokenizer.from_pretrained(tiny.tokenizer)
+    fmt = TurnFormat(tok, False)
+    fill, ok, turn = len(fmt.context(" x" * RankSplit.FILL, None)), len(fmt.context(" ok", None)), 4
+    budget = 2 * turn + fill
+    with open(tiny.prompts) as f:
+        texts = [json.loads(line)["prompt"] for line in f]
+    L = 8  # the prompts of at least L tokens, cut to their last L (long_prompt_policy truncate_left)
+    data = os.path.join(tmp, "long_prompts.jsonl")
+    with open(data, "w") as f:
+        for p in texts:
+            if len(tok(p, add_special_tokens=False)["input_ids"]) >= L:
+                f.write(json.dumps({"prompt": p}) + "\n")
+    actor = build_tiny_model(os.path.join(tmp, "short_actor"), tiny.tokenizer, max_positions=L + budget)
+    flags = dict(environment="_envs:rank_split", max_turns=3, max_answer_seq_len=turn, max_episode_tokens=budget,
+                 max_prompt_seq_len=L, long_prompt_policy="truncate_left", data_path=data,
+                 actor_model_name_or_path=actor, do_sample="false",
+                 stop_token_ids=[], max_steps=1, per_device_generation_batch_size=2, actor_learning_rate=0.0,
+                 critic_learning_rate=0.0, per_device_training_batch_size=2, **Z3)
+    return flags, budget - 2 * turn - 2 * ok
+
+
 @pytest.fixture(scope="module")
 def two_rank(tiny, tmp_path_factory):
     tmp = str(tmp_path_factory.mktemp("env2"))
     d = lambda name: os.path.join(tmp, name)  # noqa: E731
+    budget, _ = budget_setup(tiny, tmp)
     runs = [
+        {"name": "room_z3", "args": ppo_args(tiny, d("room_z3"), per_device_generation_batch_size=2,
+                                              per_device_training_batch_size=2, **room_flags(tiny), **Z3)},
+        {"name": "budget_z3", "args": ppo_args(tiny, d("budget_z3"), **budget)},
         {"name": "lr0", "args": ppo_args(tiny, d("lr0"), **LR0)},
-        {"name": "lr0_z3_lean", "args": ppo_args(tiny, d("lr0_z3_lean"), **LR0, **Z3)},
-        {"name": "lr0_z3_hf", "args": ppo_args(tiny, d("lr0_z3_hf"), generation_backend="hf", **LR0, **Z3)},
+        {"name": "lr0_z3_lean", "args": ppo_args(tiny, d("lr0_z3_lean"), **{**LR0, **BY_RANK}, **Z3)},
+        {"name": "lr0_z3_hf", "args": ppo_args(tiny, d("lr0_z3_hf"), generation_backend="hf", **{**LR0, **BY_RANK},
+                                                **Z3)},
         # the default ZeRO-3 mode (a replica refreshed collectively at every generate call)
-        {"name": "lr0_z3_replica", "args": ppo_args(tiny, d("lr0_z3_replica"), **LR0,
+        {"name": "lr0_z3_replica", "args": ppo_args(tiny, d("lr0_z3_replica"), **{**LR0, **BY_RANK},
                                                      **{**Z3, "generation_gather_once": "auto"})},
         {"name": "lr0_grpo_z2", "args": ppo_args(tiny, d("lr0_grpo_z2"), **{**{k: v for k, v in LR0.items()
                                                                                 if k != "critic_learning_rate"}, **GRPO})},
@@ -47,7 +99,9 @@ def one_rank(tiny, tmp_path_factory):
     tmp = str(tmp_path_factory.mktemp("env1"))
     runs = [{"name": "inv_4x1", "args": ppo_args(tiny, os.path.join(tmp, "inv_4x1"),
                                                   per_device_generation_batch_size=4,
-                                                  per_device_training_batch_size=4, **INV)}]
+                                                  per_device_training_batch_size=4, **INV)},
+            {"name": "room_1r", "args": ppo_args(tiny, os.path.join(tmp, "room_1r"), per_device_generation_batch_size=4,
+                                                  per_device_training_batch_size=4, **room_flags(tiny))}]
     return run_harness(tmp, "env_one_rank", runs, 1, "python")
 
 
@@ -70,12 +124,41 @@ def test_lr0_ratio_one_and_kl_zero_across_turns(two_rank, name):
 @pytest.mark.distributed
 def test_ranks_play_different_numbers_of_turns_in_lockstep(two_rank):
     """Under ZeRO-3 every generate call is collective (per-layer fetching, or the replica's refresh); the runs above
-    finishing says the turn protocol kept the ranks together. Here: they did face different numbers of turns in
-    some generation batch."""
+    finishing says the turn protocol kept the ranks together. Here: in some generation batch the two ranks' longest
+    episodes had different numbers of turns (so one rank made throw-away calls while the other played)."""
+    batch = LR0["per_device_generation_batch_size"]
     for name in ("lr0_z3_lean", "lr0_z3_hf", "lr0_z3_replica"):
-        longest = [max(rank["experience"]["turns"]) for rank in two_rank[name]["ranks"]]
-        records = two_rank[name]["records"]
-        assert longest[0] != longest[1] or any(r["env/turns_mean"] not in (1.0, 2.0, 3.0) for r in records), name
+        turns = [rank["experience"]["turns"] for rank in two_rank[name]["ranks"]]
+        longest = [[max(t[i:i + batch]) for i in range(0, len(t), batch)] for t in turns]
+        assert any(a != b for a, b in zip(*longest)), (name, longest)
+
+
+@pytest.mark.distributed
+def test_a_rows_episode_does_not_depend_on_its_batch_mates_or_the_world_size(two_rank, one_rank):
+    """The same prompts, greedy: 2 ranks under per-layer ZeRO-3 (collective generation, batch-mates on the rank of
+    2 rows) against 1 rank with batches of 4. Each prompt's episode is the same, and rows with little room beside
+    rows with a whole turn left played their own (tests/unit/envs/test_episodes.py has alone vs beside others)."""
+    two = {tuple(p): (resp, act) for rank in two_rank["room_z3"]["ranks"] for p, resp, act in
+           rank["experience"]["episodes"]}
+    one = {tuple(p): (resp, act) for p, resp, act in one_rank["room_1r"]["ranks"][0]["experience"]["episodes"]}
+    assert two.keys() == one.keys() and len(one) == 4
+    assert two == one
+    second_turns = sorted(len(act) - act.index(0) - act[act.index(0):].index(1) for _, act in one.values()
+                          if 0 in act)
+    assert second_turns[0] == 3 and second_turns[-1] == 8, second_turns  # cut rows beside whole turns
+
+
+@pytest.mark.distributed
+def test_a_rank_at_its_budget_keeps_its_peer_company_from_a_bare_prompt(two_rank, tiny, tmp_path):
+    """Rank 0's contexts end exactly at the actor's last position while rank 1 plays a third turn: rank 0's
+    throw-away turn starts from a bare prompt (before the fix it continued a full context past the checked
+    positions: an index error on rank 0 while rank 1 waited in a collective)."""
+    _, room = budget_setup(tiny, str(tmp_path))
+    assert room >= 2  # the old throw-away turn would have generated 2 tokens past a full context
+    run = two_rank["budget_z3"]
+    turns = [rank["experience"]["turns"] for rank in run["ranks"]]
+    assert set(turns[0]) == {2} and set(turns[1]) == {3}, turns
+    assert run["records"][0]["env/truncated_rate"] > 0
 
 
 @pytest.mark.distributed

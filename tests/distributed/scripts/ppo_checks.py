@@ -87,6 +87,16 @@ def model_turns(action_mask: torch.Tensor) -> list[int]:
     return starts.flatten().tolist()
 
 
+def episodes(r) -> list:
+    """Per row: (its prompt's real ids, its response's real ids, their action flags)."""
+    out = []
+    for i in range(r.batch_size):
+        prompt = r.prompts[i][r.attention_mask[i, :r.prompt_length].bool()].tolist()
+        real = r.response_attention[i].bool()
+        out.append([prompt, r.responses[i][real].tolist(), r.action_mask[i][real].tolist()])
+    return out
+
+
 def gather(obj):
     """Every rank's `obj`, in rank order (on every rank)."""
     world = torch.distributed.get_world_size()
@@ -156,7 +166,8 @@ def run_one(spec: dict) -> dict | None:
         "experience": {"response_lengths": exp.rollout.response_lengths.tolist(),
                        "prompt_length": exp.rollout.prompt_length,
                        "scores": exp.scores.tolist(),
-                       "turns": model_turns(exp.rollout.action_mask)},
+                       "turns": model_turns(exp.rollout.action_mask),
+                       "episodes": episodes(exp.rollout)},
     }
     per_rank = gather(mine)
     result = None
