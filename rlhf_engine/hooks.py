@@ -8,6 +8,8 @@ Points the loop consults (each returns its argument, or 0, at once when nothing 
 
     hooks.at(phase, iteration)              # rollout / experience / train / checkpoint: kill or stall this rank here
     hooks.wrap_generator(backend)           # generate: a fault point inside every generate call (wraps the object)
+    hooks.wrap_update_step(step)            # an actor / critic step whose loss or gradient is made NaN
+    hooks.wrap_guard(guard)                 # train_step: the fault point after each guarded step
     hooks.after_step(iteration)             # train_step: after the iteration's first actor optimizer step
     hooks.scores(reward_fn, iteration)      # the reward function, or one that returns a NaN in row 0
     hooks.advantages(advantages, iteration) # advantage [0, 0] set to NaN
@@ -125,8 +127,8 @@ class TestHooks:
 
     # ---- kill / stall ----------------------------------------------------------------------------------------------
     def at(self, phase: str, iteration: int) -> None:
+        self._iteration = iteration  # the wrapped objects' points act at the iteration of the last phase point
         if self.faults:
-            self._iteration = iteration
             faults.fault_point(phase, iteration, self.rank)
             if phase == "train":
                 self._steps_before = self.actor_steps()
@@ -144,6 +146,36 @@ class TestHooks:
 
         backend.generate = generate
         return backend
+
+    def wrap_update_step(self, step: Any) -> Any:
+        """An actor or critic step (trainer/update.py) whose loss and gradient carry the non-finite injections of
+        its role; unchanged unless an injection is set."""
+        if self._injection is None:
+            return step
+        base, hooks = step.objective_loss, self
+
+        def objective_loss(micro, counts):
+            loss, stats = base(micro, counts)
+            return hooks.loss(step.role, loss, hooks._iteration), stats
+
+        step.objective_loss = objective_loss
+        step.extra_gradient = lambda loss: hooks.grad(step.role, loss, hooks._iteration)
+        return step
+
+    def wrap_guard(self, guard: Any) -> Any:
+        """The step guard, with the `train_step` fault point after each of its steps; unchanged unless a fault
+        point is set."""
+        if not self.faults:
+            return guard
+        real, hooks = guard.step, self
+
+        def step(*args, **kwargs):
+            out = real(*args, **kwargs)
+            hooks.after_step(hooks._iteration)
+            return out
+
+        guard.step = step
+        return guard
 
     def after_step(self, iteration: int) -> None:
         """After a guarded step: the `train_step` point once the actor's optimizer has really stepped (not a

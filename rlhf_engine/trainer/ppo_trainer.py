@@ -48,17 +48,16 @@ from .experience import (NonFiniteError, RewardFn, build_experience, decode_roll
 from .guards import StepGuard
 from .memory import peak_device_mib, peak_rss_mib
 from .metric_sums import MetricSums
-from .objectives import ActorObjective, Counts, CriticObjective, experience_steps
-from .ppo_metrics import (add_experience_stats, add_policy_stats, add_rollout_check, add_value_moments,
-                          add_value_stats, iteration_record)
-from .ptx import build_ptx, ptx_loss
+from .objectives import ActorObjective, CriticObjective, experience_steps
+from .ppo_metrics import add_experience_stats, add_rollout_check, add_value_moments, iteration_record
+from .ptx import build_ptx
+from .update import RATIO_TRACE, ActorStep, CriticStep, MicroBatchPlanner
 from .reward_shaping import ScoreShaper, reward_model_scorer
 from .plan import RunPlan
 from .state import Checkpointer, providers_of
 
 log = logging.getLogger(__name__)
 
-RATIO_TRACE = "ratio_trace/"  # MetricSums keys of the per-mini-batch max |log-ratio| (popped into ratio_trace)
 
 
 def cat_generated(gens: list, pad_token_id: int) -> tuple[Rollout, Optional[torch.Tensor]]:
@@ -130,8 +129,17 @@ class PPOTrainer:
         self.critic_objective = CriticObjective(engine, ppo) if engine.has_critic else None
         self.experience_steps = experience_steps(ppo, cfg.batch.n_samples_per_prompt)
         self.state_providers["step_guard"] = self.guard  # its skip count
-        # TEST HOOKS (rlhf_engine/hooks.py), given by the caller: all off unless a test sets one
+        # TEST HOOKS (rlhf_engine/hooks.py), given by the caller: all off unless a test sets one; they wrap the
+        # update's objects, never sit in its loop
         self.hooks = (hooks or TestHooks()).attach(dist.rank, lambda: engine.optimizer_steps("actor"))
+        self.hooks.wrap_guard(self.guard)
+        # the update (trainer/update.py): micro-batch plans, and the actor and critic steps over them
+        self.planner = MicroBatchPlanner(engine, cfg.batch.per_device_training_batch_size,
+                                         bool(cfg.batch.max_tokens_per_micro_batch), self._count_reducer())
+        self.actor_step = self.hooks.wrap_update_step(
+            ActorStep(engine, self.actor_objective, self.guard, cfg.ptx.unsup_coef if self.ptx is not None else 0.0))
+        self.critic_step = (self.hooks.wrap_update_step(CriticStep(engine, self.critic_objective, self.guard))
+                            if self.critic_objective is not None else None)
         self.iteration = 0
         self.clock = IterationClock()  # time/iteration split into named parts (trainer/clock.py)
         self.last_experience: Optional[Experience] = None  # kept for tests and debugging
@@ -214,80 +222,42 @@ class PPOTrainer:
             exp = whiten_advantages(exp)
         return exp
 
-    def _token_counts(self, mini: Experience, ptx_batches) -> Counts:
-        """The mini-batch's counts on ALL ranks (tokens, policy tokens, policy responses, ptx tokens): what every
-        micro-batch's loss is normalised by (one all-reduce). The policy counts differ from the others only where a
-        response or token leaves the policy loss (a mask mode of --rollout_correction, --filter_uniform_groups);
-        they are at least 1: a mini-batch with every response out has policy loss 0."""
-        device = self.engine.device
-        mask = mini.rollout.action_mask
-        pmask = mini.policy_mask if mini.policy_mask is not None else mask
-        local = torch.stack([mask.sum().double(), pmask.sum().double(), (pmask.sum(-1) > 0).sum().double(),
-                             sum(x.num_tokens for x in ptx_batches).double() if ptx_batches
-                             else torch.zeros((), dtype=torch.float64, device=device)])
-        if self.hooks.loss_token_mean == "local":  # TEST HOOK, a negative control: each rank's own token mean
-            tokens, policy, seqs, ptx = (local * self.engine.dist.world_size).float().unbind()
-        else:
-            tokens, policy, seqs, ptx = all_reduce(local.clone()).float().unbind()
-        return Counts(tokens, policy.clamp(min=1.0), seqs.clamp(min=1.0), ptx)
+    def _count_reducer(self):
+        """How a mini-batch's counts become global: the all-reduce, or (TEST HOOK, a negative control) each rank's
+        own counts times the world size."""
+        if self.hooks.loss_token_mean == "local":
+            world = self.engine.dist.world_size
+            return lambda local: local * world
+        return lambda local: all_reduce(local.clone())
 
     def train_phase(self, exp: Experience, stats: MetricSums) -> None:
-        b, engine, hooks, it = self.cfg.batch, self.engine, self.hooks, self.iteration
-        hooks.at("train", it)
+        """ppo_epochs x mini-batches x micro-batches of the actor and critic steps (trainer/update.py)."""
+        it = self.iteration
+        self.hooks.at("train", it)
         train_actor = it >= self.cfg.ppo.critic_warmup_iterations  # critic warm-up: the actor does not train
-        roles = self.roles if train_actor else ("critic",)
+        steps = [s for s in (self.actor_step if train_actor else None, self.critic_step) if s is not None]
+        roles = tuple(s.role for s in steps)
         ptx = self.ptx if train_actor else None
-        actor, critic = (self.actor_objective if train_actor else None), self.critic_objective
-        minibatches_trained = 0  # actor mini-batches this phase: they name the ratio-trace metrics in order
-        by_tokens = bool(b.max_tokens_per_micro_batch)
-        plan = engine.micro_batches(exp.rollout) if by_tokens else None  # the experience forwards' micro-batches
+        self.planner.start_phase(exp)
+        actor_minibatches = 0  # they name the ratio-trace metrics in order
         for epoch in range(self.cfg.ppo.ppo_epochs):
-            for m, mini in enumerate(exp.split(b.mini_batch_size)):
-                ptx_batches = ptx.next_mini_batch(engine.device) if ptx is not None else None
-                counts = self._token_counts(mini, ptx_batches)
-                max_abs_log_ratio = torch.zeros((), dtype=torch.float64, device=engine.device)
-                micros = mini.split(b.per_device_training_batch_size) if plan is None else [
-                    None if rows is None else exp.select(rows) for rows in plan[m]]
-                stats.add("micro_batches", torch.tensor(float(len(micros))))
-                stats.add("empty_micro_batches", torch.tensor(float(sum(m is None for m in micros))))
-                for k, micro in enumerate(micros):
-                    # an empty micro-batch (token budget: another rank has more) runs a row with weight 0
-                    weight, micro = (1.0, micro) if micro is not None else (0.0, mini.select([0]))
-                    if by_tokens:
-                        engine.set_boundary(roles, k == len(micros) - 1)
-                    if actor is not None:
-                        loss, ps = actor(micro, counts)
-                        loss = hooks.loss("actor", loss, it) * weight
-                        self.guard.watch("policy loss", loss)
-                        ptx_term = self._ptx_term(ptx_batches[k], counts, stats) if ptx_batches and weight else 0.0
-                        # ONE backward: policy (+ KL loss, entropy) + ptx
-                        engine.backward("actor", loss + ptx_term + hooks.grad("actor", loss, it))
-                        if weight:
-                            add_policy_stats(stats, loss, ps)
-                            max_abs_log_ratio = torch.maximum(max_abs_log_ratio, ps["max_abs_log_ratio"])
-                    if critic is not None:
-                        vloss, vs = critic(micro, counts)
-                        vloss = hooks.loss("critic", vloss, it) * weight
-                        self.guard.watch("value loss", vloss)
-                        engine.backward("critic", vloss + hooks.grad("critic", vloss, it))
-                        if weight:
-                            add_value_stats(stats, vloss, vs)
+            for m, mini in enumerate(exp.split(self.cfg.batch.mini_batch_size)):
+                ptx_batches = ptx.next_mini_batch(self.engine.device) if ptx is not None else None
+                plan = self.planner.plan(exp, mini, m, ptx_batches, stats)
+                for step in steps:
+                    step.start_mini_batch()
+                for micro in plan.micro_batches:
+                    if self.planner.by_tokens:
+                        self.engine.set_boundary(roles, micro.last)
+                    for step in steps:
+                        step.accumulate(micro, plan.counts, stats)
                     # the trained engines step together (boundary: one collective; non-finite gradient: all skip)
                     self.guard.step(roles, it, where=f"PPO epoch {epoch}, mini-batch {m}")
-                    hooks.after_step(it)
-                    engine.update_ema()  # acts only when the actor's optimizer just stepped (and EMA is on)
-                if actor is not None:  # max |log-ratio| of the mini-batch, over every rank with the iteration's metrics
-                    stats.max(f"{RATIO_TRACE}{minibatches_trained:06d}", max_abs_log_ratio)
-                    minibatches_trained += 1
+                    self.engine.update_ema()  # acts only when the actor's optimizer just stepped (and EMA is on)
+                if train_actor:
+                    self.actor_step.end_mini_batch(stats, actor_minibatches)
+                    actor_minibatches += 1
                 stats.add("minibatches", torch.tensor(1.0))
-
-    def _ptx_term(self, batch, counts: Counts, stats: MetricSums) -> torch.Tensor:
-        """unsup_coef x the ptx loss of one micro-batch (its own forward), watched by the guard."""
-        lm_loss, lm = ptx_loss(self.engine, batch, counts.ptx_tokens)
-        self.guard.watch("ptx loss", lm_loss)
-        stats.add("ptx_loss", lm_loss.detach())
-        stats.add("ptx_tokens", lm["tokens"])
-        return self.cfg.ptx.unsup_coef * lm_loss
 
     # ---- loop ------------------------------------------------------------------------------------------------
     def step(self) -> dict:
