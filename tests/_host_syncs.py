@@ -10,8 +10,8 @@ METHODS = ("item", "tolist", "__bool__", "__int__", "__float__", "cpu", "numpy",
 
 
 class HostSyncs:
-    """`with HostSyncs() as s: ...`; `s.at("ppo_math.py")` = syncs whose innermost non-torch caller is in
-    rlhf_engine/ppo_math.py (any path under rlhf_engine/ works as a prefix, e.g. "trainer/guards.py")."""
+    """`with HostSyncs() as s: ...`; `s.at("ppo_math/")` = syncs whose innermost non-torch caller is in
+    rlhf_engine/ppo_math/ (any path under rlhf_engine/ works as a prefix, e.g. "trainer/guards.py")."""
 
     def __init__(self):
         self.sites: Counter = Counter()  # "trainer/guards.py:step [tolist]" -> count; "other [...]" outside ours

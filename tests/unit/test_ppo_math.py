@@ -639,7 +639,7 @@ class TestCheckKeyword:
         with HostSyncs() as unchecked:
             got = micro_batch(check=False)
         # default: one batched sync per call (_raise_first's tolist) -> 3; the counter sees them (negative control)
-        assert checked.at("ppo_math.py") == 3 and checked.sites["ppo_math.py:_raise_first [tolist]"] == 3, \
+        assert checked.at("ppo_math/") == 3 and checked.sites["ppo_math/checks.py:_raise_first [tolist]"] == 3, \
             checked.sites
         assert sum(unchecked.sites.values()) == 0, unchecked.sites
         torch.testing.assert_close(got, want, atol=0.0, rtol=0.0)  # the same numbers

@@ -178,12 +178,12 @@ def test_host_syncs_one_per_guard_collective_and_none_from_ppo_math_in_the_train
     exp_syncs, train_syncs = iteration()
     # experience: the checks stay on, one sync per call: actor and reference log-probs (one experience micro-batch
     # each), compute_rewards, compute_gae, masked_whiten = 5; the two guard agreements (scores, advantages) one each
-    assert exp_syncs.at("ppo_math.py") == 5, exp_syncs.sites
+    assert exp_syncs.at("ppo_math/") == 5, exp_syncs.sites
     assert exp_syncs.at("trainer/guards.py") == exp_syncs.sites["trainer/guards.py:agree [tolist]"] == 2, \
         exp_syncs.sites
     # training: none from ppo_math (check=False); the boundary's guard table read once; none from the trainer (the
     # ratio trace is reduced with the iteration's metrics)
-    assert train_syncs.at("ppo_math.py") == 0, train_syncs.sites
+    assert train_syncs.at("ppo_math/") == 0, train_syncs.sites
     assert train_syncs.at("trainer/guards.py") == train_syncs.sites["trainer/guards.py:step [tolist]"] == 1, \
         train_syncs.sites
     assert train_syncs.at("trainer/ppo_trainer.py") == train_syncs.at("trainer/objectives.py") == 0, train_syncs.sites
@@ -196,6 +196,6 @@ def test_host_syncs_one_per_guard_collective_and_none_from_ppo_math_in_the_train
     forward = trainer.engine.actor_forward
     monkeypatch.setattr(trainer.engine, "actor_forward", lambda r, check=True, **k: forward(r, **k))
     _, train_syncs = iteration()
-    assert train_syncs.at("ppo_math.py") == train_syncs.sites["ppo_math.py:_raise_first [tolist]"] == 6, \
+    assert train_syncs.at("ppo_math/") == train_syncs.sites["ppo_math/checks.py:_raise_first [tolist]"] == 6, \
         train_syncs.sites
     trainer.metrics.close()
