@@ -91,6 +91,8 @@ class TestHooks:
         if loss_token_mean not in LOSS_TOKEN_MEANS:
             raise ValueError(f"loss_token_mean must be one of {LOSS_TOKEN_MEANS}, got {loss_token_mean!r}")
         self.faults = faults_on
+        self._steps: list = []  # the update steps (wrap_update_step), injected into once an injection is set
+        self._injected: list = []
         self.nonfinite = nonfinite
         self.use_position_ids = use_position_ids
         self.loss_token_mean = loss_token_mean
@@ -120,6 +122,8 @@ class TestHooks:
     def nonfinite(self, spec: Optional[dict]) -> None:
         self._spec = spec
         self._injection = Injection(spec) if spec else None
+        for step in self._steps if spec else ():
+            self._inject_into(step)
 
     def _active(self, what: str, iteration: int, role: Optional[str] = None) -> bool:
         inj = self._injection
@@ -149,9 +153,16 @@ class TestHooks:
 
     def wrap_update_step(self, step: Any) -> Any:
         """An actor or critic step (trainer/update.py) whose loss and gradient carry the non-finite injections of
-        its role; unchanged unless an injection is set."""
-        if self._injection is None:
-            return step
+        its role; unchanged until an injection is set (now, or later through `nonfinite`)."""
+        self._steps.append(step)
+        if self._injection is not None:
+            self._inject_into(step)
+        return step
+
+    def _inject_into(self, step: Any) -> None:
+        if step in self._injected:
+            return
+        self._injected.append(step)
         base, hooks = step.objective_loss, self
 
         def objective_loss(micro, counts):
@@ -160,7 +171,6 @@ class TestHooks:
 
         step.objective_loss = objective_loss
         step.extra_gradient = lambda loss: hooks.grad(step.role, loss, hooks._iteration)
-        return step
 
     def wrap_guard(self, guard: Any) -> Any:
         """The step guard, with the `train_step` fault point after each of its steps; unchanged unless a fault

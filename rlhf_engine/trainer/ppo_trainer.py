@@ -37,24 +37,21 @@ from ..data.prompts import collate_prompts
 from ..engine.generation import Generated
 from ..hooks import TestHooks
 from ..data.sampler import DataCursor
-from ..comm import all_reduce
 from ..outputs.metrics import MetricsWriter
-from ..ppo_math import AdaptiveKLController, FixedKLController
 from ..rollout import Experience, Rollout
 from .clock import IterationClock
-from .evaluation import Evaluator
 from .experience import (NonFiniteError, RewardFn, build_experience, decode_rollout, experience_forwards,
                          global_mean_var, group_ids_of, text_reward, whiten_advantages)
-from .guards import StepGuard
 from .memory import peak_device_mib, peak_rss_mib
 from .metric_sums import MetricSums
-from .objectives import ActorObjective, CriticObjective, experience_steps
+from .objectives import experience_steps
 from .ppo_metrics import add_experience_stats, add_rollout_check, add_value_moments, iteration_record
 from .ptx import build_ptx
-from .update import RATIO_TRACE, ActorStep, CriticStep, MicroBatchPlanner
-from .reward_shaping import ScoreShaper, reward_model_scorer
+from . import ppo_setup as setup
+from .update import RATIO_TRACE
+from .reward_shaping import reward_model_scorer
 from .plan import RunPlan
-from .state import Checkpointer, providers_of
+from .state import providers_of
 
 log = logging.getLogger(__name__)
 
@@ -78,21 +75,6 @@ def episode_return(prompt_ids: torch.Tensor, rollout: Rollout) -> torch.Tensor:
     return rollout.turn_rewards.sum(-1)
 
 
-def episode_runner(plan: RunPlan, engine):
-    from ..envs import EpisodeRunner, TurnFormat
-    from ..envs.calls import EnvCalls
-
-    cfg = plan.cfg
-    env, g = cfg.env, cfg.generation
-    return EpisodeRunner(plan.env_factory, TurnFormat(engine.tokenizer, bool(cfg.data.use_chat_template)),
-                         engine.sample, engine.generator.collective_calls, engine.sampling, max_turns=env.max_turns,
-                         max_episode_tokens=cfg.response_budget, max_prompt_len=g.max_prompt_seq_len,
-                         stop_token_ids=engine.sampling.stop_token_ids, pad_token_id=engine.pad_token_id,
-                         calls=EnvCalls(env.env_workers, env.env_timeout_s, env.env_max_abandoned_calls),
-                         on_error=env.env_errors,
-                         device=engine.device)
-
-
 class PPOTrainer:
     """Built from the run plan (trainer/plan.py) and the engine built from it; `metrics` is the run's logger. With
     `plan.resume_path` the checkpoint is loaded last, right before training continues."""
@@ -102,63 +84,43 @@ class PPOTrainer:
         cfg = plan.cfg
         self.plan, self.cfg, self.engine, self.dataset = plan, cfg, engine, plan.prompts
         dist = engine.dist
+        # TEST HOOKS (rlhf_engine/hooks.py), given by the caller: all off unless a test sets one; they wrap the
+        # objects below, never sit in the loop
+        self.hooks = (hooks or TestHooks()).attach(dist.rank, lambda: engine.optimizer_steps("actor"))
         self.sampler = plan.sampler
         self._batches = DataCursor(self.sampler)  # (epoch, k, indices) like sampler.iter_from, with a position
-        ppo = cfg.ppo
-        self.kl_ctl = (AdaptiveKLController(ppo.kl_coef, ppo.kl_target, ppo.kl_horizon) if ppo.adaptive_kl
-                       else FixedKLController(ppo.kl_coef))
+        self.kl_ctl = setup.kl_controller(cfg.ppo)
         self.metrics = metrics or MetricsWriter(cfg.run.output_dir, enabled=dist.is_main)
-        # What a checkpoint saves besides the engines, per rank (trainer/state.py; "trainer" and "rng" are added
-        # there): name -> object with state_dict() / load_state_dict(); "ptx_data" and "reward_normalizer" below.
-        self.state_providers = {"data": self._batches, "kl_controller": self.kl_ctl}
         self.total_iterations = plan.iterations
-        # PPO-ptx: the unsupervised stream of this rank (data/ptx.py), its position saved with checkpoints
-        self.ptx = build_ptx(cfg, engine, plan.ptx)
-        if self.ptx is not None:
-            self.state_providers["ptx_data"] = self.ptx.cursor
-        # scores -> (normalized, missing-EOS penalty) -> reward (trainer/reward_shaping.py)
-        self.shaper = ScoreShaper(ppo.normalize_reward, ppo.missing_eos_penalty, ppo.overlong_buffer_len,
-                                  ppo.overlong_penalty_factor, cfg.generation.max_answer_seq_len)
-        if self.shaper.normalizer is not None:
-            self.state_providers["reward_normalizer"] = self.shaper.normalizer
-        # the trained engines step together or neither; non-finite losses stop every rank (trainer/guards.py)
+        self.ptx = build_ptx(cfg, engine, plan.ptx)  # PPO-ptx: this rank's unsupervised stream (data/ptx.py)
+        self.shaper = setup.score_shaper(cfg.ppo, cfg.generation.max_answer_seq_len)
         self.roles = engine.trained_roles  # ("actor", "critic"), or ("actor",) in a run without a critic
-        self.guard = StepGuard(engine, self.roles, ppo.max_consecutive_skips)
-        # the losses, chosen once (trainer/objectives.py), and the experience's corrections and filters in order
-        self.actor_objective = ActorObjective(engine, ppo, cfg.response_budget)
-        self.critic_objective = CriticObjective(engine, ppo) if engine.has_critic else None
-        self.experience_steps = experience_steps(ppo, cfg.batch.n_samples_per_prompt)
-        self.state_providers["step_guard"] = self.guard  # its skip count
-        # TEST HOOKS (rlhf_engine/hooks.py), given by the caller: all off unless a test sets one; they wrap the
-        # update's objects, never sit in its loop
-        self.hooks = (hooks or TestHooks()).attach(dist.rank, lambda: engine.optimizer_steps("actor"))
-        self.hooks.wrap_guard(self.guard)
+        self.guard = setup.step_guard(engine, cfg.ppo, self.hooks)
         # the update (trainer/update.py): micro-batch plans, and the actor and critic steps over them
-        self.planner = MicroBatchPlanner(engine, cfg.batch.per_device_training_batch_size,
-                                         bool(cfg.batch.max_tokens_per_micro_batch), self._count_reducer())
-        self.actor_step = self.hooks.wrap_update_step(
-            ActorStep(engine, self.actor_objective, self.guard, cfg.ptx.unsup_coef if self.ptx is not None else 0.0))
-        self.critic_step = (self.hooks.wrap_update_step(CriticStep(engine, self.critic_objective, self.guard))
-                            if self.critic_objective is not None else None)
-        self.iteration = 0
-        self.clock = IterationClock()  # time/iteration split into named parts (trainer/clock.py)
-        self.last_experience: Optional[Experience] = None  # kept for tests and debugging
-        self.ratio_trace: list[float] = []  # max |log-ratio| per mini-batch (cheap, used by tests and guards)
+        self.planner = setup.micro_batch_planner(engine, cfg.batch, self.hooks)
+        self.actor_step = setup.actor_step(engine, cfg, self.guard, self.ptx, self.hooks)
+        self.critic_step = setup.critic_step(engine, cfg.ppo, self.guard, self.hooks)
+        self.experience_steps = experience_steps(cfg.ppo, cfg.batch.n_samples_per_prompt)  # correction, filter
         # Optional programmatic reward replacing the reward model: reward_fn(prompt_ids [B, P], rollout) -> [B]
         # scores (see experience.experience_forwards): `--reward_fn module:function` (loaded by the plan). A reward
         # model with its own tokenizer (reward_tokenizer_name_or_path) scores through a re-tokenizing one.
         self.reward_fn: Optional[RewardFn] = (episode_return if plan.env_factory is not None
                                               else text_reward(plan.reward_fn, engine.tokenizer) if plan.reward_fn
                                               else reward_model_scorer(engine, cfg))
-        # multi-turn rollouts (rlhf_engine/envs): the environment's turns between the model's
-        self.episodes = episode_runner(plan, engine) if plan.env_factory is not None else None
-        self.evaluator = (Evaluator(plan.eval_prompts, cfg.batch.per_device_generation_batch_size, dist.rank,
-                                    dist.world_size) if plan.eval_prompts is not None else None)
+        self.episodes = setup.episode_runner(plan, engine)
+        self.evaluator = setup.evaluator(plan, engine)
+        self.iteration = 0
+        self.clock = IterationClock()  # time/iteration split into named parts (trainer/clock.py)
+        self.last_experience: Optional[Experience] = None  # kept for tests and debugging
+        self.ratio_trace: list[float] = []  # max |log-ratio| per mini-batch (cheap, used by tests and guards)
         self.samples_per_iteration = 4  # prompt / response / score rows logged per iteration (samples.jsonl, wandb)
-        self.checkpointer = Checkpointer(
-            engine, providers_of(self), plan.run_dir, plan.fingerprint, save_interval=cfg.run.save_interval,
-            keep_last=cfg.run.keep_last, seed=cfg.seed, save_interval_minutes=cfg.run.save_interval_minutes,
-            export_dir=(cfg.export_dir or plan.run_dir.final) if cfg.export_final else None, hooks=self.hooks)
+        # What a checkpoint saves besides the engines, per rank, in restore order (trainer/state.py adds "trainer"
+        # first and "rng" last): name -> object with state_dict() / load_state_dict()
+        self.state_providers = {name: obj for name, obj in (
+            ("data", self._batches), ("kl_controller", self.kl_ctl),
+            ("ptx_data", self.ptx.cursor if self.ptx is not None else None),
+            ("reward_normalizer", self.shaper.normalizer), ("step_guard", self.guard)) if obj is not None}
+        self.checkpointer = setup.checkpointer(plan, engine, providers_of(self), self.hooks)
         # Sampling differs per rank, data order does not (the sampler depends on seed and epoch only).
         torch.manual_seed(cfg.seed + dist.rank)
         if dist.is_main:
@@ -221,14 +183,6 @@ class PPOTrainer:
         if self.cfg.ppo.whitens:
             exp = whiten_advantages(exp)
         return exp
-
-    def _count_reducer(self):
-        """How a mini-batch's counts become global: the all-reduce, or (TEST HOOK, a negative control) each rank's
-        own counts times the world size."""
-        if self.hooks.loss_token_mean == "local":
-            world = self.engine.dist.world_size
-            return lambda local: local * world
-        return lambda local: all_reduce(local.clone())
 
     def train_phase(self, exp: Experience, stats: MetricSums) -> None:
         """ppo_epochs x mini-batches x micro-batches of the actor and critic steps (trainer/update.py)."""

@@ -187,10 +187,11 @@ def test_host_syncs_one_per_guard_collective_and_none_from_ppo_math_in_the_train
     assert train_syncs.at("trainer/guards.py") == train_syncs.sites["trainer/guards.py:step [tolist]"] == 1, \
         train_syncs.sites
     assert train_syncs.at("trainer/ppo_trainer.py") == train_syncs.at("trainer/objectives.py") == 0, train_syncs.sites
+    assert train_syncs.at("trainer/update.py") == 0, train_syncs.sites
 
     # negative control: with the checks forced back on, the counter sees them in the training loop too:
     # 2 micro-batches x (actor log-probs, policy loss, value loss) = 6
-    monkeypatch.setattr(trainer.actor_objective, "policy_loss",
+    monkeypatch.setattr(trainer.actor_step.objective, "policy_loss",
                         lambda *a, check=True, **k: ppo_math.policy_loss(*a, **k))
     monkeypatch.setattr(objectives, "value_loss", lambda *a, check=True, **k: ppo_math.value_loss(*a, **k))
     forward = trainer.engine.actor_forward

@@ -1,0 +1,92 @@
+"""What a PPO trainer is made of, each built by one function from the run's resolved plan and engine (the recipe's
+setup, as torchtune's): `PPOTrainer.__init__` calls them in order and lists its checkpoint state in one place."""
+from __future__ import annotations
+
+from typing import Any, Optional
+
+from ..comm import all_reduce
+from ..ppo_math import AdaptiveKLController, FixedKLController
+from .evaluation import Evaluator
+from .guards import StepGuard
+from .objectives import ActorObjective, CriticObjective
+from .plan import RunPlan
+from .reward_shaping import ScoreShaper
+from .state import Checkpointer
+from .update import ActorStep, CriticStep, MicroBatchPlanner
+
+
+def kl_controller(ppo: Any) -> FixedKLController:
+    """The KL coefficient of the reward's penalty: fixed, or adapted towards kl_target."""
+    if ppo.adaptive_kl:
+        return AdaptiveKLController(ppo.kl_coef, ppo.kl_target, ppo.kl_horizon)
+    return FixedKLController(ppo.kl_coef)
+
+
+def score_shaper(ppo: Any, max_answer_seq_len: int) -> ScoreShaper:
+    """scores -> (normalized, missing-EOS and overlong penalties) -> the reward's score."""
+    return ScoreShaper(ppo.normalize_reward, ppo.missing_eos_penalty, ppo.overlong_buffer_len,
+                       ppo.overlong_penalty_factor, max_answer_seq_len)
+
+
+def step_guard(engine, ppo: Any, hooks) -> StepGuard:
+    """The trained engines step together or neither; non-finite losses stop every rank (trainer/guards.py)."""
+    return hooks.wrap_guard(StepGuard(engine, engine.trained_roles, ppo.max_consecutive_skips))
+
+
+def micro_batch_planner(engine, batch: Any, hooks) -> MicroBatchPlanner:
+    """Micro-batches of `per_device_training_batch_size` rows or of the token budget; the counts' reduction (the
+    all-reduce, or a test's negative control: each rank's own counts times the world size)."""
+    world = engine.dist.world_size
+    reduce = ((lambda local: local * world) if hooks.loss_token_mean == "local"
+              else (lambda local: all_reduce(local.clone())))
+    return MicroBatchPlanner(engine, batch.per_device_training_batch_size, bool(batch.max_tokens_per_micro_batch),
+                             reduce)
+
+
+def actor_step(engine, cfg: Any, guard: StepGuard, ptx: Optional[Any], hooks) -> ActorStep:
+    """The actor's part of a micro-batch: its objective (policy loss, KL loss, entropy; trainer/objectives.py) and
+    the ptx term."""
+    objective = ActorObjective(engine, cfg.ppo, cfg.response_budget)
+    unsup_coef = cfg.ptx.unsup_coef if ptx is not None else 0.0
+    return hooks.wrap_update_step(ActorStep(engine, objective, guard, unsup_coef))
+
+
+def critic_step(engine, ppo: Any, guard: StepGuard, hooks) -> Optional[CriticStep]:
+    """The critic's part of a micro-batch (None in a run without a critic)."""
+    if not engine.has_critic:
+        return None
+    return hooks.wrap_update_step(CriticStep(engine, CriticObjective(engine, ppo), guard))
+
+
+def episode_runner(plan: RunPlan, engine):
+    """Multi-turn rollouts (rlhf_engine/envs), or None without an environment."""
+    if plan.env_factory is None:
+        return None
+    from ..envs import EpisodeRunner, TurnFormat
+    from ..envs.calls import EnvCalls
+
+    cfg = plan.cfg
+    env, g = cfg.env, cfg.generation
+    return EpisodeRunner(plan.env_factory, TurnFormat(engine.tokenizer, bool(cfg.data.use_chat_template)),
+                         engine.sample, engine.generator.collective_calls, engine.sampling, max_turns=env.max_turns,
+                         max_episode_tokens=cfg.response_budget, max_prompt_len=g.max_prompt_seq_len,
+                         stop_token_ids=engine.sampling.stop_token_ids, pad_token_id=engine.pad_token_id,
+                         calls=EnvCalls(env.env_workers, env.env_timeout_s, env.env_max_abandoned_calls),
+                         on_error=env.env_errors, device=engine.device)
+
+
+def evaluator(plan: RunPlan, engine) -> Optional[Evaluator]:
+    """The held-out prompts' evaluation, or None without an eval split."""
+    if plan.eval_prompts is None:
+        return None
+    return Evaluator(plan.eval_prompts, plan.cfg.batch.per_device_generation_batch_size, engine.dist.rank,
+                     engine.dist.world_size)
+
+
+def checkpointer(plan: RunPlan, engine, providers: dict, hooks) -> Checkpointer:
+    """Checkpoints of the engines and `providers` (name -> state_dict()/load_state_dict(), in restore order)."""
+    run = plan.cfg.run
+    cfg = plan.cfg
+    return Checkpointer(engine, providers, plan.run_dir, plan.fingerprint, save_interval=run.save_interval,
+                        keep_last=run.keep_last, seed=cfg.seed, save_interval_minutes=run.save_interval_minutes,
+                        export_dir=(cfg.export_dir or plan.run_dir.final) if cfg.export_final else None, hooks=hooks)
