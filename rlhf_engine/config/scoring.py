@@ -3,6 +3,8 @@ reward server."""
 from __future__ import annotations
 
 import math
+import os
+import urllib.parse
 from dataclasses import dataclass
 from typing import Optional
 
@@ -19,11 +21,16 @@ class ScoringConfig:
     reward_url: str = opt("", "A reward server instead of a reward model or function: each rank POSTs its batch as "
                           "JSON {prompts, responses, columns} and reads {scores} back (docs/rewards.md; reference "
                           "server: python -m rlhf_engine.rewards.serve). No reward engine is built.")
-    reward_timeout_s: float = opt(60.0, "Seconds one reward_url request, or one reward_workers call, may take: a "
-                                  "request is then retried, a worker call fails (reward_on_error).")
-    reward_retries: int = opt(3, "reward_url: further attempts after a connection error, a timeout or a 5xx answer "
-                              "(exponential backoff from 0.5 s); then the run stops naming the URL and the last "
-                              "status.")
+    reward_timeout_s: float = opt(60.0, "Seconds one attempt of a reward_url request (connect to last byte of the "
+                                  "answer), or one reward_workers call, may take: the request is then retried, a "
+                                  "worker call fails (reward_on_error).")
+    reward_retries: int = opt(3, "reward_url: further attempts after a connection error, a timeout, a broken answer "
+                              "or a 5xx answer (exponential backoff from 0.5 s); then the run stops naming the URL "
+                              "and the last status.")
+    reward_auth_token_env: str = opt("", "reward_url: the NAME of an environment variable holding the server's "
+                                     "bearer token (sent as 'Authorization: Bearer ...'; the reference server's "
+                                     "--auth_token_env). The token itself is never logged nor written to the run "
+                                     "directory; only this name is.")
     reward_workers: int = opt(0, "Run reward_fn in N worker processes, one call per response, each limited to "
                               "reward_timeout_s (0 = in the trainer's process, one call per batch, no timeout). For "
                               "verifiers that run code: a hung or crashed call is contained.")
@@ -41,12 +48,14 @@ class ScoringConfig:
         if self.reward_fn and self.reward_url:
             p.add("reward_url", self.reward_url, f"and reward_fn ({self.reward_fn!r}) both score the rollouts: drop "
                   "one")
-        if self.reward_url and not str(self.reward_url).startswith(("http://", "https://")):
-            p.add("reward_url", self.reward_url, "must be an http:// or https:// URL")
+        if self.reward_url and not (str(self.reward_url).startswith(("http://", "https://"))
+                                    and urllib.parse.urlsplit(str(self.reward_url)).hostname):
+            p.add("reward_url", self.reward_url, "must be an http:// or https:// URL with a host")
         if not (is_number(self.reward_timeout_s) and self.reward_timeout_s > 0):
             p.add("reward_timeout_s", self.reward_timeout_s, "must be > 0 (seconds)")
         if not (isinstance(self.reward_retries, int) and self.reward_retries >= 0):
             p.add("reward_retries", self.reward_retries, "must be a whole number >= 0")
+        self._validate_auth(p)
         if not (isinstance(self.reward_workers, int) and self.reward_workers >= 0):
             p.add("reward_workers", self.reward_workers, "must be a whole number >= 0 (0 = in-process)")
         elif self.reward_workers and not self.reward_fn:
@@ -62,3 +71,15 @@ class ScoringConfig:
         elif on_error != "stop" and not self.reward_workers:
             p.add("reward_on_error", on_error, "scores failed worker calls: it needs reward_workers >= 1 (in-process "
                   "a failing reward function stops the run)")
+
+    def _validate_auth(self, p: Problems) -> None:
+        """The token's variable must name a set, non-empty variable (its value is never shown)."""
+        name = self.reward_auth_token_env
+        if not name:
+            return
+        if not self.reward_url:
+            p.add("reward_auth_token_env", name, "sends a token to a reward server: set reward_url, or drop it")
+        elif not os.environ.get(str(name), "").strip():
+            p.add("reward_auth_token_env", name, f"the environment variable {name} is not set or is empty: export "
+                  "it with the reward server's token before starting (the flag takes the variable's name, not the "
+                  "token)")

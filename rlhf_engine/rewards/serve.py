@@ -1,124 +1,196 @@
-"""The reference reward server: what `--reward_url` talks to (remote.py has the protocol).
+"""The reference reward server: what `--reward_url` talks to (remote.py has the protocol). Needs FastAPI and uvicorn:
+`pip install 'rlhf_engine[serve]'` (the trainer side does not).
 
     python -m rlhf_engine.rewards.serve --reward_fn rlhf_engine.rewards.math_answer:exact_answer --port 8000
-    python -m rlhf_engine.rewards.serve --reward_model runs/rm/model --port 8000       (a trained reward model)
+    python -m rlhf_engine.rewards.serve --reward_model runs/rm/model --port 8000 --device cuda:0
+    REWARD_TOKEN=... python -m rlhf_engine.rewards.serve --reward_model runs/rm/model --host 0.0.0.0 \
+        --auth_token_env REWARD_TOKEN
 
-POST any path with {"prompts": [...], "responses": [...], "columns": {...}} -> {"scores": [...]}. A reward function
-is called by the calling rule (its declared columns are taken from "columns"; a missing one is a 400 naming it); a
-reward model (a `*ForSequenceClassification` folder, as step 2 exports) scores the text prompt + response, read at
-the last token, in batches of --batch_size. A function that raises answers 500 with the error: the trainer retries
-5xx, then stops naming this server. Requests are served one at a time (the model is not thread-safe); run several
-servers behind a load balancer for more.
+POST any path with {"prompts", "responses", "columns", "rollout"} -> {"scores": [...]}. A reward function is called
+by the calling rule (its declared columns are taken from "columns"; a missing one is a 400 naming it). A reward model
+(a `*ForSequenceClassification` folder, as step 2 exports it) is scored as the PPO reward engine scores it: the same
+inputs (the rollout's own ids when its vocabulary is the actor's, else the re-encoded text or, with
+--use_chat_template, the conversation) and the same reading, at the last real token (scorers.py, reward_inputs.py).
+A function that raises answers 500 with the error: the trainer retries 5xx, then stops naming this server.
+
+Requests are served concurrently: a slow or stalled client holds only its own connection. A reward model runs one
+forward at a time; a reward function `--concurrency` calls at a time (default 1: raise it only for a thread-safe
+function, e.g. one that waits on another service). Each connection has --request_timeout_s to deliver each complete
+request (headers and body), or it is closed; a body over --max_request_mb is answered 413. A retry of a request id is
+answered from the first computation (serve_app.py). --auth_token_env NAME requires `Authorization: Bearer <token>`
+with the token read from that environment variable (never logged or written anywhere); binding an address other
+than loopback without one logs a warning.
 """
 from __future__ import annotations
 
 import argparse
-import json
+import ipaddress
 import logging
+import os
+import socket
 import sys
-from http.server import BaseHTTPRequestHandler, HTTPServer
-from typing import Any, Callable, Optional, Sequence
+import threading
+from typing import Any, Callable, Optional
 
-from .loader import call_reward_fn, load_reward_fn, reward_signature
+from .loader import load_reward_fn
+from .scorers import DTYPES, FunctionScorer, ModelScorer
+from .serve_app import build_app, require
 
 log = logging.getLogger("rlhf_engine.rewards.serve")
 
 
-class ModelScorer:
-    """A reward model folder as a reward function: the score of prompt + response at its last token."""
+def deadline_protocol(timeout_s: float) -> type:
+    """uvicorn's h11 protocol with a deadline per request: from the connection's start (or the previous answer) to
+    the request's last body byte. A connection that misses it is closed (uvicorn itself bounds only idle
+    keep-alive connections)."""
+    from uvicorn.protocols.http.h11_impl import H11Protocol
 
-    def __init__(self, path: str, batch_size: int = 8, device: str = "cpu"):
-        import torch
-        from transformers import AutoModelForSequenceClassification, AutoTokenizer
+    class DeadlineH11(H11Protocol):
+        def connection_made(self, transport: Any) -> None:
+            super().connection_made(transport)
+            self._arm()
 
-        self.torch, self.device, self.batch_size = torch, device, int(batch_size)
-        self.tokenizer = AutoTokenizer.from_pretrained(path)
-        if self.tokenizer.pad_token is None:
-            self.tokenizer.pad_token = self.tokenizer.eos_token
-        self.tokenizer.padding_side = "right"
-        self.model = AutoModelForSequenceClassification.from_pretrained(path).to(device).eval()
-        self.model.config.pad_token_id = self.tokenizer.pad_token_id
-        self.__rlhf_spec__ = f"reward model {path}"
+        def on_response_complete(self) -> None:
+            super().on_response_complete()
+            self._arm()
 
-    def __call__(self, prompts: Sequence[str], responses: Sequence[str]) -> list[float]:
-        out: list[float] = []
-        texts = [p + r for p, r in zip(prompts, responses)]
-        for i in range(0, len(texts), self.batch_size):
-            batch = self.tokenizer(texts[i:i + self.batch_size], return_tensors="pt", padding=True).to(self.device)
-            with self.torch.no_grad():
-                out += self.model(**batch).logits[:, 0].float().tolist()
-        return out
+        def _arm(self) -> None:
+            before = self.cycle  # the request answered last (None: none yet)
 
+            def check() -> None:
+                cycle = self.cycle
+                mid_body = cycle is not None and cycle is not before and cycle.more_body
+                if (mid_body or cycle is before) and not self.transport.is_closing():
+                    # mid-body: a stalled client; otherwise headers that never completed, or an idle connection
+                    log.log(logging.WARNING if mid_body else logging.INFO, "closing a connection from %s: no "
+                            "complete request within %g s (--request_timeout_s)", self.client and self.client[0],
+                            timeout_s)
+                    self.transport.close()
 
-def handler_for(fn: Callable) -> type:
-    """The request handler of a server scoring with `fn` (a reward function by the calling rule)."""
-    sig = reward_signature(fn)
+            self.loop.call_later(timeout_s, check)
 
-    class Handler(BaseHTTPRequestHandler):
-        def do_POST(self) -> None:  # noqa: N802  (http.server's naming)
-            try:
-                body = json.loads(self.rfile.read(int(self.headers.get("Content-Length", 0))))
-                prompts, responses = body["prompts"], body["responses"]
-                given = body.get("columns") or {}
-            except (ValueError, KeyError, TypeError) as e:
-                return self._answer(400, {"error": f"expected JSON with prompts, responses, columns: {e}"})
-            missing = [c for c in sig.required if c not in given]
-            if missing:
-                return self._answer(400, {"error": f"the reward function needs the columns {missing}; the request "
-                                                   f"has {sorted(given)}"})
-            wanted = (given if sig.all_columns
-                      else {c: v for c, v in given.items() if c in sig.required + sig.optional})
-            try:
-                scores = call_reward_fn(fn, prompts, responses, wanted)
-            except Exception as e:  # noqa: BLE001  (the client retries 5xx, then names this server and the error)
-                log.exception("scoring failed")
-                return self._answer(500, {"error": f"{type(e).__name__}: {e}"})
-            self._answer(200, {"scores": scores})
-
-        def _answer(self, code: int, obj: Any) -> None:
-            data = json.dumps(obj).encode("utf-8")
-            self.send_response(code)
-            self.send_header("Content-Type", "application/json")
-            self.send_header("Content-Length", str(len(data)))
-            self.end_headers()
-            self.wfile.write(data)
-
-        def log_message(self, fmt: str, *args: Any) -> None:
-            log.debug(fmt, *args)
-
-    return Handler
+    return DeadlineH11
 
 
-def make_server(fn: Callable, host: str = "127.0.0.1", port: int = 0) -> HTTPServer:
-    """A server scoring with `fn`, bound (port 0: a free one, read back from `server.server_port`); call
-    `serve_forever()`."""
-    return HTTPServer((host, port), handler_for(fn))
+def is_loopback(host: str) -> bool:
+    """Whether every address `host` names is a loopback one."""
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        pass
+    try:
+        infos = socket.getaddrinfo(host, None)
+    except OSError:
+        return False
+    return bool(infos) and all(ipaddress.ip_address(i[4][0].split("%")[0]).is_loopback for i in infos)
 
 
-def main(argv: Optional[list] = None) -> int:
+class RewardServer:
+    """uvicorn serving the app on a socket bound at construction (port 0: a free one, read back from
+    `server_port`). `serve_forever()` blocks (in a thread, or in the main one, where Ctrl-C and SIGTERM stop it);
+    `shutdown()` stops it from another thread; `server_close()` releases the socket."""
+
+    def __init__(self, app: Any, host: str, port: int, request_timeout_s: float):
+        uvicorn = require("uvicorn")
+        family, kind, proto, _, addr = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM,
+                                                          flags=socket.AI_PASSIVE)[0]
+        self.socket = socket.socket(family, kind, proto)
+        self.socket.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        self.socket.bind(addr)
+        self.socket.listen(128)
+        self.server_port = self.socket.getsockname()[1]
+        config = uvicorn.Config(app, http=deadline_protocol(request_timeout_s), log_config=None, access_log=False,
+                                lifespan="off", timeout_keep_alive=5, timeout_graceful_shutdown=5)
+        self.server = uvicorn.Server(config)
+        self._running = threading.Event()
+        self._stopped = threading.Event()
+
+    def serve_forever(self) -> None:
+        self._running.set()
+        try:
+            self.server.run(sockets=[self.socket])
+        finally:
+            self._stopped.set()
+
+    def shutdown(self, timeout_s: float = 15.0) -> None:
+        self.server.should_exit = True
+        if self._running.is_set():
+            self._stopped.wait(timeout_s)
+
+    def server_close(self) -> None:
+        self.socket.close()
+
+
+def make_server(fn: Callable, host: str = "127.0.0.1", port: int = 0, *, auth_token: Optional[str] = None,
+                max_request_bytes: int = 64 << 20, request_timeout_s: float = 60.0,
+                concurrency: int = 1) -> RewardServer:
+    """A server scoring with `fn` (a reward function by the calling rule, or a scorer such as `ModelScorer`), bound;
+    call `serve_forever()`."""
+    scorer = fn if hasattr(fn, "score") else FunctionScorer(fn, concurrency)
+    if not auth_token and not is_loopback(host):
+        log.warning("serving on %s without --auth_token_env: anyone who can reach this port can make it score; set "
+                    "--auth_token_env NAME (the token in that variable), or bind 127.0.0.1", host)
+    app = build_app(scorer, auth_token=auth_token or None, max_body_bytes=int(max_request_bytes),
+                    threads=max(8, int(concurrency) + 2))
+    return RewardServer(app, host, port, request_timeout_s)
+
+
+def parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     which = ap.add_mutually_exclusive_group(required=True)
     which.add_argument("--reward_fn", help="'module:function' reward function (the calling rule)")
     which.add_argument("--reward_model", help="a *ForSequenceClassification folder (step 2's exported model)")
-    ap.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0: every interface)")
+    ap.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0: every interface; then set "
+                    "--auth_token_env)")
     ap.add_argument("--port", type=int, default=8000, help="port (0: a free one, printed)")
+    ap.add_argument("--auth_token_env", default="", help="NAME of an environment variable holding a bearer token "
+                    "that every request must carry (the trainer's --reward_auth_token_env); never logged")
+    ap.add_argument("--max_request_mb", type=float, default=64.0, help="largest request body; larger ones get 413")
+    ap.add_argument("--request_timeout_s", type=float, default=60.0, help="seconds a connection has to deliver each "
+                    "complete request (headers and body); a client that stalls is disconnected")
+    ap.add_argument("--concurrency", type=int, default=1, help="reward function calls at once (raise it only for a "
+                    "thread-safe function); a reward model runs one forward at a time")
     ap.add_argument("--batch_size", type=int, default=8, help="reward model: sequences per forward")
     ap.add_argument("--device", default="cpu", help="reward model: torch device (cuda:0, ...)")
-    args = ap.parse_args(argv)
+    ap.add_argument("--dtype", default="float32", choices=DTYPES, help="reward model: weights' dtype (the reward "
+                    "engine's dtype gives the engine's scores)")
+    ap.add_argument("--use_chat_template", action="store_true", help="reward model: score the conversation [user: "
+                    "data-row prompt, assistant: response] in its tokenizer's chat template (the trainer's "
+                    "--reward_use_chat_template)")
+    return ap
+
+
+def main(argv: Optional[list] = None) -> int:
+    args = parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    token = None
+    if args.auth_token_env:
+        token = os.environ.get(args.auth_token_env, "").strip()
+        if not token:
+            print(f"error: --auth_token_env {args.auth_token_env}: that environment variable is not set or is empty; "
+                  "export it with the token (the flag takes the variable's name, not the token)", file=sys.stderr)
+            return 2
+    if args.max_request_mb <= 0 or args.request_timeout_s <= 0 or args.concurrency < 1:
+        print("error: --max_request_mb and --request_timeout_s must be > 0, --concurrency >= 1", file=sys.stderr)
+        return 2
     try:
-        fn = load_reward_fn(args.reward_fn) if args.reward_fn else ModelScorer(args.reward_model, args.batch_size,
-                                                                                args.device)
-    except (ValueError, OSError) as e:
+        require("fastapi"), require("uvicorn")
+        fn = (load_reward_fn(args.reward_fn) if args.reward_fn else
+              ModelScorer(args.reward_model, args.batch_size, args.device, args.dtype, args.use_chat_template))
+        server = make_server(fn, args.host, args.port, auth_token=token,
+                             max_request_bytes=int(args.max_request_mb * (1 << 20)),
+                             request_timeout_s=args.request_timeout_s, concurrency=args.concurrency)
+    except (ValueError, OSError, ImportError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    server = make_server(fn, args.host, args.port)
     print(f"serving {getattr(fn, '__rlhf_spec__', args.reward_fn)} on http://{args.host}:{server.server_port}/",
           flush=True)
     try:
         server.serve_forever()
     except KeyboardInterrupt:
         pass
+    finally:
+        server.server_close()
     return 0
 
 

@@ -49,7 +49,9 @@ def text_reward(fn: Callable, tokenizer) -> RewardFn:
     def reward(prompt_ids: torch.Tensor, rollout: Rollout) -> torch.Tensor:
         prompts, responses = decode_rollout(tokenizer, rollout, keep_special_prompt=not plain)
         columns = {} if plain else row_columns(rollout)
-        return torch.tensor(call_reward_fn(fn, prompts, responses, columns), dtype=torch.float32)
+        # a reward server also gets the rollout's ids, to score them as the reward engine does (rewards/remote.py)
+        scorer = fn.for_rollout(rollout, tokenizer) if hasattr(fn, "for_rollout") else fn
+        return torch.tensor(call_reward_fn(scorer, prompts, responses, columns), dtype=torch.float32)
 
     reward.source_name = f"reward_fn {reward_fn_name(fn)}"
     return reward

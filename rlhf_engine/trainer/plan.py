@@ -146,7 +146,8 @@ def _model_side(cfg: TrainConfig) -> tuple[EnginePlan, Optional[Callable], Optio
         except ValueError as e:
             p.add("reward_fn", sc.reward_fn, str(e))
     elif sc.reward_url:
-        reward_fn = RemoteReward(sc.reward_url, sc.reward_timeout_s, sc.reward_retries)
+        reward_fn = RemoteReward(sc.reward_url, sc.reward_timeout_s, sc.reward_retries,
+                                 auth_token_env=sc.reward_auth_token_env)
     elif cfg.reward.use_chat_template:
         _check_reward_chat_template(cfg, p)
     if cfg.env.on:

@@ -38,7 +38,8 @@ from typing import Any, Optional
 import torch
 
 from ..comm import all_reduce
-from ..rollout import Rollout, pad_prompts
+from ..rewards.reward_inputs import encode_conversations, encode_texts, max_positions, pad_id_of, reward_model_rollout
+from ..rollout import Rollout
 from .experience import decode_rollout
 
 log = logging.getLogger(__name__)
@@ -141,53 +142,22 @@ class RetokenizedRewardModel:
                  use_chat_template: bool = False):
         self.engine, self.tokenizer, self.max_positions = engine, tokenizer, max_positions
         self.use_chat_template = use_chat_template
-        self.pad_token_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (
-            tokenizer.eos_token_id if tokenizer.eos_token_id is not None else 0)
-        self.eos_token_id = tokenizer.eos_token_id
+        self.pad_token_id = pad_id_of(tokenizer)
 
     def encode(self, rollout: Rollout) -> Rollout:
-        """The rows of `rollout` in the reward tokenizer's ids, canonical layout (on the rollout's device)."""
+        """The rows of `rollout` in the reward tokenizer's ids, canonical layout (on the rollout's device): built by
+        rewards/reward_inputs.py, as the reference reward server builds them."""
         prompts, responses = decode_rollout(self.engine.tokenizer, rollout)
-        tok = self.tokenizer
-        filler = self.eos_token_id if self.eos_token_id is not None else self.pad_token_id
         ended = rollout.ended_with_eos.bool().tolist()
         if self.use_chat_template:
-            p_ids, r_ids = self.encode_conversations(rollout, responses)
+            if rollout.rows is None:
+                raise ValueError("reward_use_chat_template needs each sample's data row (Rollout.rows): the rollout "
+                                 "does not come from a prompt dataset")
+            p_ids, r_ids = encode_conversations(self.tokenizer, [row.text for row in rollout.rows], responses)
         else:
-            p_ids = [list(x) or [filler] for x in tok(prompts, add_special_tokens=True)["input_ids"]]
-            r_ids = []
-            for ids, e in zip(tok(responses, add_special_tokens=False)["input_ids"], ended):
-                ids = list(ids) + ([self.eos_token_id] if e and self.eos_token_id is not None else [])
-                r_ids.append(ids or [filler])
-        limit = self.max_positions
-        if limit and limit > 1:
-            for i, (p, r) in enumerate(zip(p_ids, r_ids)):
-                if len(p) + len(r) > limit:  # keep the end of the prompt (the question) and of the response
-                    r_ids[i] = r = r[-(limit - 1):]
-                    p_ids[i] = p[-(limit - len(r)):]
-        ids, mask = pad_prompts(p_ids, self.pad_token_id)
-        out = Rollout.from_responses(ids, mask, r_ids, self.pad_token_id, ended_with_eos=ended)
+            p_ids, r_ids = encode_texts(self.tokenizer, prompts, responses, ended)
+        out = reward_model_rollout(p_ids, r_ids, ended, self.pad_token_id, self.max_positions)
         return out.to(rollout.sequences.device)
-
-    def encode_conversations(self, rollout: Rollout, responses: list[str]) -> tuple[list, list]:
-        """(prompt ids, response ids) of [user: row text, assistant: response] in the reward tokenizer's chat
-        template; the response part is what the assistant turn adds after the generation prompt."""
-        if rollout.rows is None:
-            raise ValueError("reward_use_chat_template needs each sample's data row (Rollout.rows): the rollout "
-                             "does not come from a prompt dataset")
-        tok, p_ids, r_ids = self.tokenizer, [], []
-        for row, response in zip(rollout.rows, responses):
-            user = [{"role": "user", "content": row.text}]
-            head = tok.apply_chat_template(user, tokenize=False, add_generation_prompt=True)
-            full = tok.apply_chat_template(user + [{"role": "assistant", "content": response}], tokenize=False)
-            h = tok(head, add_special_tokens=False)["input_ids"]
-            f = tok(full, add_special_tokens=False)["input_ids"]
-            if f[:len(h)] != h or len(f) == len(h):  # the template re-renders the head: split at the text instead
-                tail = full[len(head):] if full.startswith(head) else full
-                f = h + tok(tail, add_special_tokens=False)["input_ids"]
-            p_ids.append(list(h))
-            r_ids.append(list(f[len(h):]) or [self.pad_token_id])
-        return p_ids, r_ids
 
     def __call__(self, prompt_ids: torch.Tensor, rollout: Rollout) -> torch.Tensor:
         return self.engine.reward_scores(self.encode(rollout))
@@ -208,12 +178,7 @@ def reward_model_scorer(engine: Any, cfg: Any) -> Optional[RetokenizedRewardMode
         return None
     module = engine.reward.module
     config = getattr(getattr(module, "hf_model", module), "config", None)
-    limit = None
-    for name in ("max_position_embeddings", "n_positions", "max_seq_len", "seq_length"):
-        v = getattr(config, name, None)
-        if isinstance(v, int) and v > 0:
-            limit = v
-            break
+    limit = max_positions(config)
     if engine.dist.is_main:
         log.info("reward model has its own tokenizer (%s, %d tokens vs the actor's %d): prompts and responses are "
                  "decoded and re-encoded for it", path, len(tok), len(engine.tokenizer))

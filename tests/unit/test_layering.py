@@ -24,7 +24,7 @@ ALLOWED = {
     "signals": set(),
     "hooks": {"faults"},
     "plugins": set(),
-    "rewards": {"errors", "plugins"},
+    "rewards": {"errors", "plugins", "rollout", "engine"},  # engine: only the served reward model (scorers.py, lazily)
     "envs": {"comm", "plugins", "rollout", "rewards"},
     "outputs": {"errors"},
     "data": {"comm", "config", "errors", "rollout", "pretrained"},

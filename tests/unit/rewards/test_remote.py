@@ -1,8 +1,9 @@
-"""--reward_url against real HTTP servers on localhost (no mocks): one that fails once then answers, one that always
-answers 500, one that hangs, one that returns the wrong count; and the reference server, `python -m
-rlhf_engine.rewards.serve`, with a reward function and with a reward model."""
+"""--reward_url's client against real HTTP servers on localhost (no mocks): one that fails once then answers, one that
+always answers 500, one that hangs, one that trickles its answer a byte a second, one that breaks its answer off, one
+that returns the wrong count; and the reference server, `python -m rlhf_engine.rewards.serve`, with a reward function.
+That the served reward model scores as the reward engine does: test_served_reward_model.py."""
 import json
-import os
+import socket
 import subprocess
 import sys
 import threading
@@ -21,21 +22,25 @@ PROMPTS, RESPONSES = ["1 + 1 =", "2 + 5 ="], ["2", "the answer is 8"]
 
 def serve(behaviour):
     """A server on a free localhost port whose POST handler is `behaviour(handler, request_json, call_number)`;
-    returns (url, calls list, stop)."""
+    returns (url, calls list of (body, headers), stop)."""
     calls = []
 
     class Handler(BaseHTTPRequestHandler):
         def do_POST(self):  # noqa: N802
             body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
-            calls.append(body)
-            behaviour(self, body, len(calls))
+            calls.append((body, dict(self.headers)))
+            try:
+                behaviour(self, body, len(calls))
+            except (BrokenPipeError, ConnectionResetError):  # the client gave up: what these tests provoke
+                pass
 
         def log_message(self, *a):
             pass
 
     server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
     server.daemon_threads = True
-    threading.Thread(target=server.serve_forever, daemon=True).start()
+    threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True).start()
+
     def stop():
         server.shutdown()
         server.server_close()
@@ -65,12 +70,14 @@ def test_the_request_carries_prompts_responses_and_columns_and_the_scores_come_b
     try:
         fn = RemoteReward(url, timeout_s=5, retries=0)
         assert call_reward_fn(fn, PROMPTS, RESPONSES, {"answer": ["2", "7"]}) == [1.0, 15.0]
-        assert calls == [{"prompts": PROMPTS, "responses": RESPONSES, "columns": {"answer": ["2", "7"]}}]
+        want = {"prompts": PROMPTS, "responses": RESPONSES, "columns": {"answer": ["2", "7"]}}
+        assert [c[0] for c in calls] == [want]
+        assert "Authorization" not in calls[0][1]
     finally:
         stop()
 
 
-def test_a_server_that_fails_once_then_answers_is_retried():
+def test_a_server_that_fails_once_then_answers_is_retried_under_the_same_request_id():
     def flaky(handler, body, n):
         if n == 1:
             return answer(handler, 503, {"error": "warming up"})
@@ -78,8 +85,13 @@ def test_a_server_that_fails_once_then_answers_is_retried():
 
     url, calls, stop = serve(flaky)
     try:
-        assert RemoteReward(url, timeout_s=5, retries=2)(PROMPTS, RESPONSES) == [1.0, 15.0]
-        assert len(calls) == 2
+        fn = RemoteReward(url, timeout_s=5, retries=2)
+        assert fn(PROMPTS, RESPONSES) == [1.0, 15.0]
+        assert fn(PROMPTS, RESPONSES) == [1.0, 15.0]
+        ids = [headers["X-Request-Id"] for _, headers in calls]
+        # the retry is the same batch (one id, so a server can answer it from the first computation); a new batch
+        # is another id
+        assert len(ids) == 3 and ids[0] == ids[1] != ids[2] and len(ids[0]) == 32
     finally:
         stop()
 
@@ -116,6 +128,74 @@ def test_a_server_that_hangs_times_out_on_every_attempt():
         stop()
 
 
+def _trickle(head_first: bool):
+    """A handler that sends its (valid) answer one byte a second: the body after the head, or the head itself."""
+    def behaviour(handler, body, n):
+        data = json.dumps({"scores": [1.0] * len(body["responses"])}).encode()
+        head = f"HTTP/1.1 200 OK\r\nContent-Length: {len(data)}\r\n\r\n".encode()
+        if head_first:
+            handler.wfile.write(head)
+            handler.wfile.flush()
+        trickled = data if head_first else head + data
+        for i in range(len(trickled)):
+            handler.wfile.write(trickled[i:i + 1])
+            handler.wfile.flush()
+            time.sleep(1.0)
+    return behaviour
+
+
+@pytest.mark.parametrize("head_first, retries", [(True, 1), (False, 0)])
+def test_a_server_that_trickles_its_answer_a_byte_a_second_is_cut_at_the_deadline(head_first, retries):
+    """Each read gets a byte within 1 s, under the 1.5 s socket timeout: only a deadline for the whole attempt ends
+    it (the answer would take ~18 s)."""
+    url, calls, stop = serve(_trickle(head_first))
+    try:
+        t = time.monotonic()
+        with pytest.raises(RewardFunctionError, match=rf"reward server {url} failed after {retries + 1} attempt.*"
+                                                      r"last: no answer within 1.5 s"):
+            RemoteReward(url, timeout_s=1.5, retries=retries)(PROMPTS, RESPONSES)
+        took = time.monotonic() - t
+        assert 1.5 * (retries + 1) - 0.1 < took < 1.5 * (retries + 1) + 1.5, took
+        assert len(calls) == retries + 1
+    finally:
+        stop()
+
+
+def _broken(handler, body, n, always=True):
+    if n == 1 or always:  # announces 100 bytes, sends 10, hangs up
+        handler.send_response(200)
+        handler.send_header("Content-Length", "100")
+        handler.end_headers()
+        handler.wfile.write(b'{"scores":')
+        handler.wfile.flush()
+        handler.connection.shutdown(socket.SHUT_RDWR)
+        return
+    scores_by_length(handler, body, n)
+
+
+def test_an_answer_broken_off_is_retried():
+    url, calls, stop = serve(lambda h, b, n: _broken(h, b, n, always=False))
+    try:
+        assert RemoteReward(url, timeout_s=5, retries=1)(PROMPTS, RESPONSES) == [1.0, 15.0]
+        assert len(calls) == 2
+    finally:
+        stop()
+
+
+@pytest.mark.parametrize("behaviour, name", [(_broken, "IncompleteRead"),
+                                             (lambda h, b, n: h.connection.shutdown(socket.SHUT_RDWR),
+                                              "RemoteDisconnected")])
+def test_broken_answers_stop_after_the_retries_naming_server_and_error(behaviour, name):
+    url, calls, stop = serve(behaviour)
+    try:
+        with pytest.raises(RewardFunctionError, match=rf"reward server {url} failed after 2 attempts .*last: broken "
+                                                      rf"answer \({name}"):
+            RemoteReward(url, timeout_s=5, retries=1)(PROMPTS, RESPONSES)
+        assert len(calls) == 2
+    finally:
+        stop()
+
+
 def test_nobody_listening_is_a_connection_error():
     url, _, stop = serve(scores_by_length)
     stop()  # the port is closed now
@@ -135,18 +215,31 @@ def test_a_wrong_answer_is_an_error_naming_the_server(scores, message):
         stop()
 
 
-def _start_reference_server(*args):
-    proc = subprocess.Popen([sys.executable, "-m", "rlhf_engine.rewards.serve", "--port", "0", *args], cwd=ROOT,
-                            env=clean_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    line = proc.stdout.readline()
-    assert line.startswith("serving "), line + proc.stderr.read()
-    return proc, line.split(" on ")[-1].strip() + "score"
+def test_the_bearer_token_is_sent_from_its_variable_and_shown_nowhere(monkeypatch):
+    token = "rm-bearer-7Hq2xY9pL4"
+    url, calls, stop = serve(lambda h, b, n: answer(h, 401, {"error": "wrong token"}))
+    try:
+        with pytest.raises(ValueError, match=r"reward_auth_token_env = 'RM_BEARER_T': the environment variable is "
+                                             r"not set"):
+            RemoteReward(url, auth_token_env="RM_BEARER_T")
+        monkeypatch.setenv("RM_BEARER_T", token)
+        fn = RemoteReward(url, timeout_s=5, retries=2, auth_token_env="RM_BEARER_T")
+        with pytest.raises(RewardFunctionError, match=r"failed after 1 attempt .*HTTP 401") as e:
+            fn(PROMPTS, RESPONSES)
+        assert calls[0][1]["Authorization"] == f"Bearer {token}"
+        assert token not in str(e.value) and token not in repr(fn)
+    finally:
+        stop()
 
 
 def test_the_reference_server_scores_with_a_reward_function_and_its_columns():
-    proc, url = _start_reference_server("--reward_fn", "rlhf_engine.rewards.math_answer:exact_answer")
+    proc = subprocess.Popen([sys.executable, "-m", "rlhf_engine.rewards.serve", "--port", "0", "--reward_fn",
+                             "rlhf_engine.rewards.math_answer:exact_answer"], cwd=ROOT, env=clean_env(),
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
-        fn = RemoteReward(url, timeout_s=10, retries=0)
+        line = proc.stdout.readline()
+        assert line.startswith("serving "), line + proc.stderr.read()
+        fn = RemoteReward(line.split(" on ")[-1].strip() + "score", timeout_s=10, retries=0)
         assert fn(PROMPTS, RESPONSES, answer=["2", "8"], other=["x", "y"]) == [1.0, 1.0]
         assert fn(PROMPTS, RESPONSES, answer=["3", "#### 8"]) == [0.0, 1.0]
         with pytest.raises(RewardFunctionError, match=r"HTTP 400.*needs the columns \['answer'\]"):
@@ -154,21 +247,3 @@ def test_the_reference_server_scores_with_a_reward_function_and_its_columns():
     finally:
         proc.terminate()
         proc.wait(10)
-
-
-def test_the_reference_server_scores_with_a_reward_model(tiny):
-    """The served scores are the reward model's own at the last token of prompt + response."""
-    import torch
-    from transformers import AutoModelForSequenceClassification, AutoTokenizer
-
-    proc, url = _start_reference_server("--reward_model", tiny.reward)
-    try:
-        got = RemoteReward(url, timeout_s=30, retries=0)(PROMPTS, RESPONSES)
-    finally:
-        proc.terminate()
-        proc.wait(10)
-    tok = AutoTokenizer.from_pretrained(tiny.reward)
-    model = AutoModelForSequenceClassification.from_pretrained(tiny.reward).eval()
-    with torch.no_grad():
-        want = [float(model(**tok(p + r, return_tensors="pt")).logits[0, 0]) for p, r in zip(PROMPTS, RESPONSES)]
-    assert got == pytest.approx(want, abs=1e-5) and got[0] != got[1]
