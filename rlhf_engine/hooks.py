@@ -11,7 +11,7 @@ Points the loop consults (each returns its argument, or 0, at once when nothing 
     hooks.wrap_update_step(step)            # an actor / critic step whose loss or gradient is made NaN
     hooks.wrap_guard(guard)                 # train_step: the fault point after each guarded step
     hooks.after_step(iteration)             # train_step: after the iteration's first actor optimizer step
-    hooks.scores(reward_fn, iteration)      # the reward function, or one that returns a NaN in row 0
+    hooks.scores(source, iteration)         # the reward source, or one that returns a NaN in row 0
     hooks.advantages(advantages, iteration) # advantage [0, 0] set to NaN
     hooks.loss(role, loss, iteration)       # the role's loss, or NaN
     hooks.grad(role, x, iteration)          # 0, or a term of value 0 whose gradient is NaN
@@ -195,14 +195,13 @@ class TestHooks:
             faults.fault_point("train_step", iteration, self.rank)
 
     # ---- non-finite values -----------------------------------------------------------------------------------------
-    def scores(self, reward_fn: Any, iteration: int, default: Callable) -> Any:
-        """`reward_fn` (None: the reward model), or a scorer whose row 0 is NaN."""
+    def scores(self, source: Any, iteration: int) -> Any:
+        """The reward source (a RewardFn), or a scorer whose row 0 is NaN."""
         if not self._active("score", iteration):
-            return reward_fn
-        base = reward_fn or default
+            return source
 
         def nan_row_0(prompt_ids, rollout):
-            out = torch.as_tensor(base(prompt_ids, rollout)).float().clone()
+            out = torch.as_tensor(source(prompt_ids, rollout)).float().clone()
             out[0] = float("nan")
             return out
 

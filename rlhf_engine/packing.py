@@ -13,11 +13,16 @@ are placed first-fit in order of decreasing length (stable: the same rows give t
 `width` slots, at least the longest sequence. Rows are as wide as the padded batch by default, so attention costs
 no more per row than before (a single row of every token would cost quadratically more on a CPU, which has no
 variable-length attention kernel). Torch only.
+
+The mask has no sliding window: a model that attends within a window (Mistral, Gemma 2/3, Qwen2 with one) computes
+packed rows as padded ones only while no sequence is longer than its window. `sliding_window` reads the window from
+the model's config; engine/preflight.py refuses `--packing on` (and turns `auto` off) where it is shorter than the
+run's longest sequence.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
+from typing import Any, Optional
 
 import torch
 
@@ -121,3 +126,23 @@ def micro_batch_rows(lengths: list[int], mini_batch: int, rows: int, budget: int
                   else [list(range(i, min(i + rows, n))) for i in range(0, n, rows)])
         out.append([[start + i for i in g] for g in groups])
     return out
+
+
+SLIDING_LAYER_TYPES = ("sliding_attention",)  # transformers' name, in `config.layer_types`, for a windowed layer
+
+
+def sliding_window(config: Any) -> Optional[int]:
+    """The sliding attention window of a Hugging Face model config (how many tokens a query sees, itself included), or
+    None where no layer slides: `sliding_window` when it is set, but not where Qwen2's `use_sliding_window` is false,
+    nor where `layer_types` is given and names no sliding layer (Qwen2 past `max_window_layers`). A multimodal config
+    (Gemma 3) is read at its text config."""
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    window = getattr(text, "sliding_window", None)
+    if isinstance(window, bool) or not isinstance(window, int) or window <= 0:
+        return None
+    if getattr(text, "use_sliding_window", True) is False:
+        return None
+    layer_types = getattr(text, "layer_types", None)
+    if layer_types is not None and not any(t in SLIDING_LAYER_TYPES for t in layer_types):
+        return None
+    return window

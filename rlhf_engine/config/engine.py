@@ -36,8 +36,9 @@ class EngineConfig:
     packing: str = opt("off", "Forwards on packed rows (docs/packing.md): every experience and training forward of "
                        "actor, reference, critic and reward lays its rows' real tokens end to end, each sequence "
                        "with its own position ids and a block-diagonal causal mask, instead of padded rows. on = "
-                       "refused by name where the start-up probe says a model does not compute packed rows right; "
-                       "auto = on where it does (else off, logged); off = padded rows (the default: measured no "
+                       "refused by name where a model attends within a sliding window shorter than the longest sequence, "
+                       "or where the start-up probe (at the run's longest sequence) says it does not compute packed "
+                       "rows right; auto = on where neither holds (else off, logged); off = padded rows (the default: measured no "
                        "faster on a CPU, see docs/packing.md). The experience forwards then run in training "
                        "micro-batches (as with trim_padding).")
     trim_padding: bool = opt(False, "Every actor, reference, critic and reward forward drops the columns that are "

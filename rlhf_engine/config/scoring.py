@@ -44,10 +44,7 @@ class ScoringConfig:
         return None if self.reward_on_error == "stop" else float(self.reward_on_error)
 
     def validate(self, p: Problems, prefix: str = "") -> None:
-        """One source, settings that fit it."""
-        if self.reward_fn and self.reward_url:
-            p.add("reward_url", self.reward_url, f"and reward_fn ({self.reward_fn!r}) both score the rollouts: drop "
-                  "one")
+        """Settings that fit the source (two sources at once: config/reward_source.py, from TrainConfig.validate)."""
         if self.reward_url and not (str(self.reward_url).startswith(("http://", "https://"))
                                     and urllib.parse.urlsplit(str(self.reward_url)).hostname):
             p.add("reward_url", self.reward_url, "must be an http:// or https:// URL with a host")

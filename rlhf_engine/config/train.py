@@ -14,6 +14,7 @@ from .generation import BatchConfig, GenerationConfig
 from .ppo import PPOConfig
 from .role import RoleConfig
 from .ptx import PtxConfig
+from .reward_source import DEFAULT as DEFAULT_SOURCE, check_reward_sources, reward_source_kind
 from .run import LoggingConfig, RunConfig
 from .scoring import ScoringConfig
 
@@ -72,13 +73,23 @@ class TrainConfig:
     @property
     def scored_without_model(self) -> bool:
         """A reward function, a reward server or an environment scores the rollouts: no reward engine is built."""
-        return bool(self.scoring.reward_fn or self.scoring.reward_url or self.env.on)
+        return reward_source_kind(self).name != DEFAULT_SOURCE
 
     @property
     def response_budget(self) -> int:
         """The most tokens after the prompt: max_answer_seq_len, or an episode's budget with an environment."""
         g = self.generation
         return self.env.episode_tokens(g.max_answer_seq_len) if self.env.on else g.max_answer_seq_len
+
+    @property
+    def generation_positions(self) -> int:
+        """The most positions after the prompt a generate call may feed the actor. The hf backend keeps feeding a
+        row that reached its episode's budget while its batch-mates finish their turn (Hugging Face advances every
+        row's positions), up to one turn past the budget; lean stops a finished row's positions."""
+        g = self.generation
+        if self.env.on and self.engine.generation_backend == "hf":
+            return self.response_budget + g.max_answer_seq_len - 1
+        return self.response_budget
 
     @property
     def active_roles(self) -> tuple:
@@ -123,6 +134,7 @@ class TrainConfig:
         check_positive(p, "", self, "max_steps")
         check_positive(p, "", self, "eval_interval", allow_zero=True)
         self._validate_epochs_ptx_scoring(p)
+        check_reward_sources(self, p)  # one source scores the rollouts (config/reward_source.py)
         self._validate_estimator(p)
         if self.eval_interval and not self.eval_data_path and not self.data.eval_split:
             p.add("eval_interval", self.eval_interval, "needs held-out prompts: set eval_data_path or eval_split")
@@ -133,10 +145,6 @@ class TrainConfig:
         """An environment scores its episodes itself; what shapes or cuts a single response does not apply."""
         if not self.env.on:
             return
-        for name in ("reward_fn", "reward_url"):
-            if getattr(self.scoring, name):
-                p.add(name, getattr(self.scoring, name), f"and environment ({self.env.environment!r}) both score the "
-                      "rollouts: the environment's step rewards are the episode's rewards; drop one")
         ppo, g = self.ppo, self.generation
         for name, off in (("normalize_reward", False), ("missing_eos_penalty", 0.0), ("overlong_buffer_len", 0)):
             if getattr(ppo, name) != off:

@@ -40,6 +40,8 @@ class EnginePlan:
     stop_token_ids: tuple  # a response ends at the first of them (`stop_tokens`: every source, sorted)
     generation_backend: str  # engine/generation BACKENDS name, resolved (hybrid only where it can run)
     num_training_steps: int = 0
+    packing: str = "off"  # --packing resolved against the models' sliding windows (`check_packing`): auto may be off
+    longest_sequence: int = 0  # max_prompt_seq_len + the response budget: the length the packing probe runs at
 
 
 def resolve_dtype(dtype: str, cuda: bool | None = None) -> str:
@@ -157,6 +159,7 @@ def plan_engine(cfg: TrainConfig, num_training_steps: int = 0) -> EnginePlan:
     check_positions(cfg, paths, configs, p)
     check_lora(cfg, configs, p)
     backend, fallback_reasons = plan_generation(cfg, configs, p)
+    packing, packing_off = check_packing(cfg, paths, configs, p)
     stop = None
     if tokenizer is not None and "actor" in configs:
         stop = stop_tokens(cfg, paths["actor"], tokenizer, configs["actor"].vocab_size, p)
@@ -168,7 +171,9 @@ def plan_engine(cfg: TrainConfig, num_training_steps: int = 0) -> EnginePlan:
                   + "; ".join(fallback_reasons) + "); hybrid_engine_fallback is set, so the actor generates with "
                   "Hugging Face generate")
         backend = "hf"
-    return EnginePlan(plans, tokenizer, stop, backend, num_training_steps)
+    if packing_off:
+        log.info("packing auto: off, %s", packing_off)
+    return EnginePlan(plans, tokenizer, stop, backend, num_training_steps, packing, longest_sequence(cfg))
 
 
 def check_required_paths(cfg: TrainConfig, paths: dict, p: Problems) -> None:
@@ -282,15 +287,59 @@ def check_reward_tokenizer(cfg: TrainConfig, configs: dict, p: Problems) -> None
 
 def check_positions(cfg: TrainConfig, paths: dict, configs: dict, p: Problems) -> None:
     """The longest sequence (prompt + response, or + an episode) fits every model's positions."""
-    need = cfg.generation.max_prompt_seq_len + cfg.response_budget
     what = "max_prompt_seq_len + " + ("max_episode_tokens" if cfg.env.on else "max_answer_seq_len")
     seen = set()
     for role, config in configs.items():
+        need = cfg.generation.max_prompt_seq_len + cfg.response_budget
+        extra = ""
+        if role == "actor" and cfg.generation_positions > cfg.response_budget:
+            need = cfg.generation.max_prompt_seq_len + cfg.generation_positions
+            extra = (" (+ max_answer_seq_len - 1: the hf backend feeds a row at its budget until its batch-mates "
+                     "end their turn; generation_backend lean does not)")
         limit = _max_positions(config)
-        if limit is not None and need > limit and paths[role] not in seen:
-            seen.add(paths[role])
-            p.add(what, need, f"exceeds the {role} model's maximum positions ({limit}); lower "
+        if limit is not None and need > limit and (paths[role], need) not in seen:
+            seen.add((paths[role], need))
+            p.add(what, need, f"exceeds the {role} model's maximum positions ({limit}){extra}; lower "
                   f"{what.replace(' + ', ' or ')}")
+
+
+def longest_sequence(cfg: TrainConfig) -> int:
+    """The longest sequence a forward sees: the longest prompt and the response (or episode) budget."""
+    return cfg.generation.max_prompt_seq_len + cfg.response_budget
+
+
+def short_windows(cfg: TrainConfig, paths: dict, configs: dict) -> list[tuple[str, int]]:
+    """(what it is, the window) per model with a sliding window shorter than the longest sequence (a path shared by
+    roles named once). Our packed mask has no window (`packing.sliding_window`), so such a model would attend further
+    back in packed rows than in padded ones and in generation."""
+    from ..packing import sliding_window
+
+    need = longest_sequence(cfg)
+    what = "max_prompt_seq_len + " + ("max_episode_tokens" if cfg.env.on else "max_answer_seq_len")
+    found, seen = [], set()
+    for role, config in configs.items():
+        window = sliding_window(config)
+        if window is not None and window < need and paths[role] not in seen:
+            seen.add(paths[role])
+            found.append((f"the {role} model ({getattr(config, 'model_type', '?')}) attends within a sliding window "
+                          f"of {window} tokens, shorter than the longest sequence ({what} = {need}), and the packed "
+                          "rows' mask has no window (packed forwards would attend further back than generation does)",
+                          window))
+    return found
+
+
+def check_packing(cfg: TrainConfig, paths: dict, configs: dict, p: Problems) -> tuple[str, str]:
+    """(--packing resolved against the models' sliding windows, why auto turned off or ''): on with a window shorter
+    than the longest sequence is a problem naming the flag and the window; auto turns off; off stays off. The
+    start-up probe (engine/packed_forward.py) checks the rest, on the engines."""
+    setting = cfg.engine.packing
+    found = short_windows(cfg, paths, configs) if setting != "off" else []
+    lengths = "max_prompt_seq_len or " + ("max_episode_tokens" if cfg.env.on else "max_answer_seq_len")
+    if setting == "on":
+        for why, window in found:
+            p.add("packing", setting, f"{why}; set packing off (or auto, which turns it off here), or lower {lengths} "
+                  f"until their sum is at most {window}")
+    return ("off", found[0][0]) if found else (setting, "")
 
 
 def check_lora(cfg: TrainConfig, configs: dict, p: Problems) -> None:

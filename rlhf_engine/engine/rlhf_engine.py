@@ -81,7 +81,7 @@ class RLHFEngine:
         self.generator = self.hooks.wrap_generator(
             backend(GenerationContext(self.actor, dist, self.plans["actor"].stage, cfg)))
         # packing: forwards on packed rows where every model computes them right (engine/packed_forward.py)
-        self.packing = self._resolve_packing(ext.packing)
+        self.packing = self._resolve_packing(plan.packing)  # preflight turned auto off for a too-short sliding window
         # with trimmed or packed rows the experience forwards run on the training micro-batches' rows exactly, so
         # old and new log-probs come from identical tensors (the lr = 0 ratio stays exactly 1)
         self.experience_chunk = (cfg.batch.per_device_training_batch_size if self.trim_padding or self.packing
@@ -104,7 +104,7 @@ class RLHFEngine:
             if role == "ema" or self.hybrid_engine:
                 continue
             try:  # every rank probes every model (collective under ZeRO-3), and the ranks decide together
-                works = packing_works(engine.module)
+                works = packing_works(engine.module, self.plan.longest_sequence)  # probed at the run's length
             except Exception:  # noqa: BLE001  (a model that refuses a 4D mask, for one)
                 works = False
             if comm.agree(not works):
@@ -226,7 +226,7 @@ class RLHFEngine:
         inputs = packed_inputs(packed, r.sequences, r.position_ids, model_dtype(engine.module))
         where = packed.slot[:, P - 1:P - 1 + R]  # [B, R] slot predicting response token t (-1: padding)
         keep = (where >= 0) & r.response_attention.bool()
-        logits = packed_logits_at(engine.module, packed, inputs, where[keep])[None]  # [1, K, V]
+        logits = packed_logits_at(engine, packed, inputs, where[keep])[None]  # [1, K, V], in DeepSpeed's forward
         # the sampled distribution: no stop token before min_new_tokens (each logit row's response position)
         if self.sampling.min_new_tokens:
             index = torch.arange(R, device=keep.device).expand_as(keep)[keep][None]

@@ -32,7 +32,7 @@ class Evaluator:
         self.indices, self.real = order[shard], real[shard]
         self.batch_size = batch_size
 
-    def run(self, engine, reward_fn) -> tuple[dict, list[dict]]:
+    def run(self, engine, source) -> tuple[dict, list[dict]]:
         """-> (metrics eval/score, eval/response_length, eval/eos_rate over all ranks; this rank's samples)."""
         from ..comm import all_reduce
 
@@ -44,8 +44,7 @@ class Evaluator:
             real = torch.tensor(self.real[start:start + self.batch_size], device=engine.device)
             ids, mask = collate_prompts(self.dataset, idx, engine.pad_token_id)
             rollout = engine.generate(ids, mask, params).with_rows(self.dataset.rows(idx))
-            scores = (engine.reward_scores(rollout) if reward_fn is None
-                      else reward_fn(rollout.prompts, rollout)).to(engine.device, torch.float64)
+            scores = torch.as_tensor(source(rollout.prompts, rollout)).to(engine.device, torch.float64)
             w = real.double()
             sums += torch.stack([w.sum(), (scores * w).sum(), (rollout.response_lengths.double() * w).sum(),
                                  (rollout.ended_with_eos.double() * w).sum()])

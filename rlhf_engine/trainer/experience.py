@@ -70,30 +70,26 @@ class Forwards:
     error: Optional[Exception] = None
 
 
-def experience_forwards(engine, rollout: Rollout, reward_fn: Optional[RewardFn] = None) -> Forwards:
-    """Every forward of the experience (eval mode, the rollout's position ids), then the scores: the reward model's,
-    or `reward_fn(rollout.prompts, rollout)`. A scoring failure (the reward function raising, a wrong shape, a
-    non-finite score) does not raise here: it is returned in `error`, so the trainer can stop every rank together
-    (`StepGuard.agree`). The scoring comes after every (possibly collective) forward."""
+def experience_forwards(engine, rollout: Rollout, source: RewardFn) -> Forwards:
+    """Every forward of the experience (eval mode, the rollout's position ids), then the scores of the run's reward
+    source (trainer/reward_sources), `source(rollout.prompts, rollout)`. A scoring failure (the source raising, a
+    wrong shape, a non-finite score) does not raise here: it is returned in `error`, so the trainer can stop every
+    rank together (`StepGuard.agree`). The scoring comes after every (possibly collective) forward."""
     old_logprobs, entropy = engine.actor_logprobs(rollout, with_entropy=True)
     ref_logprobs = engine.ref_logprobs(rollout)
     values = engine.critic_values(rollout) if engine.has_critic else None
     scores, error = None, None
     try:
-        scores = score_rollout(engine, rollout, reward_fn, device=old_logprobs.device)
+        scores = score_rollout(rollout, source, device=old_logprobs.device)
     except Exception as e:  # noqa: BLE001  (any scoring failure is reported on every rank by the trainer)
         error = e
     return Forwards(old_logprobs, entropy, ref_logprobs, values, scores, error)
 
 
-def score_rollout(engine, rollout: Rollout, reward_fn: Optional[RewardFn] = None,
-                  device: Optional[torch.device] = None) -> torch.Tensor:
-    """[B] fp32 scores of a rollout batch, checked: one finite score per sequence (else ValueError / NonFiniteError
-    naming the source: "reward model", "reward_fn", or the reward function's `source_name`)."""
-    if reward_fn is None:
-        scores, source = engine.reward_scores(rollout), "reward model"
-    else:
-        scores, source = reward_fn(rollout.prompts, rollout), getattr(reward_fn, "source_name", "reward_fn")
+def score_rollout(rollout: Rollout, source: RewardFn, device: Optional[torch.device] = None) -> torch.Tensor:
+    """[B] fp32 scores of a rollout batch by `source`, checked: one finite score per sequence (else ValueError /
+    NonFiniteError naming the source by its `source_name`)."""
+    scores, source = source(rollout.prompts, rollout), getattr(source, "source_name", "") or "reward_fn"
     scores = torch.as_tensor(scores).to(device=device or rollout.sequences.device, dtype=torch.float32)
     if scores.shape != (rollout.batch_size,):
         raise ValueError(f"{source} returned scores of shape {tuple(scores.shape)}; expected "

@@ -25,6 +25,8 @@ from ..data.sampler import PromptSampler
 from ..engine import EnginePlan, RolePlan, init_distributed, plan_engine, plan_model
 from ..errors import ConfigError, Problem, Problems
 from ..outputs.run_dir import RunDir
+from ..config.reward_source import reward_source_kind
+from .reward_sources import LoadedSource, load_reward_source, source_class
 from .state import resolve_and_check, run_fingerprint, supervised_fingerprint
 
 log = logging.getLogger("rlhf_engine")
@@ -43,7 +45,7 @@ class RunPlan:
     iterations: int  # PPO iterations of the run
     updates_per_iteration: int  # optimizer steps per trained engine per iteration
     ptx: Optional[PtxDataset] = field(repr=False)  # PPO-ptx documents (None: ptx off)
-    reward_fn: Optional[Callable] = field(repr=False)  # the loaded --reward_fn (text level), None: a reward model
+    reward: LoadedSource = field(repr=False)  # the run's reward source, loaded (trainer/reward_sources)
     env_factory: Optional[Callable] = field(repr=False)  # the loaded --environment factory, None: single-turn
     fingerprint: Mapping[str, Any]  # written into every checkpoint; a resume must match it
     resume_path: Optional[str]  # the checkpoint this run continues (None: a fresh start)
@@ -128,27 +130,20 @@ def start(cfg: Any) -> DistInfo:
     return dist
 
 
-def _model_side(cfg: TrainConfig) -> tuple[EnginePlan, Optional[Callable], Optional[Callable]]:
-    """The engine plan, the reward function and the environment factory, every problem of all three in one error."""
-    from ..rewards import ParallelReward, RemoteReward, load_reward_fn
-
+def _model_side(cfg: TrainConfig) -> tuple[EnginePlan, Optional[LoadedSource], Optional[Callable]]:
+    """The engine plan, the reward source and the environment factory, every problem of all three in one error."""
     p = Problems()
-    engine = reward_fn = env_factory = None
+    engine = reward = env_factory = None
     try:
         engine = plan_engine(cfg)
     except ConfigError as e:
         p.extend(e.problems)
-    sc = cfg.scoring
-    if sc.reward_fn:
-        try:
-            reward_fn = (ParallelReward(sc.reward_fn, sc.reward_workers, sc.reward_timeout_s, sc.on_error_score)
-                         if sc.reward_workers else load_reward_fn(sc.reward_fn))
-        except ValueError as e:
-            p.add("reward_fn", sc.reward_fn, str(e))
-    elif sc.reward_url:
-        reward_fn = RemoteReward(sc.reward_url, sc.reward_timeout_s, sc.reward_retries,
-                                 auth_token_env=sc.reward_auth_token_env)
-    elif cfg.reward.use_chat_template:
+    try:
+        reward = load_reward_source(cfg)
+    except ValueError as e:
+        flag, value = next(iter(reward_source_kind(cfg).chosen_by(cfg).items()))
+        p.add(flag, value, str(e))
+    if reward_source_kind(cfg).name == "reward_model" and cfg.reward.use_chat_template:
         _check_reward_chat_template(cfg, p)
     if cfg.env.on:
         from ..envs import load_environment_factory
@@ -165,7 +160,7 @@ def _model_side(cfg: TrainConfig) -> tuple[EnginePlan, Optional[Callable], Optio
             except ValueError as e:
                 p.add("use_chat_template", True, f"environment: {e}")
     p.raise_if_any("cannot start: model setup")
-    return engine, reward_fn, env_factory
+    return engine, reward, env_factory
 
 
 def _check_reward_chat_template(cfg: TrainConfig, p: Problems) -> None:
@@ -183,16 +178,6 @@ def _check_reward_chat_template(cfg: TrainConfig, p: Problems) -> None:
     if not template:
         p.add("reward_use_chat_template", True, f"the reward tokenizer {path!r} has no chat_template; give "
               "reward_tokenizer_name_or_path one with a template, or drop the flag")
-
-
-def reward_columns(reward_fn: Optional[Callable]) -> Optional[ColumnRequest]:
-    """The data columns `reward_fn` declares (rewards/loader.py: the calling rule); None for a plain one."""
-    if reward_fn is None:
-        return None
-    from ..rewards import reward_signature
-
-    sig = reward_signature(reward_fn)
-    return None if sig.legacy else ColumnRequest(sig.required, sig.optional, sig.all_columns, field="reward_fn")
 
 
 def check_columns(columns: Optional[ColumnRequest], datasets: list) -> None:
@@ -232,13 +217,12 @@ def plan_ppo(cfg: TrainConfig, prompt_data: Optional[PromptData] = None) -> RunP
     `prompt_data`: already tokenized prompts (a benchmark's, a notebook's) instead of loading `cfg.data`."""
     dist = start(cfg)
     resolve_builtins(cfg)
-    engine, reward_fn, env_factory = _model_side(cfg)  # model-side checks before the data is tokenized
+    engine, reward, env_factory = _model_side(cfg)  # model-side checks before the data is tokenized
     log_estimator_defaults(cfg, dist)
     warn_kl_in_group_returns(cfg, dist)
     tok, g = engine.tokenizer, cfg.generation
-    # the data columns the reward function takes (an environment's factory gets every column), kept with every row
-    columns = (ColumnRequest(all_columns=True, field="environment") if env_factory is not None
-               else reward_columns(reward_fn))
+    # the data columns the reward source takes (an environment's factory gets every column), kept with every row
+    columns = source_class(reward.kind).columns(reward.loaded)
     data = prompt_data or load_prompt_data(cfg.data, tok, g.max_prompt_seq_len, seed=cfg.seed, verbose=dist.is_main,
                                            columns=columns)
     eval_prompts = data.eval
@@ -265,7 +249,7 @@ def plan_ppo(cfg: TrainConfig, prompt_data: Optional[PromptData] = None) -> RunP
     resume_path = resolve_and_check(cfg, dist, fingerprint)
     return RunPlan(cfg=cfg, dist=dist, engine=dataclasses.replace(engine, num_training_steps=iterations * updates),
                    prompts=data.train, eval_prompts=eval_prompts if cfg.eval_interval else None, sampler=sampler,
-                   iterations=iterations, updates_per_iteration=updates, ptx=ptx, reward_fn=reward_fn,
+                   iterations=iterations, updates_per_iteration=updates, ptx=ptx, reward=reward,
                    env_factory=env_factory,
                    fingerprint=fingerprint, resume_path=resume_path, run_dir=run_dir)
 

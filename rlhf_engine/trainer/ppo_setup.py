@@ -11,6 +11,7 @@ from .guards import StepGuard
 from .objectives import ActorObjective, CriticObjective
 from .plan import RunPlan
 from .reward_shaping import ScoreShaper
+from .reward_sources import build_reward_source
 from .state import Checkpointer
 from .update import ActorStep, CriticStep, MicroBatchPlanner
 
@@ -56,6 +57,11 @@ def critic_step(engine, ppo: Any, guard: StepGuard, hooks) -> Optional[CriticSte
     if not engine.has_critic:
         return None
     return hooks.wrap_update_step(CriticStep(engine, CriticObjective(engine, ppo), guard))
+
+
+def reward_source(plan: RunPlan, engine):
+    """What scores the rollouts, as the plan loaded it (trainer/reward_sources; the choice: config/reward_source.py)."""
+    return build_reward_source(plan.reward, engine, plan.cfg)
 
 
 def episode_runner(plan: RunPlan, engine):

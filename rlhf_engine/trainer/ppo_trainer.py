@@ -40,8 +40,8 @@ from ..data.sampler import DataCursor
 from ..outputs.metrics import MetricsWriter
 from ..rollout import Experience, Rollout
 from .clock import IterationClock
-from .experience import (NonFiniteError, RewardFn, build_experience, decode_rollout, experience_forwards,
-                         global_mean_var, group_ids_of, text_reward, whiten_advantages)
+from .experience import (NonFiniteError, build_experience, decode_rollout, experience_forwards,
+                         global_mean_var, group_ids_of, whiten_advantages)
 from .memory import peak_device_mib, peak_rss_mib
 from .metric_sums import MetricSums
 from .objectives import experience_steps
@@ -49,7 +49,6 @@ from .ppo_metrics import add_experience_stats, add_rollout_check, add_value_mome
 from .ptx import build_ptx
 from . import ppo_setup as setup
 from .update import RATIO_TRACE
-from .reward_shaping import reward_model_scorer
 from .plan import RunPlan
 from .state import providers_of
 
@@ -67,12 +66,6 @@ def cat_generated(gens: list, pad_token_id: int) -> tuple[Rollout, Optional[torc
         return rollout, None
     R = rollout.response_width
     return rollout, torch.cat([torch.nn.functional.pad(g.logprobs, (0, R - g.logprobs.shape[1])) for g in gens])
-
-
-def episode_return(prompt_ids: torch.Tensor, rollout: Rollout) -> torch.Tensor:
-    """[B] the score of an episode: the sum of its turns' rewards (they enter the per-token rewards where they sit,
-    `build_experience`)."""
-    return rollout.turn_rewards.sum(-1)
 
 
 class PPOTrainer:
@@ -101,12 +94,7 @@ class PPOTrainer:
         self.actor_step = setup.actor_step(engine, cfg, self.guard, self.ptx, self.hooks)
         self.critic_step = setup.critic_step(engine, cfg.ppo, self.guard, self.hooks)
         self.experience_steps = experience_steps(cfg.ppo, cfg.batch.n_samples_per_prompt)  # correction, filter
-        # Optional programmatic reward replacing the reward model: reward_fn(prompt_ids [B, P], rollout) -> [B]
-        # scores (see experience.experience_forwards): `--reward_fn module:function` (loaded by the plan). A reward
-        # model with its own tokenizer (reward_tokenizer_name_or_path) scores through a re-tokenizing one.
-        self.reward_fn: Optional[RewardFn] = (episode_return if plan.env_factory is not None
-                                              else text_reward(plan.reward_fn, engine.tokenizer) if plan.reward_fn
-                                              else reward_model_scorer(engine, cfg))
+        self.reward_source = setup.reward_source(plan, engine)  # what scores the rollouts (trainer/reward_sources)
         self.episodes = setup.episode_runner(plan, engine)
         self.evaluator = setup.evaluator(plan, engine)
         self.iteration = 0
@@ -161,7 +149,7 @@ class PPOTrainer:
         for gen in rollouts:
             if gen.episode_stats is not None:
                 gen.episode_stats.add_to(stats)
-        reward_fn = self.hooks.scores(self.reward_fn, self.iteration, lambda p, r: self.engine.reward_scores(r))
+        reward_fn = self.hooks.scores(self.reward_source, self.iteration)
         fw = experience_forwards(self.engine, rollout, reward_fn)
         # every rank learns whether any rank's scoring failed before the next collective (normalizer, whitening)
         self.guard.agree(self.iteration, errors={"score": fw.error})
@@ -229,8 +217,7 @@ class PPOTrainer:
         t3 = time.perf_counter()
         for key, n in self.engine.take_slot_counts().items():  # the forwards' tokens and slots, padded and packed
             stats.add(f"slots_{key}", torch.tensor(float(n)))
-        take_counts = getattr(self.plan.reward_fn, "take_counts", None)  # --reward_workers: timeouts, restarts
-        for key, n in (take_counts() if take_counts else {}).items():
+        for key, n in self.reward_source.take_counts().items():  # --reward_workers: timeouts, restarts
             stats.add(f"reward_{key}", torch.tensor(float(n)))
         stats.max("peak_rss_mib", torch.tensor(peak_rss_mib()))  # the largest rank's, in the same collective
         device_peak = peak_device_mib(self.engine.device)
@@ -267,7 +254,7 @@ class PPOTrainer:
         """Greedy generation on the held-out prompts -> eval/* metrics; rank 0 appends samples to eval_samples.jsonl."""
         from .evaluation import write_eval_samples
 
-        metrics, samples = self.evaluator.run(self.engine, self.reward_fn)
+        metrics, samples = self.evaluator.run(self.engine, self.reward_source)
         if self.engine.dist.is_main:
             write_eval_samples(self.cfg.run.output_dir, self.iteration, samples)
         return metrics

@@ -1,7 +1,8 @@
-"""Packed rows by hand: where each token goes, the mask, the round trip."""
+"""Packed rows by hand: where each token goes, the mask, the round trip; the sliding window a config declares
+(tests/unit/engine/test_packed_forwards.py checks it against what the models do)."""
 import torch
 
-from rlhf_engine.packing import pack_rows, padding_fraction
+from rlhf_engine.packing import pack_rows, padding_fraction, sliding_window
 
 
 def batch():
@@ -44,3 +45,13 @@ def test_same_rows_same_packing():
     m = (torch.rand(16, 30, generator=torch.Generator().manual_seed(0)) > 0.3).long().sort(-1).values
     a, b = pack_rows(m), pack_rows(m.clone())
     assert torch.equal(a.slot, b.slot) and torch.equal(a.segment, b.segment)
+
+
+def test_sliding_window_of_a_multimodal_config_is_its_text_models():
+    """Gemma 3's window lives in its text config; a config without one (GPT-2) or with a null one has none."""
+    from transformers import Gemma3Config, Gemma3TextConfig, GPT2Config, MistralConfig
+
+    text = Gemma3TextConfig(sliding_window=24, num_hidden_layers=2)  # both layers slide (5 of every 6 do)
+    assert sliding_window(text) == 24
+    assert sliding_window(Gemma3Config(text_config=text.to_dict())) == 24
+    assert sliding_window(GPT2Config()) is None and sliding_window(MistralConfig(sliding_window=None)) is None

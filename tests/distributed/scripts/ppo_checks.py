@@ -36,6 +36,7 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))))
 
 import torch  # noqa: E402
+from rlhf_engine.trainer.reward_sources import RewardFnSource  # noqa: E402
 from spec_runner import run_specs  # noqa: E402
 
 
@@ -126,7 +127,7 @@ def run_one(spec: dict) -> dict | None:
     if "reward_fn" in hooks:
         kind, lo, hi = hooks["reward_fn"].split(":")
         assert kind == "fraction", kind
-        trainer.reward_fn = fraction_reward(int(lo), int(hi))
+        trainer.reward_source = RewardFnSource(fraction_reward(int(lo), int(hi)))
 
     roles = engine.trained_roles  # ("actor",) in a critic-free run
     before = {role: engine.full_state_dict(role) for role in roles}

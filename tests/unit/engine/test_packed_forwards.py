@@ -112,3 +112,199 @@ def test_a_head_the_packed_path_does_not_reproduce_is_refused(tiny, dist_single,
         RLHFEngine(cfg, dist_single, plan_engine(cfg, 1))
     cfg = parse_args(ppo_args(tiny, str(tmp_path / "auto"), packing="auto", **flags))
     assert not RLHFEngine(cfg, dist_single, plan_engine(cfg, 1)).packing
+
+
+# ---- sliding-window attention: our packed mask has no window -------------------------------------------------------
+WINDOW = 8
+
+
+def windowed_config(kind: str, window=WINDOW, vocab_size: int = 128):
+    """A tiny config of a model family that can attend within a sliding window (`kind` says how it is set)."""
+    from transformers import Gemma3TextConfig, MistralConfig, Qwen2Config
+
+    size = dict(vocab_size=vocab_size, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                num_key_value_heads=2, max_position_embeddings=256)
+    return {"mistral": lambda: MistralConfig(sliding_window=window, **size),
+            "mistral_none": lambda: MistralConfig(sliding_window=None, **size),
+            "qwen2": lambda: Qwen2Config(use_sliding_window=True, sliding_window=window, max_window_layers=0, **size),
+            "qwen2_unused": lambda: Qwen2Config(use_sliding_window=False, sliding_window=window, **size),
+            # windowed from layer max_window_layers = 2 on: no layer of 2 slides
+            "qwen2_no_layer": lambda: Qwen2Config(use_sliding_window=True, sliding_window=window, max_window_layers=2,
+                                                  **size),
+            "gemma3": lambda: Gemma3TextConfig(sliding_window=window, head_dim=8, **size)}[kind]()
+
+
+def tiny_lm(config):
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    return AutoModelForCausalLM.from_config(config).eval()
+
+
+@pytest.mark.parametrize("kind,window", [("mistral", WINDOW), ("mistral_none", None), ("qwen2", WINDOW),
+                                         ("qwen2_unused", None), ("qwen2_no_layer", None), ("gemma3", WINDOW)])
+def test_the_window_read_from_the_config_is_the_one_the_model_uses(kind, window):
+    """`sliding_window` against the model's own behaviour: where it reads a window, packed and padded forwards of a
+    sequence twice as long disagree (the padded one applies the window, our mask does not); where it reads none, they
+    agree. Within the window every model agrees."""
+    from rlhf_engine.engine.packed_forward import PROBE_ATOL, packing_gap
+    from rlhf_engine.packing import sliding_window
+
+    config = windowed_config(kind)
+    assert sliding_window(config) == window, kind
+    model = tiny_lm(config)
+    assert packing_gap(model, longest=WINDOW) <= FP32_ATOL, kind
+    past = packing_gap(model, longest=2 * WINDOW)
+    assert (past > 10 * PROBE_ATOL) if window else (past <= FP32_ATOL), (kind, past)
+
+
+@pytest.mark.parametrize("kind", ["mistral", "qwen2"])
+def test_packed_rows_differ_from_padded_past_the_window_and_the_window_is_why(kind):
+    """What the refusal prevents, computed without the probe: a 2W-token sequence and a 5-token one (left-padded),
+    padded through the model's own masks, against one packed row under our block-diagonal causal mask. They differ at
+    the tokens past W; cutting the window into our mask by hand makes them agree (the negative control: the
+    window is the whole difference)."""
+    from rlhf_engine.packing import pack_rows
+
+    model = tiny_lm(windowed_config(kind))
+    n, m = 2 * WINDOW, 5
+    ids = torch.randint(3, 128, (2, n), generator=torch.Generator().manual_seed(1))
+    mask = torch.ones(2, n, dtype=torch.long)
+    mask[1, :n - m] = 0
+    pos = (mask.cumsum(-1) - 1).clamp(min=0)
+    real = mask.bool()
+    with torch.no_grad():
+        padded = model(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=False).logits[real]
+        packed = pack_rows(mask, width=n + m)
+        bias = packed.attention_bias(torch.float32)
+        q = torch.arange(n + m)
+        windowed = bias.masked_fill((q[:, None] - q[None, :] >= WINDOW)[None, None], torch.finfo(torch.float32).min)
+        out = {}
+        for name, b in (("ours", bias), ("windowed", windowed)):
+            logits = model(input_ids=packed.take(ids), position_ids=packed.take(pos), attention_mask=b,
+                           use_cache=False).logits
+            out[name] = logits.reshape(-1, logits.shape[-1])[packed.slot[real]]
+    gap = (out["ours"] - padded).abs().amax(-1)  # per real token, in padded order: row 0's n, then row 1's m
+    assert float(gap[:WINDOW].max()) <= FP32_ATOL, kind  # within the window: the same attention
+    assert float(gap[WINDOW:n].min()) > 1e-3, (kind, gap[WINDOW:n])  # every token past it sees more than it should
+    assert float(gap[n:].max()) <= FP32_ATOL, kind  # the short sequence fits its window
+    assert float((out["windowed"] - padded).abs().max()) <= FP32_ATOL, kind
+
+
+def save_windowed_actor(tiny, path: str, window: int) -> str:
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(tiny.tokenizer)
+    config = windowed_config("mistral", window, vocab_size=len(tok))
+    config.pad_token_id, config.eos_token_id, config.bos_token_id = tok.pad_token_id, tok.eos_token_id, tok.bos_token_id
+    tiny_lm(config).save_pretrained(path)
+    tok.save_pretrained(path)
+    return path
+
+
+def test_packing_is_refused_for_a_window_shorter_than_the_longest_sequence(tiny, dist_single, tmp_path, caplog):
+    """A Mistral actor (critic from it) with a 16-token window: with prompts + responses of up to 64 + 8 tokens, on is
+    refused at planning (before any weight is read) naming the flag and the window, and auto is off, logged once with
+    the reason. Negative control: the same model with 12 + 4 tokens (the window exactly) packs, and its probe, run at
+    16 tokens, passes; one token more is refused."""
+    import logging
+
+    path = save_windowed_actor(tiny, str(tmp_path / "mistral"), 16)
+    flags = dict(actor_model_name_or_path=path, reward_fn="rlhf_engine.rewards.sentiment:vader_positive",
+                 reward_model_name_or_path="", critic_init_from="actor")
+    cfg = lambda packing, **kw: parse_args(ppo_args(tiny, str(tmp_path / packing), packing=packing,  # noqa: E731
+                                                    **flags, **kw))
+    with pytest.raises(ConfigError, match=r"packing.*the actor model \(mistral\) attends within a sliding window of "
+                                          r"16 tokens, shorter than the longest sequence \(max_prompt_seq_len \+ "
+                                          r"max_answer_seq_len = 72\)") as err:
+        plan_engine(cfg("on"), 1)
+    assert len(err.value.problems) == 1  # actor, reference and critic share the model: named once
+    caplog.set_level(logging.INFO, logger="rlhf_engine.engine.preflight")
+    auto = cfg("auto")
+    plan = plan_engine(auto, 1)
+    assert plan.packing == "off"
+    said = [r.getMessage() for r in caplog.records if "packing auto: off" in r.getMessage()]
+    assert len(said) == 1 and "sliding window of 16 tokens" in said[0], said
+    assert not RLHFEngine(auto, dist_single, plan).packing
+    with pytest.raises(ConfigError, match=r"sliding window of 16 tokens.* = 17\)"):
+        plan_engine(cfg("on", max_prompt_seq_len=12, max_answer_seq_len=5), 1)
+    fits = cfg("on", max_prompt_seq_len=12, max_answer_seq_len=4)
+    plan = plan_engine(fits, 1)
+    assert plan.packing == "on" and plan.longest_sequence == 16
+    assert RLHFEngine(fits, dist_single, plan).packing
+
+
+def test_the_probe_at_the_longest_sequence_sees_a_window_the_config_check_misses(tiny, dist_single, tmp_path,
+                                                                                  monkeypatch):
+    """The config check blinded (as it would be to a window under a field name it does not know): the start-up probe
+    still refuses the 16-token-window Mistral, because it runs at the run's longest sequence (64 + 8 tokens), past
+    the window. A probe within the window (the old one had 5 tokens) would have passed it."""
+    import rlhf_engine.packing
+
+    path = save_windowed_actor(tiny, str(tmp_path / "mistral"), 16)
+    monkeypatch.setattr(rlhf_engine.packing, "sliding_window", lambda config: None)
+    cfg = parse_args(ppo_args(tiny, str(tmp_path / "on"), packing="on", actor_model_name_or_path=path,
+                              reward_fn="rlhf_engine.rewards.sentiment:vader_positive", reward_model_name_or_path="",
+                              critic_init_from="actor"))
+    plan = plan_engine(cfg, 1)
+    assert plan.packing == "on" and plan.longest_sequence == 72  # the blinded check let it through
+    with pytest.raises(ConfigError, match=r"packing.*actor model \(mistral\) does not compute packed rows"):
+        RLHFEngine(cfg, dist_single, plan)
+
+
+# ---- ZeRO-3: the packed causal-LM forward runs inside DeepSpeed's forward ------------------------------------------
+def zero3_actor(tiny, tmp_path, name: str):
+    from rlhf_engine.engine.role_engine import build_role_engine
+
+    cfg = parse_args(ppo_args(tiny, str(tmp_path / name), actor_zero_stage=3, per_device_training_batch_size=2,
+                              gradient_accumulation_steps=2))
+    engine, _ = build_role_engine(cfg.actor, tiny.actor, kind="causal_lm", stage=3, dtype="fp32", train=True,
+                                  batch=cfg.batch, world_size=1, eval_micro_batch_size=2, num_training_steps=1)
+    return engine
+
+
+def test_zero3_accumulates_packed_micro_batches_as_padded_ones(tiny, dist_single, tmp_path):
+    """Two micro-batches' gradients accumulated by a ZeRO-3 engine (1 rank): through packed rows, as through padded
+    ones. ZeRO-3 counts micro-batches in DeepSpeed's forward: the packed forward used to call the model's parts
+    directly, and the second micro-batch's gradient replaced the first's. Outside its engine, a ZeRO-3 model's packed
+    forward with gradients is refused (it cannot be counted), and allowed without (the start-up probe)."""
+    import deepspeed
+
+    from rlhf_engine.engine.packed_forward import packed_inputs, packed_logits_at
+    from rlhf_engine.packing import pack_rows
+
+    gen = torch.Generator().manual_seed(2)
+    batches = []
+    for lengths in ((9, 4), (6, 11)):  # left-padded rows, as prompts + responses are
+        L = max(lengths)
+        mask = torch.tensor([[0] * (L - n) + [1] * n for n in lengths])
+        batches.append((torch.randint(3, 500, (2, L), generator=gen), mask, (mask.cumsum(-1) - 1).clamp(min=0)))
+    weights = torch.randn(512, generator=gen)
+
+    def loss_of(logits):  # any function of every real token's logits, the same rows in the same order
+        return (logits.float().log_softmax(-1) * weights).sum() / 100
+
+    grads = {}
+    for path in ("padded", "packed"):
+        engine = zero3_actor(tiny, tmp_path, path)
+        for ids, mask, pos in batches:
+            real = mask.bool()
+            if path == "padded":
+                logits = engine(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=False).logits[real]
+            else:
+                packed = pack_rows(mask)
+                logits = packed_logits_at(engine, packed, packed_inputs(packed, ids, pos, torch.float32),
+                                          packed.slot[real])
+            engine.backward(loss_of(logits), scale_wrt_gas=False)
+        grads[path] = {n: deepspeed.utils.safe_get_full_grad(p).clone() for n, p in engine.module.named_parameters()}
+    assert grads["packed"].keys() == grads["padded"].keys()
+    size = max(float(g.abs().max()) for g in grads["padded"].values())
+    worst = max(float((grads["packed"][n] - grads["padded"][n]).abs().max()) for n in grads["padded"])
+    assert worst <= FP32_ATOL < size / 100, (worst, size)
+    ids, mask, pos = batches[0]
+    packed = pack_rows(mask)
+    at = (packed, packed_inputs(packed, ids, pos, torch.float32), packed.slot[mask.bool()])
+    with pytest.raises(RuntimeError, match="through the DeepSpeed engine"):
+        packed_logits_at(engine.module, *at)
+    with torch.no_grad():
+        assert float((packed_logits_at(engine.module, *at) - packed_logits_at(engine, *at)).abs().max()) <= FP32_ATOL

@@ -222,3 +222,12 @@ def test_a_row_cut_by_its_budget_stops_at_its_limit_even_when_pad_is_a_stop_toke
         assert torch.equal(cut.rollout.responses[i, :want], free.rollout.responses[i, :want])
         assert torch.allclose(cut.logprobs[i, :want], free.logprobs[i, :want], atol=1e-6, rtol=0)
         assert bool(cut.rollout.ended_with_eos[i]) == (bool(free.rollout.ended_with_eos[i]) and n <= k)
+
+
+def test_the_hf_backend_needs_a_turn_of_positions_past_the_budget(tiny, dist_single, tmp_path):
+    """The tiny actor has 256 positions: prompt 64 + budget 192 fits lean exactly; hf keeps feeding a row at its
+    budget while its batch-mates write, so it needs max_answer_seq_len - 1 = 7 more and is refused by name."""
+    flags = dict(max_prompt_seq_len=64, max_answer_seq_len=8, max_episode_tokens=192, max_steps=1)
+    with pytest.raises(ConfigError, match=r"max_prompt_seq_len \+ max_episode_tokens = 263.*the hf backend feeds"):
+        trainer_for(tiny, tmp_path / "hf", generation_backend="hf", **flags)
+    assert trainer_for(tiny, tmp_path / "lean", **flags).iteration == 0  # the control: lean fits exactly

@@ -64,11 +64,11 @@ def test_served_scores_equal_the_reward_engine_on_the_actors_ids(tiny, dist_sing
 
     engine, _ = _engine(tiny, str(tmp_path))
     rollout = _rollout(engine, tiny)
-    in_process = score_rollout(engine, rollout)  # the reward engine: RLHFEngine.reward_scores
+    in_process = score_rollout(rollout, lambda p, r: engine.reward_scores(r))  # the reward engine: RLHFEngine.reward_scores
     server, url = _serve(ModelScorer(tiny.reward, batch_size=3))  # what --reward_model builds; 3 + 3 + 1 rows
     try:
         client = RemoteReward(url, timeout_s=60, retries=0)
-        served = score_rollout(engine, rollout, text_reward(client, engine.tokenizer))
+        served = score_rollout(rollout, text_reward(client, engine.tokenizer))
         # negative control: the text alone (all the server got before the ids travelled) scores differently here,
         # where pad == EOS and the decoded response has lost its stop token
         prompts, responses = decode_rollout(engine.tokenizer, rollout, keep_special_prompt=True)
@@ -116,10 +116,10 @@ def test_a_reward_model_with_its_own_vocabulary_or_chat_template_is_served_as_th
     for config, folder, chat_template in ((cfg, model, False), (chat_cfg, chat, True)):
         scorer = reward_model_scorer(engine, config)  # the trainer's scorer of such a reward model
         assert isinstance(scorer, RetokenizedRewardModel) and scorer.use_chat_template == chat_template
-        in_process = score_rollout(engine, rollout, scorer)
+        in_process = score_rollout(rollout, scorer)
         server, url = _serve(ModelScorer(folder, batch_size=4, use_chat_template=chat_template))
         try:
-            served = score_rollout(engine, rollout, text_reward(RemoteReward(url, timeout_s=60, retries=0),
+            served = score_rollout(rollout, text_reward(RemoteReward(url, timeout_s=60, retries=0),
                                                                 engine.tokenizer))
         finally:
             server.shutdown()

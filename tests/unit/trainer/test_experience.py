@@ -19,7 +19,7 @@ from rlhf_engine.trainer.experience import (NonFiniteError, build_experience, ex
 def experience_of(engine, rollout, ppo, kl_coef, reward_fn=None):
     """The trainer's path: the experience forwards, then `build_experience` with the group ids and global
     moments (one response per prompt here); a scoring failure raised."""
-    fw = experience_forwards(engine, rollout, reward_fn)
+    fw = experience_forwards(engine, rollout, reward_fn or (lambda p, r: engine.reward_scores(r)))
     if fw.error is not None:
         raise fw.error
     exp = build_experience(rollout, fw, fw.scores, ppo, kl_coef, moments=global_mean_var,

@@ -18,6 +18,7 @@ from rlhf_engine.trainer.experience import text_reward
 from rlhf_engine.hooks import Injection
 from rlhf_engine.trainer.guards import (EXIT_NON_FINITE, EXIT_SKIPPED_STEPS, NonFiniteError,
                                         TooManySkippedSteps, base_optimizer)
+from rlhf_engine.trainer.reward_sources import RewardFnSource
 
 # one rank, 4 rollouts per iteration, micro-batch 2 x accumulation 2 = one optimizer step per engine per iteration;
 # a linear schedule with warm-up so that an advanced schedule would show in the learning rate
@@ -121,14 +122,16 @@ def test_nonfinite_advantage_reward_errors_and_loss_stop_naming_rank_iteration_a
     mod.short = lambda prompts, responses: [1.0]
     mod.nan = lambda prompts, responses: [math.nan for _ in responses]
     monkeypatch.setitem(sys.modules, "bad_rewards", mod)
+    model_source = trainer.reward_source
     for name, words in (("raises", "reward function bad_rewards:raises raised ZeroDivisionError"),
                         ("short", "reward function bad_rewards:short returned 1 values for 4 samples"),
                         ("nan", "reward function bad_rewards:nan returned non-finite values for samples [0, 1, 2, 3]")):
-        trainer.reward_fn = text_reward(load_reward_fn(f"bad_rewards:{name}"), trainer.engine.tokenizer)
+        fn = text_reward(load_reward_fn(f"bad_rewards:{name}"), trainer.engine.tokenizer)
+        trainer.reward_source = RewardFnSource(fn)
         with pytest.raises(RewardFunctionError) as e:
             trainer.step()
         assert str(e.value).startswith("rank 0, iteration 1: ") and words in str(e.value), str(e.value)
-    trainer.reward_fn = None
+    trainer.reward_source = model_source
     assert trainer.engine.optimizer_steps("actor") == steps  # nothing trained in the failed iterations
     # a loss: the boundary check raises before either engine steps
     trainer.hooks.nonfinite = {"what": "loss", "role": "critic", "iteration": 1}

@@ -74,4 +74,4 @@ def test_reward_worker_timeouts_and_restarts_are_in_the_iterations_record(tiny, 
         assert rec["reward/worker_timeouts"] == 0 and rec["reward/worker_restarts"] == 0
     finally:
         trainer.metrics.close()
-        trainer.plan.reward_fn.close()
+        trainer.reward_source.close()

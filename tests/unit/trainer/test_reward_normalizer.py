@@ -15,6 +15,7 @@ from rlhf_engine.trainer import build_trainer
 from rlhf_engine.trainer.experience import decode_rollout
 from rlhf_engine.trainer.reward_shaping import (RetokenizedRewardModel, RewardNormalizer, ScoreShaper,
                                                 apply_missing_eos_penalty)
+from rlhf_engine.trainer.reward_sources import RewardFnSource
 
 STOP_IDS = [t for t in range(3, 512) if (t * 2654435761) % 7 < 1]  # ~1/7 of the vocabulary ends a response
 
@@ -61,7 +62,7 @@ def test_normalizer_and_penalty_through_the_trainer(tiny, dist_single, tmp_path)
         raw.append(s)
         return s
 
-    trainer.reward_fn = reward_fn
+    trainer.reward_source = RewardFnSource(reward_fn)
     recs = [trainer.step() for _ in range(2)]
     trainer.metrics.close()
     assert trainer.state_providers["reward_normalizer"] is trainer.shaper.normalizer
@@ -104,7 +105,7 @@ def test_reward_model_with_its_own_tokenizer(tiny, dist_single, tmp_path, other_
         plan_engine(parse_args(train_args(tiny, str(tmp_path / "refused"), **base)))
     cfg = parse_args(train_args(tiny, str(tmp_path / "run"), reward_tokenizer_name_or_path=tok_path, **base))
     trainer = build_trainer(cfg)
-    assert isinstance(trainer.reward_fn, RetokenizedRewardModel)
+    assert isinstance(trainer.reward_source.retokenized, RetokenizedRewardModel)
     trainer.step()
     trainer.metrics.close()
     exp = trainer.last_experience
@@ -147,7 +148,7 @@ def test_reward_model_scores_conversations_through_its_chat_template(tiny, dist_
     rtok.save_pretrained(chat_tok)
     trainer = build_trainer(parse_args(train_args(tiny, str(tmp_path / "run"), reward_tokenizer_name_or_path=chat_tok,
                                                   **base)))
-    assert isinstance(trainer.reward_fn, RetokenizedRewardModel) and trainer.reward_fn.use_chat_template
+    assert isinstance(trainer.reward_source.retokenized, RetokenizedRewardModel) and trainer.reward_source.retokenized.use_chat_template
     trainer.step()
     trainer.metrics.close()
     exp = trainer.last_experience

@@ -62,12 +62,16 @@ def test_worker_processes_score_the_iteration(tiny, bonus_data, tmp_path):
     try:
         responses, bonus, scores = _scored(trainer)
     finally:
-        trainer.plan.reward_fn.close()
+        trainer.reward_source.close()
     assert scores == pytest.approx([len(r) + b for r, b in zip(responses, bonus)])
 
 
 @pytest.mark.parametrize("flags, field, message", [
-    (dict(reward_fn="m:f", reward_url="http://x:1/"), "reward_url", "both score the rollouts"),
+    (dict(reward_fn="m:f", reward_url="http://x:1/"), "reward_url, reward_fn", "both score the rollouts"),
+    (dict(environment="m:f", reward_url="http://x:1/"), "environment, reward_url",
+     r"\('m:f', 'http://x:1/'\): both score the rollouts \(the environment's step rewards and a reward server\)"),
+    (dict(environment="m:f", reward_fn="m:g", reward_workers=2), "environment, reward_fn, reward_workers",
+     "worker processes"),
     (dict(reward_url="x:1"), "reward_url", "must be an http"),
     (dict(reward_url="http://x:1/", reward_workers=2), "reward_workers", "set reward_fn"),
     (dict(reward_fn="m:f", reward_workers=2, reward_on_error="zero"), "reward_on_error", "'stop' or a finite score"),
@@ -81,3 +85,23 @@ def test_bad_reward_flags_are_named(flags, field, message):
         args += [f"--{k}", str(v)]
     with pytest.raises(ConfigError, match=rf"{field} = .*{message}"):
         parse_args(args)
+
+
+def test_every_registered_source_kind_is_built_by_its_class_and_chosen_by_its_flags():
+    """The registry (config/reward_source.py): each kind's class exists and is a RewardSource; a config setting
+    only a kind's flags chooses that kind, and the reward model is chosen when no flag is set (the config's
+    scored_without_model agrees)."""
+    from rlhf_engine.cli import parse_args
+    from rlhf_engine.config.reward_source import REWARD_SOURCES, reward_source_kind
+    from rlhf_engine.trainer.reward_sources import RewardSource, source_class
+
+    base = ["--actor_model_name_or_path", "/x", "--data_path", "/x.jsonl"]
+    flags = {"environment": ["--environment", "m:f"], "server": ["--reward_url", "http://x:1/"],
+             "workers": ["--reward_fn", "m:f", "--reward_workers", "2"], "function": ["--reward_fn", "m:f"],
+             "reward_model": []}
+    assert set(flags) == set(REWARD_SOURCES)
+    for name, kind in REWARD_SOURCES.items():
+        assert issubclass(source_class(kind), RewardSource), name
+        cfg = parse_args(base + flags[name])
+        assert reward_source_kind(cfg).name == name
+        assert cfg.scored_without_model == (name != "reward_model")

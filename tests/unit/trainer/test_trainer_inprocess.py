@@ -11,6 +11,7 @@ from rlhf_engine.cli import parse_args
 from rlhf_engine.outputs.metrics import read_metrics
 from rlhf_engine.trainer import build_trainer
 from rlhf_engine.trainer.experience import NonFiniteError
+from rlhf_engine.trainer.reward_sources import RewardFnSource
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 VOLATILE = ("time/", "throughput/", "memory/")  # wall-clock and memory keys: the only ones allowed to differ between identical runs
@@ -81,7 +82,7 @@ def test_nan_score_stops_training_naming_rank_iteration_and_rows(tiny, dist_sing
             scores[2] = float("nan")
         return scores
 
-    trainer.reward_fn = reward_fn
+    trainer.reward_source = RewardFnSource(reward_fn)
     expected = r"rank 0, iteration 1: reward_fn returned non-finite scores for rows \[2\]"
     with pytest.raises(NonFiniteError, match=expected):
         trainer.train()
