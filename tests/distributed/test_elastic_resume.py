@@ -78,6 +78,7 @@ def test_two_ranks_resume_on_one_at_zero2_with_ptx(tiny, tmp_path):
 SLOW_CONVERSION_S = 45
 
 
+@pytest.mark.slow  # 150 s on 2 cores (a 45 s conversion by design); 2 -> 1 with ptx stays in the default suite
 @pytest.mark.distributed
 def test_one_rank_resumes_on_two_at_zero2_with_ptx_and_a_conversion_longer_than_the_timeout(tiny, tmp_path):
     """Rank 0 converts the 1-rank checkpoint for the 2 new ranks, made slower (45 s) than --dist_timeout_minutes

@@ -318,6 +318,7 @@ def _metrics(path):
     return [{k: v for k, v in r.items() if not k.startswith(VOLATILE)} for r in read_metrics(path)]
 
 
+@pytest.mark.slow  # a release check of the two launchers (50 s on 2 cores); each runs in other default tests
 @pytest.mark.distributed
 def test_train_ppo_under_deepspeed_and_torchrun_same_seed_same_metrics(tiny, tmp_path):
     flags = dict(max_steps=2, per_device_generation_batch_size=2, per_device_training_batch_size=2, seed=5,

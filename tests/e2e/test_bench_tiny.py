@@ -6,9 +6,12 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
+@pytest.mark.slow  # a release check of bench/gpu.sh (70 s on 2 cores)
 def test_gpu_script_tiny_mode_writes_the_benchmark_json(tmp_path):
     out, work = tmp_path / "results" / "cpu" / "gpu-tiny", tmp_path / "work"
     env = dict(os.environ, PYTHON=sys.executable, BENCH_WORK_DIR=str(work), WHEELS=str(tmp_path / "no_wheels"))

@@ -25,7 +25,9 @@ def test_unset_hooks_do_nothing(monkeypatch):
     hooks.at("rollout", 0), hooks.after_step(0)  # return
     loss, fn = torch.tensor(1.5), object()
     assert hooks.loss("actor", loss, 0) is loss and hooks.grad("critic", loss, 0) == 0.0
-    assert hooks.scores(fn, 0, default=len) is fn
+    assert hooks.scores(fn, 0) is fn
+    guard, step = object(), type("Step", (), {"role": "actor"})()
+    assert hooks.wrap_guard(guard) is guard and hooks.wrap_update_step(step) is step and not vars(step)
 
 
 @pytest.mark.parametrize("spec", ["1:3", "a:3:train", "1:3:warmup", "1:3:train,0:x:rollout"])
