@@ -99,7 +99,7 @@ class TestHooks:
         self.skip_on_resume = frozenset(skip_on_resume)
         self.rank, self.actor_steps = 0, (lambda: 0)
         self._steps_before: Optional[int] = None
-        self._iteration = 0  # the last phase point's iteration (the generate point's)
+        self._iteration, self._phase = 0, ""  # the last phase point (the wrapped objects' points act within it)
 
     @classmethod
     def from_env(cls, **switches: Any) -> "TestHooks":
@@ -131,7 +131,7 @@ class TestHooks:
 
     # ---- kill / stall ----------------------------------------------------------------------------------------------
     def at(self, phase: str, iteration: int) -> None:
-        self._iteration = iteration  # the wrapped objects' points act at the iteration of the last phase point
+        self._iteration, self._phase = iteration, phase  # the wrapped objects' points: at the last phase point
         if self.faults:
             faults.fault_point(phase, iteration, self.rank)
             if phase == "train":
@@ -145,7 +145,8 @@ class TestHooks:
         real, hooks = backend.generate, self
 
         def generate(*args, **kwargs):
-            faults.fault_point("generate", hooks._iteration, hooks.rank)
+            if hooks._phase == "rollout":  # not the evaluation's calls (they come before the iteration's points)
+                faults.fault_point("generate", hooks._iteration, hooks.rank)
             return real(*args, **kwargs)
 
         backend.generate = generate

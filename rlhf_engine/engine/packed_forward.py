@@ -25,6 +25,7 @@ from .preflight import _max_positions
 
 PROBE_ATOL = 1e-3  # packed vs padded logits of the probe in the model's dtype (fp32 agrees to ~1e-6)
 PROBE_TOKENS = 64  # the probe's longer sequence when the caller does not give the run's longest
+PROBE_MAX_TOKENS = 512  # the probe compares full-vocabulary logits: [2, n, V] (n = 512, V = 152k: ~0.6 GB in bf16)
 
 
 def causal_parts(module: Any) -> tuple[torch.nn.Module, torch.nn.Module]:
@@ -101,14 +102,16 @@ def _hf_config(module: Any) -> Any:
 
 
 def probe_lengths(module: Any, longest: Optional[int] = None) -> tuple[int, int]:
-    """(n, m): the probe's two sequences. n is the run's longest sequence (`longest`), so that any attention limit
-    shorter than what the run packs shows in the probe; without it PROBE_TOKENS, within a sliding window the config
+    """(n, m): the probe's two sequences. n is the run's longest sequence (`longest`, at most PROBE_MAX_TOKENS), so
+    that an attention limit shorter than what the run packs shows in the probe; without it PROBE_TOKENS, within a sliding window the config
     declares (preflight has refused a window shorter than the run's sequences). At most the model's positions. m, a
     quarter of n (at least 3 when n allows), shares n's packed row: it starts mid-row, where its positions must
     restart and the first sequence must be out of its sight."""
     config = _hf_config(module)
     n = int(longest) if longest else min(PROBE_TOKENS, sliding_window(config) or PROBE_TOKENS)
-    n = max(2, min(n, _max_positions(config) or n))
+    # capped, for its memory at start-up: a declared window shorter than the run's sequences is refused from the
+    # config (preflight), whatever its length; the probe catches what a config does not declare, up to this length
+    n = max(2, min(n, PROBE_MAX_TOKENS, _max_positions(config) or n))
     return n, min(n - 1, max(3, n // 4))
 
 

@@ -56,8 +56,11 @@ def deadline_protocol(timeout_s: float) -> type:
 
         def _arm(self) -> None:
             before = self.cycle  # the request answered last (None: none yet)
+            self._armed = armed = getattr(self, "_armed", 0) + 1  # only the newest deadline of a connection acts
 
             def check() -> None:
+                if self._armed != armed:  # a response completed since: a later deadline holds
+                    return
                 cycle = self.cycle
                 mid_body = cycle is not None and cycle is not before and cycle.more_body
                 if (mid_body or cycle is before) and not self.transport.is_closing():

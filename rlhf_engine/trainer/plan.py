@@ -141,7 +141,8 @@ def _model_side(cfg: TrainConfig) -> tuple[EnginePlan, Optional[LoadedSource], O
     try:
         reward = load_reward_source(cfg)
     except ValueError as e:
-        flag, value = next(iter(reward_source_kind(cfg).chosen_by(cfg).items()))
+        kind = reward_source_kind(cfg)
+        flag, value = next(iter(kind.chosen_by(cfg).items()), (kind.name, ""))
         p.add(flag, value, str(e))
     if reward_source_kind(cfg).name == "reward_model" and cfg.reward.use_chat_template:
         _check_reward_chat_template(cfg, p)

@@ -69,7 +69,7 @@ class SampledLogprobs:
 class RowLimits(StoppingCriteria):
     """Ends each row after its own number of new tokens (`SamplingParams.row_limits`); Hugging Face pads it after.
     Its positions keep advancing while other rows generate, so the run's position check counts a whole turn past
-    the episode budget for this backend (config: `TrainConfig.position_budget`)."""
+    the episode budget for this backend (config: `TrainConfig.generation_positions`)."""
 
     def __init__(self, prompt_width: int, limits: torch.Tensor):
         self.prompt_width, self.limits = prompt_width, limits

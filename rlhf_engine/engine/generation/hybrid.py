@@ -56,7 +56,7 @@ class HybridEngineBackend(HFBackend):
 
     @torch.no_grad()
     def generate(self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, params: SamplingParams) -> Generated:
-        if params.row_limits:  # environments are refused with this backend (config/train.py)
+        if params.row_limits:  # environments are refused with this backend, whichever flag asks (config/train.py)
             raise ValueError("the hybrid backend does not take per-row token limits (episodes): use lean or hf")
         engine = self.actor
         was_training = engine.module.training

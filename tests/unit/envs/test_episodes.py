@@ -93,6 +93,7 @@ def test_score_zero_keeps_going_and_counts(tiny, dist_single, tmp_path):
     (dict(max_turns=0), "max_turns"),
     (dict(environment="no_colon"), "environment"),
     (dict(generation_backend="hybrid"), "generation_backend"),
+    (dict(enable_hybrid_engine="true"), "enable_hybrid_engine"),
 ])
 def test_configuration_refusals(tiny, tmp_path, flags, field):
     with pytest.raises(ConfigError, match=field):
