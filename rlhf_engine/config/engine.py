@@ -36,10 +36,10 @@ class EngineConfig:
     packing: str = opt("off", "Forwards on packed rows (docs/packing.md): every experience and training forward of "
                        "actor, reference, critic and reward lays its rows' real tokens end to end, each sequence "
                        "with its own position ids and a block-diagonal causal mask, instead of padded rows. on = "
-                       "refused by name where a model attends within a sliding window shorter than the longest sequence, "
-                       "or where the start-up probe (at the run's longest sequence) says it does not compute packed "
-                       "rows right; auto = on where neither holds (else off, logged); off = padded rows (the default: measured no "
-                       "faster on a CPU, see docs/packing.md). The experience forwards then run in training "
+                       "refused by name where a model attends within a sliding window shorter than the longest "
+                       "sequence, or where the start-up probe (at the run's longest sequence) says it does not "
+                       "compute packed rows right; auto = on where neither holds (else off, logged); off = padded rows "
+                       "(the default: measured no faster on a CPU, see docs/packing.md). The experience forwards then run in training "
                        "micro-batches (as with trim_padding).")
     trim_padding: bool = opt(False, "Every actor, reference, critic and reward forward drops the columns that are "
                              "padding in all of its rows (left prompt padding, right response padding); the "
@@ -64,6 +64,14 @@ class EngineConfig:
     release_inference_cache: bool = opt(False, "Hybrid Engine: free the inference workspace after each generate.")
     unpin_actor_parameters: bool = opt(False, "Hybrid Engine: do not pin the gathered actor parameters (DeepSpeed's "
                                        "pin_parameters = not unpin_actor_parameters).")
+
+    @property
+    def requested_backend(self) -> tuple:
+        """(the generation backend asked for, the flag that asked): enable_hybrid_engine true is DeepSpeed-Chat's way
+        of saying --generation_backend hybrid."""
+        if self.enable_hybrid_engine is True:
+            return "hybrid", "enable_hybrid_engine"
+        return self.generation_backend, "generation_backend"
 
     def validate(self, p: Problems, prefix: str = "") -> None:
         if not (is_number(self.ema_decay) and 0.0 <= self.ema_decay < 1.0):

@@ -153,13 +153,11 @@ class TrainConfig:
         if is_number(g.min_answer_seq_len) and g.min_answer_seq_len > 0:
             p.add("min_answer_seq_len", g.min_answer_seq_len, "counts from the response's start, which an episode's "
                   "later turns do not share: not supported with an environment")
-        # enable_hybrid_engine true is DeepSpeed-Chat's way of asking for the hybrid backend (preflight.requested_backend)
-        for flag, asks in (("generation_backend", self.engine.generation_backend == "hybrid"),
-                           ("enable_hybrid_engine", self.engine.enable_hybrid_engine is True)):
-            if asks:
-                p.add(flag, getattr(self.engine, flag), "the hybrid backend sizes its inference cache for "
-                      "max_prompt_seq_len + max_answer_seq_len, which an episode's later turns outgrow: use lean "
-                      "or hf with an environment")
+        backend, flag = self.engine.requested_backend
+        if backend == "hybrid":
+            p.add(flag, getattr(self.engine, flag), "the hybrid backend sizes its inference cache for "
+                  "max_prompt_seq_len + max_answer_seq_len, which an episode's later turns outgrow: use lean or hf "
+                  "with an environment")
         if is_number(self.eval_interval) and self.eval_interval > 0:
             p.add("eval_interval", self.eval_interval, "evaluates single responses with a reward model or function; "
                   "evaluation by playing episodes is not built yet: set it to 0 with an environment")

@@ -356,7 +356,7 @@ def plan_generation(cfg: TrainConfig, configs: dict, p: Problems) -> tuple[str, 
     actor generate with Hugging Face instead: empty otherwise)."""
     from .generation import BACKENDS
 
-    backend, backend_field = requested_backend(cfg)
+    backend, backend_field = cfg.engine.requested_backend
     fallback_reasons: list = []
     if backend not in BACKENDS:
         p.add(backend_field, backend, f"no such generation backend; choose one of {', '.join(BACKENDS)}")
@@ -577,12 +577,3 @@ def hybrid_engine_reasons(cfg: TrainConfig, actor_config, on_gpu: bool | None = 
         reasons.append("the actor has a LoRA adapter (actor_lora_dim > 0): the Hybrid Engine fuses only "
                        "DeepSpeed-Chat's own LoRA layers, not peft's")
     return reasons
-
-
-def requested_backend(cfg: TrainConfig) -> tuple[str, str]:
-    """(the generation backend asked for, the flag that asked): enable_hybrid_engine true is DeepSpeed-Chat's way of
-    saying --generation_backend hybrid."""
-    if cfg.engine.enable_hybrid_engine is True:
-        return "hybrid", "enable_hybrid_engine"
-    return cfg.engine.generation_backend, "generation_backend"
-

@@ -25,8 +25,8 @@ from ..data.sampler import PromptSampler
 from ..engine import EnginePlan, RolePlan, init_distributed, plan_engine, plan_model
 from ..errors import ConfigError, Problem, Problems
 from ..outputs.run_dir import RunDir
-from ..config.reward_source import reward_source_kind
-from .reward_sources import LoadedSource, load_reward_source, source_class
+from ..config.reward_source import DEFAULT as DEFAULT_SOURCE, reward_source_kind
+from .reward_sources import LoadedSource, source_class
 from .state import resolve_and_check, run_fingerprint, supervised_fingerprint
 
 log = logging.getLogger("rlhf_engine")
@@ -138,13 +138,13 @@ def _model_side(cfg: TrainConfig) -> tuple[EnginePlan, Optional[LoadedSource], O
         engine = plan_engine(cfg)
     except ConfigError as e:
         p.extend(e.problems)
-    try:
-        reward = load_reward_source(cfg)
+    kind = reward_source_kind(cfg)
+    try:  # the user's code imported and checked before any weight
+        reward = LoadedSource(kind, source_class(kind).load(cfg))
     except ValueError as e:
-        kind = reward_source_kind(cfg)
         flag, value = next(iter(kind.chosen_by(cfg).items()), (kind.name, ""))
         p.add(flag, value, str(e))
-    if reward_source_kind(cfg).name == "reward_model" and cfg.reward.use_chat_template:
+    if kind.name == DEFAULT_SOURCE and cfg.reward.use_chat_template:
         _check_reward_chat_template(cfg, p)
     if cfg.env.on:
         from ..envs import load_environment_factory

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 from typing import Any, Optional
 
-from ..comm import all_reduce
 from ..ppo_math import AdaptiveKLController, FixedKLController
 from .evaluation import Evaluator
 from .guards import StepGuard
@@ -37,11 +36,11 @@ def step_guard(engine, ppo: Any, hooks) -> StepGuard:
 def micro_batch_planner(engine, batch: Any, hooks) -> MicroBatchPlanner:
     """Micro-batches of `per_device_training_batch_size` rows or of the token budget; the counts' reduction (the
     all-reduce, or a test's negative control: each rank's own counts times the world size)."""
-    world = engine.dist.world_size
-    reduce = ((lambda local: local * world) if hooks.loss_token_mean == "local"
-              else (lambda local: all_reduce(local.clone())))
-    return MicroBatchPlanner(engine, batch.per_device_training_batch_size, bool(batch.max_tokens_per_micro_batch),
-                             reduce)
+    planner = MicroBatchPlanner(engine, batch.per_device_training_batch_size, bool(batch.max_tokens_per_micro_batch))
+    if hooks.loss_token_mean == "local":  # TEST HOOK, a negative control
+        world = engine.dist.world_size
+        planner.reduce_counts = lambda local: local * world
+    return planner
 
 
 def actor_step(engine, cfg: Any, guard: StepGuard, ptx: Optional[Any], hooks) -> ActorStep:
@@ -91,8 +90,8 @@ def evaluator(plan: RunPlan, engine) -> Optional[Evaluator]:
 
 def checkpointer(plan: RunPlan, engine, providers: dict, hooks) -> Checkpointer:
     """Checkpoints of the engines and `providers` (name -> state_dict()/load_state_dict(), in restore order)."""
-    run = plan.cfg.run
     cfg = plan.cfg
+    run = cfg.run
     return Checkpointer(engine, providers, plan.run_dir, plan.fingerprint, save_interval=run.save_interval,
                         keep_last=run.keep_last, seed=cfg.seed, save_interval_minutes=run.save_interval_minutes,
                         export_dir=(cfg.export_dir or plan.run_dir.final) if cfg.export_final else None, hooks=hooks)

@@ -9,7 +9,7 @@ import importlib
 from dataclasses import dataclass
 from typing import Any
 
-from ...config.reward_source import SourceKind, reward_source_kind
+from ...config.reward_source import SourceKind
 from .base import RewardFnSource, RewardSource
 
 
@@ -26,14 +26,8 @@ def source_class(kind: SourceKind) -> type:
     return getattr(importlib.import_module(f"{__name__}.{module}"), name)
 
 
-def load_reward_source(cfg: Any) -> LoadedSource:
-    """The run's source kind and its loaded part; ValueError naming what is wrong (the plan names the flag)."""
-    kind = reward_source_kind(cfg)
-    return LoadedSource(kind, source_class(kind).load(cfg))
-
-
 def build_reward_source(loaded: LoadedSource, engine: Any, cfg: Any) -> RewardSource:
     return source_class(loaded.kind)(loaded.loaded, engine, cfg)
 
 
-__all__ = ["LoadedSource", "RewardFnSource", "RewardSource", "build_reward_source", "load_reward_source", "source_class"]
+__all__ = ["LoadedSource", "RewardFnSource", "RewardSource", "build_reward_source", "source_class"]
