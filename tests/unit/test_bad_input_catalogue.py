@@ -5,6 +5,7 @@ the user sees: the exit code, one message naming the field / file / row and the 
 in the output directory changed (and, for problems found before any compute, that nothing was written at all).
 """
 import hashlib
+import importlib.util
 import json
 import logging
 import os
@@ -148,6 +149,32 @@ def test_tokenizer_without_pad_token_uses_eos_and_says_so(tiny, tmp_path, capsys
     assert rc == 0, capsys.readouterr().err
     assert "tokenizer has no pad token: using EOS" in caplog.text
     assert len(open(out / "metrics.jsonl").readlines()) == 1
+
+
+_HAS_VLLM = importlib.util.find_spec("vllm") is not None
+
+
+@pytest.mark.skipif(_HAS_VLLM, reason="vLLM is installed in this environment")
+def test_vllm_backend_without_vllm_names_the_extra(tiny, out_dir, capsys, dist_single):
+    err = refused(capsys, out_dir, flags(tiny, out_dir, generation_backend="vllm"))
+    assert "generation_backend = 'vllm': vLLM is not installed in this environment" in err, err
+    assert "pip install -e '.[vllm]'" in err and "bash scripts/install.sh --vllm" in err
+
+
+@pytest.mark.vllm
+@pytest.mark.skipif(not _HAS_VLLM, reason="vLLM is not installed here (bash scripts/install.sh --vllm)")
+def test_vllm_refuses_a_model_it_cannot_run_before_any_engine(tiny, out_dir, tmp_path, capsys, dist_single):
+    """The tiny GPT-2 has head size 16 (vLLM's CPU attention refuses it), and an architecture vLLM lacks."""
+    actor = shutil.copytree(tiny.actor, tmp_path / "unknown_arch")
+    with open(os.path.join(actor, "config.json")) as f:
+        config = json.load(f)
+    config["architectures"] = ["NoSuchModelForCausalLM"]
+    with open(os.path.join(actor, "config.json"), "w") as f:
+        json.dump(config, f)
+    err = refused(capsys, out_dir, flags(tiny, out_dir, generation_backend="vllm"))
+    assert "generation_backend = 'vllm': the actor's head size is 16 and vLLM's CPU attention takes only 32" in err
+    err = refused(capsys, out_dir, flags(tiny, out_dir, generation_backend="vllm", actor_model_name_or_path=actor))
+    assert "has no implementation of the actor's architecture ['NoSuchModelForCausalLM']" in err, err
 
 
 # ---- data -----------------------------------------------------------------------------------------------------

@@ -17,13 +17,18 @@ Under ZeRO-3 the actor's weights are partitioned; `zero3_mode` says how a call g
 gathers them into the ZeRO-3 module once (its hooks still run at every token); 'per_layer' fetches every layer for
 every token, the ranks in lockstep. `generation_model()` is the module to decode with, prepared that way.
 
+`vllm` (vllm_engine.py) runs an inference engine of its own on each rank, loaded with the actor's weights whenever
+the actor has stepped; `release` and `take_sync_seconds` are its hooks into the loop.
+
 A new backend is one new file holding a `GenerationBackend` subclass plus one line in `BACKENDS` below.
 """
 from .base import GenerationBackend, GenerationContext, Generated, SamplingParams
 from .hf import HFBackend
 from .hybrid import HybridEngineBackend
 from .lean import LeanBackend
+from .vllm_engine import VLLMBackend
 
-BACKENDS: dict[str, type] = {"lean": LeanBackend, "hf": HFBackend, "hybrid": HybridEngineBackend}
+BACKENDS: dict[str, type] = {"lean": LeanBackend, "hf": HFBackend, "hybrid": HybridEngineBackend,
+                             "vllm": VLLMBackend}
 
 __all__ = ["BACKENDS", "GenerationBackend", "GenerationContext", "Generated", "SamplingParams"]

@@ -68,12 +68,16 @@ class Generated:
 @dataclass(frozen=True)
 class GenerationContext:
     """What a backend is built from: the actor's DeepSpeed engine, this process's place, the actor's ZeRO stage and
-    the run's config (its `engine` section holds the backends' own settings)."""
+    the run's config (its `engine` section holds the backends' own settings); for a backend with an engine of its
+    own (vllm), the actor's model folder, its dtype and the longest sequence of the run."""
 
     actor: Any
     dist: Any
     actor_stage: int
     cfg: Any
+    model_path: str = ""
+    dtype: str = "fp32"
+    max_len: int = 0
 
 
 class GenerationBackend:
@@ -102,6 +106,15 @@ class GenerationBackend:
 
     def generate(self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, params: SamplingParams) -> Generated:
         raise NotImplementedError
+
+    def release(self) -> None:
+        """Called after an iteration's rollouts: a backend with an engine of its own may free its memory for the
+        training phase (vllm on a GPU: sleep mode)."""
+
+    def take_sync_seconds(self) -> Optional[float]:
+        """Seconds spent loading the actor's weights into the backend's own engine since the last call (None: the
+        backend decodes on the actor itself)."""
+        return None
 
     # ---- ZeRO-3 -------------------------------------------------------------------------------------------
     def _log_once(self, key: str, msg: str, *args, level: int = logging.INFO) -> None:

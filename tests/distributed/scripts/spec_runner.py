@@ -28,6 +28,7 @@ def run_specs(run_one: Callable[[dict], Optional[dict]], tag: str) -> int:
     if torch.distributed.get_rank() == 0:
         with open(args.out, "w") as f:
             json.dump({"runs": results}, f)
-    torch.distributed.barrier()
-    torch.distributed.destroy_process_group()  # see launch/train_ppo.py shutdown(): no gloo abort at exit
+    from rlhf_engine.comm import shutdown
+
+    shutdown(ok=True)  # as launch/train_ppo.py ends: a barrier (no gloo abort at exit), a vLLM engine closed first
     return 0

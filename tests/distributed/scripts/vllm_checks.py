@@ -1,0 +1,180 @@
+"""Harness for tests/distributed/test_vllm_generation.py: one vLLM engine per rank, actors at several ZeRO stages
+pushed into it; rank 0 writes what it measured (nothing is asserted here: the numbers travel to the test).
+
+    deepspeed --num_gpus 2 vllm_checks.py --actor DIR --prompts FILE --out FILE.json
+
+Per rank, in order:
+  * contained: the python / numpy / torch random states, the thread count and the collector's freeze count after the
+    engine is built (and after a generate call) against before;
+  * per actor variant (z0, z2, z3, and z2 with LoRA; each a DeepSpeed engine of the actor trained a few steps at a high
+    learning rate, so its weights are far from the folder's): after a push, the engine's greedy tokens and log-probs
+    against the actor's own forward on prompts longer than one KV block;
+  * negative controls on the z2 actor: a push skipped (the engine keeps old weights) and a push without the prefix
+    cache reset (prompts cached before the push are served with old keys and values);
+  * sampling: the same torch seed gives the same sampled tokens.
+"""
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import random
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))))
+
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+
+from rlhf_engine import comm  # noqa: E402
+from rlhf_engine.cli import parse_args  # noqa: E402
+from rlhf_engine.engine import init_distributed, load_tokenizer  # noqa: E402
+from rlhf_engine.engine.generation import GenerationContext, SamplingParams  # noqa: E402
+from rlhf_engine.engine.generation.vllm_engine import VLLMBackend  # noqa: E402
+from rlhf_engine.engine.role_engine import build_role_engine, rollout_inputs  # noqa: E402
+from rlhf_engine.rollout import pad_prompts  # noqa: E402
+
+MAX_NEW = 8
+MAX_LEN = 256
+VARIANTS = {"z0": (0, 0), "z2": (2, 0), "z3": (3, 0), "z2_lora": (2, 4)}  # name: (ZeRO stage, LoRA rank)
+
+
+def rng_snapshot():
+    return (random.getstate(), np.random.get_state()[1].tolist(), torch.get_rng_state().tolist(),
+            torch.get_num_threads(), torch.set_num_threads.__module__, gc.get_freeze_count())
+
+
+def config(args, lora: int):
+    flags = ["--actor_model_name_or_path", args.actor, "--reward_model_name_or_path", args.actor,
+             "--data_path", args.prompts, "--max_prompt_seq_len", str(MAX_LEN - MAX_NEW),
+             "--max_answer_seq_len", str(MAX_NEW), "--generation_backend", "vllm", "--seed", "11",
+             "--output_dir", os.path.join(args.workdir, "unused")]
+    if lora:
+        flags += ["--actor_lora_dim", str(lora)]
+    return parse_args(flags)
+
+
+def trained_actor(cfg, stage: int, dist, pad: int, seed: int):
+    """The actor as a DeepSpeed engine at `stage`, moved far from its folder by a few steps at a high learning rate
+    on random tokens (the same on every rank: the gradients are averaged anyway)."""
+    cfg.actor.learning_rate = 0.02
+    engine, _ = build_role_engine(cfg.actor, cfg.actor.model_name_or_path, kind="causal_lm", stage=stage, dtype="fp32",
+                                  train=True, batch=cfg.batch, world_size=dist.world_size,
+                                  eval_micro_batch_size=4, num_training_steps=10, pad_token_id=pad)
+    g = torch.Generator().manual_seed(seed)
+    for _ in range(3):
+        x = torch.randint(3, 500, (cfg.batch.per_device_training_batch_size, 24), generator=g)
+        loss = engine(input_ids=x, labels=x).loss
+        engine.backward(loss)
+        engine.step()
+    return engine
+
+
+def long_prompts(tok, rank: int, n: int = 4):
+    """Prompts of 140-200 tokens (longer than one of the engine's KV blocks), different per rank."""
+    g = torch.Generator().manual_seed(100 + rank)
+    rows = [torch.randint(3, 500, (int(torch.randint(140, 200, (1,), generator=g)),), generator=g).tolist()
+            for _ in range(n)]
+    return pad_prompts(rows, tok.pad_token_id)
+
+
+def compare(backend, actor, ids, mask, params) -> dict:
+    """The engine's greedy rollout of the prompts against the actor's forward of it: the largest log-prob difference
+    over real actions, and the share of actions whose token is not the actor's argmax (where the actor's top two
+    logits are more than 1e-3 apart). Collective at ZeRO-3 (every rank runs the actor forward)."""
+    gen = backend.generate(ids, mask, params)
+    r = gen.rollout
+    with torch.no_grad():
+        actor.module.eval()
+        logits = actor.module(**rollout_inputs(r)).logits.float()
+    P = r.prompt_length
+    step = logits[:, P - 1:-1]
+    lp = torch.log_softmax(step, -1).gather(-1, r.responses[..., None]).squeeze(-1)
+    act = r.action_mask.bool()
+    top2 = step.topk(2, -1).values
+    clear = act & ((top2[..., 0] - top2[..., 1]) > 1e-3)
+    wrong = (step.argmax(-1) != r.responses) & clear
+    return {"logprob_diff": float(((lp - gen.logprobs).abs() * act).max()),
+            "argmax_mismatch": float(wrong.sum() / clear.sum().clamp(min=1)), "actions": int(act.sum())}
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--actor", required=True)
+    parser.add_argument("--prompts", required=True)
+    parser.add_argument("--workdir", required=True)
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--local_rank", type=int, default=None)
+    args = parser.parse_args()
+    dist = init_distributed()
+    tok = load_tokenizer(args.actor)
+    pad = tok.pad_token_id
+    out: dict = {}
+    cfg = config(args, 0)
+    actors = {name: trained_actor(config(args, lora) if lora else cfg, stage, dist, pad, seed=i)
+              for i, (name, (stage, lora)) in enumerate(VARIANTS.items())}
+
+    torch.manual_seed(5)
+    before = rng_snapshot()
+    ctx = GenerationContext(actors["z0"], dist, 0, cfg, model_path=args.actor, dtype="fp32", max_len=MAX_LEN)
+    backend = VLLMBackend(ctx)
+    after_build = rng_snapshot()
+    ids, mask = long_prompts(tok, dist.rank)
+    greedy = SamplingParams(max_new_tokens=MAX_NEW, do_sample=False, pad_token_id=pad)
+    first = compare(backend, actors["z0"], ids, mask, greedy)
+    after_generate = rng_snapshot()
+    out["contained"] = {"build": before == after_build, "generate": after_build == after_generate,
+                        "threads": [before[3], after_build[3]], "set_num_threads": after_build[4],
+                        "freeze": [before[5], after_build[5]]}
+    out["startup_s"] = backend.startup_s
+    out["block_size"] = backend.llm.llm_engine.vllm_config.cache_config.block_size
+    out["prompt_lengths"] = mask.sum(-1).tolist()
+    out["variants"] = {"z0": first}
+    for name, actor in actors.items():
+        backend.actor = actor
+        backend._pushed_version = None  # another engine: push whatever its step count
+        out["variants"][name] = compare(backend, actor, ids, mask, greedy)
+    lora = actors["z2_lora"]
+    with lora.module.disable_adapter():  # the adapter matters: the base model's forward is another policy
+        base = compare(backend, lora, ids, mask, greedy)
+    out["lora_base_vs_merged"] = base["logprob_diff"]
+
+    # negative control 1: the actor steps, the push is skipped
+    z2 = actors["z2"]
+    backend.actor = z2
+    backend._pushed_version = None
+    compare(backend, z2, ids, mask, greedy)  # pushed and cached
+    x = torch.randint(3, 500, (2, 24), generator=torch.Generator().manual_seed(9))
+    z2.backward(z2(input_ids=x, labels=x).loss)
+    z2.step()
+    backend._pushed_version = backend.actor_version  # pretend the engine is current
+    out["skipped_push"] = compare(backend, z2, ids, mask, greedy)
+    # negative control 2: pushed, but the prefix cache still holds the prompts' blocks of the old weights
+    backend.load_weights()
+    out["no_cache_reset"] = compare(backend, z2, ids, mask, greedy)
+    backend.reset_prefix_cache()
+    out["after_reset"] = compare(backend, z2, ids, mask, greedy)
+
+    # sampling: the same torch seed, the same samples
+    sampled = SamplingParams(max_new_tokens=MAX_NEW, do_sample=True, temperature=1.0, pad_token_id=pad)
+    runs = []
+    for _ in range(2):
+        torch.manual_seed(123)
+        runs.append(backend.generate(ids, mask, sampled).rollout.responses.tolist())
+    out["seeded_same"] = runs[0] == runs[1]
+    torch.manual_seed(124)
+    out["other_seed_differs"] = backend.generate(ids, mask, sampled).rollout.responses.tolist() != runs[0]
+    out["pushes"] = backend.pushes
+
+    per_rank = [None] * dist.world_size
+    torch.distributed.all_gather_object(per_rank, out)
+    if dist.is_main:
+        with open(args.out, "w") as f:
+            json.dump({"ranks": per_rank}, f)
+    comm.shutdown(ok=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
