@@ -1,16 +1,22 @@
 #!/usr/bin/env bash
 # The test suite: installs what it needs (idempotent, see scripts/install.sh), then runs the default suite
-# (everything not marked slow or gpu). `--slow` runs the slow tests instead; other arguments go to pytest, e.g.
-# `bash scripts/test.sh tests/unit -q`.
+# (everything not marked slow or gpu; the vllm tests skip, saying why, in this environment). `--slow` runs the slow
+# tests instead; `--vllm` installs the vLLM environment (.venv-vllm) and runs the vllm tests in it. Other arguments
+# go to pytest, e.g. `bash scripts/test.sh tests/unit -q`; the selection below applies unless they give their own -m.
 set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
-slow=0
-if [ "${1:-}" = "--slow" ]; then slow=1; shift; fi
-if [ "$slow" = 1 ]; then bash "$root/scripts/install.sh" --demo; else bash "$root/scripts/install.sh"; fi
-venv=${RLHF_VENV:-$root/.venv}
+mode=default
+if [ "${1:-}" = "--slow" ] || [ "${1:-}" = "--vllm" ]; then mode=${1#--}; shift; fi
+case $mode in
+  slow) bash "$root/scripts/install.sh" --demo; venv=${RLHF_VENV:-$root/.venv}; select="slow and not gpu" ;;
+  vllm) bash "$root/scripts/install.sh" --vllm; venv=${RLHF_VLLM_VENV:-$root/.venv-vllm}
+        select="vllm and not slow and not gpu" ;;
+  *) bash "$root/scripts/install.sh"; venv=${RLHF_VENV:-$root/.venv}; select="not slow and not gpu" ;;
+esac
 export OMP_NUM_THREADS=1 HF_HUB_OFFLINE=1 WANDB_MODE=offline DS_ACCELERATOR=cpu TOKENIZERS_PARALLELISM=false
 export TORCH_EXTENSIONS_DIR=${TORCH_EXTENSIONS_DIR:-$venv/torch_extensions}  # per venv: never rebuild shared ops
 cd "$root"
-if [ "$slow" = 1 ]; then set -- -m "slow and not gpu" "$@"  # the release checks (docs/testing.md), with the demo assets
-elif [ $# -eq 0 ]; then set -- -m "not slow and not gpu"; fi
+given_m=0
+for a in "$@"; do [ "$a" = "-m" ] && given_m=1; done
+if [ "$given_m" = 0 ]; then set -- -m "$select" "$@"; fi
 exec "$venv/bin/python" -m pytest "$@"

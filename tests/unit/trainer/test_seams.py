@@ -120,8 +120,8 @@ def test_evaluation_passes_its_own_sampling_and_leaves_the_config_alone(tiny, di
 
 
 def test_an_unknown_backend_is_refused_before_any_weight(tiny, dist_single, tmp_path):
-    cfg = parse_args(train_args(tiny, str(tmp_path), generation_backend="vllm"))
+    cfg = parse_args(train_args(tiny, str(tmp_path), generation_backend="sglang"))
     with pytest.raises(ConfigError) as e:
         plan_ppo(cfg)
     (p,) = e.value.problems
-    assert p.field == "generation_backend" and "hf" in p.fix and "hybrid" in p.fix
+    assert p.field == "generation_backend" and all(name in p.fix for name in ("lean", "hf", "hybrid", "vllm"))
