@@ -15,6 +15,8 @@
 #   models  random-weight OPT-1.3B-shaped actor and OPT-350M-shaped critic/reward from configs (bf16, cached)
 #   zero2   K PPO iterations, 256 prompt + 256 generated tokens (fixed length), global batch 16, bf16, ZeRO-2
 #   zero3   the same at ZeRO-3 (reference/reward at ZeRO-3 too)
+#   vllm    the ZeRO-2 iterations with --generation_backend vllm (a vLLM engine fed the actor's weights), when vLLM is
+#           installed for $PYTHON (pip install -e '.[vllm]'); else recorded as skipped
 #   hybrid  last, with the time that is left: ZeRO-2 + DeepSpeed Hybrid Engine, first a greedy self-check
 #           (HE kernels against the native HF path on the same weights), then PPO iterations. Skipped, with the
 #           reason recorded, without a GPU or without the CUDA toolkit (its kernels are JIT-compiled)
@@ -120,6 +122,12 @@ if [ "$env_rc" = 0 ]; then
 fi
 bench zero2 170 --variant zero2:zero=2 --warmup 1 --iterations 3
 bench zero3 170 --variant zero3:zero=3 --warmup 1 --iterations 2
+if "$py" -c 'import vllm' >/dev/null 2>&1; then  # the vllm generation backend (docs/rollout-engines.md)
+    bench vllm 150 --variant zero2_vllm:zero=2,backend=vllm --warmup 1 --iterations 3
+else
+    echo "gpu.sh: vllm skipped: vLLM is not installed for $py (pip install -e '.[vllm]')"
+    record vllm '"skipped: vLLM not installed"' 0 0
+fi
 bench hybrid rest --variant hybrid:zero=2,hybrid_engine=1 --greedy-check 8 --greedy-tokens 32 --warmup 1 \
     --iterations 2
 

@@ -13,7 +13,7 @@ BENCH = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, BENCH)
 import benchlib as bl  # noqa: E402
 
-STEPS = ("zero2", "zero3", "hybrid")
+STEPS = ("zero2", "zero3", "vllm", "hybrid")
 # DeepSpeed-Chat's figure for this setup, as our issue states it: OPT-1.3B actor + OPT-350M reward, one A100-80G
 REFERENCE = {"source": "DeepSpeed-Chat (figure quoted in our benchmark issue)", "gpu": "1x A100-80G",
              "setup": "OPT-1.3B actor, OPT-350M critic/reward, 256 prompt + 256 generated tokens, Hybrid Engine",

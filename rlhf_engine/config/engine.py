@@ -57,8 +57,8 @@ class EngineConfig:
                                   "(GPU only, DeepSpeed-inference architectures only, no LoRA; unverified here; "
                                   "stops at start-up where it cannot run, unless hybrid_engine_fallback).")
     vllm_kv_cache_mb: int = opt(0, "vllm: MiB of the engine's KV cache on each rank; 0 = sized from the run "
-                                "(generation_rollouts sequences of max_prompt_seq_len + the response budget at "
-                                "once, plus a quarter). A smaller cache is still correct, only slower.")
+                                "(one generate call's rows, per_device_generation_batch_size x n_samples_per_prompt, "
+                                "of max_prompt_seq_len + the response budget at once, plus a quarter). A smaller cache is still correct, only slower.")
     vllm_enforce_eager: bool = opt(False, "vllm on a GPU: no CUDA graphs (less memory, slower decoding). Always "
                                    "eager on a CPU.")
     vllm_sleep_level: int = opt(2, "vllm on a GPU: how the engine sleeps through each training phase. 0 = it keeps "

@@ -272,6 +272,13 @@ def accepts_logits_to_keep(module) -> bool:
     return _forward_takes(type(base), "logits_to_keep")
 
 
+def cache_argument(module) -> str:
+    """The name of the KV cache in the causal LM's forward and output: `cache` (transformers >= 5.2x) or
+    `past_key_values` (earlier 5.x, e.g. 5.19 in the vLLM environment)."""
+    base = getattr(module, "get_base_model", lambda: module)()
+    return "cache" if _forward_takes(type(base), "cache") else "past_key_values"
+
+
 @functools.lru_cache(maxsize=None)
 def _forward_takes(cls: type, name: str) -> bool:
     import inspect

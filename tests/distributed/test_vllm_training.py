@@ -1,7 +1,7 @@
 """PPO with `--generation_backend vllm` on 2 ranks under the deepspeed launcher (one vLLM engine per rank and run),
 tiny Llama models with the head size vLLM's CPU attention takes: lr 0 (every ratio exactly 1, the engine's log-probs
 those the trainer computes), several iterations at lr > 0 under ZeRO-3 (the engine follows the policy), a rerun with
-the same seed, GRPO groups, a 2-turn environment and the evaluation. One launch (scripts/ppo_checks.py) serves every
+the same seed, a resume, GRPO groups, a 2-turn environment and the evaluation. One launch (scripts/ppo_checks.py) serves every
 test here; skipped, with the reason, where vLLM is not installed (bash scripts/install.sh --vllm)."""
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import os
 
 import pytest
 
-from _support import ppo_args, run_harness
+from _support import VOLATILE, ppo_args, run_harness
 
 pytestmark = [pytest.mark.distributed, pytest.mark.vllm,
               pytest.mark.skipif(importlib.util.find_spec("vllm") is None,
@@ -37,8 +37,11 @@ def runs(tiny_vllm, tmp_path_factory):
     def run(name, **flags):
         return {"name": name, "args": ppo_args(tiny_vllm, os.path.join(tmp, name), **{**BASE, **flags})}
 
+    # "part" stops after 2 of learn_z3's 5 iterations (its end checkpoint); "resumed" is the requeued command
+    part = os.path.join(tmp, "part")
     spec = [run("lr0", **LR0), run("learn_z3", **LEARN), run("learn_z3_again", **LEARN), run("grpo", **GRPO),
-            run("env", **ENV)]
+            run("env", **ENV), run("part", **{**LEARN, "max_steps": 2}),
+            {"name": "resumed", "args": ppo_args(tiny_vllm, part, **{**BASE, **LEARN, "resume": "auto"})}]
     return run_harness(tmp, "vllm_training", spec, 2, "deepspeed")
 
 
@@ -82,6 +85,16 @@ def test_a_rerun_with_the_same_seed_draws_the_same_samples(runs):
         assert [it["sequences"] for it in ra["rollouts"]] == [it["sequences"] for it in rb["rollouts"]]
     for x, y in zip(a["records"], b["records"]):
         assert x["objective/kl"] == y["objective/kl"] and x["objective/score"] == y["objective/score"]
+
+
+def test_a_resumed_run_continues_exactly(runs):
+    """The requeued command (--resume auto) after 2 of 5 iterations: iterations 2-4 equal the straight run's, every
+    metric but time, throughput and memory (the rows' seeds come from the restored random generators)."""
+    straight, resumed = _train(runs["learn_z3"]), _train(runs["resumed"])
+    assert [r["iteration"] for r in resumed] == [2, 3, 4]
+    for a, b in zip(straight[2:], resumed):
+        differ = {k: (a[k], b[k]) for k in a if not k.startswith(VOLATILE) and a[k] != b.get(k)}
+        assert not differ, differ
 
 
 def test_grpo_groups_on_two_ranks(runs):

@@ -18,7 +18,7 @@ import torch
 
 from ...comm import all_reduce
 from ...rollout import Rollout, position_ids_from_mask
-from ..models import accepts_logits_to_keep
+from ..models import accepts_logits_to_keep, cache_argument
 from .base import GenerationBackend, Generated, SamplingParams
 from .sampling import greedy_from_scores, sample_from_scores, step_scores
 
@@ -58,10 +58,11 @@ class LeanBackend(GenerationBackend):
         full_mask = torch.cat([mask, mask.new_ones(B, R)], dim=1)
         position = position_ids_from_mask(mask)
         keep = {"logits_to_keep": 1} if accepts_logits_to_keep(model) else {}
+        cache_arg = cache_argument(model)
         # the model's own growing cache: a preallocated StaticCache only pays under torch.compile (measured 1-13%
         # slower per call than the dynamic one on CPU, 2026-12-03)
         out = model(input_ids=ids, attention_mask=mask, position_ids=position, use_cache=True, **keep)
-        cache, logits = out.cache, out.logits[:, -1]
+        cache, logits = getattr(out, cache_arg), out.logits[:, -1]
         step_masks = decode_step_masks(model, full_mask)
         position = position[:, -1:]
         tokens = ids.new_full((B, R), params.pad_token_id)
@@ -86,9 +87,9 @@ class LeanBackend(GenerationBackend):
                 break
             position = position + unfinished[:, None]
             step_mask = full_mask[:, :P + t + 1] if step_masks is None else step_masks[..., :P + t + 1]
-            out = model(input_ids=tokens[:, t:t + 1], attention_mask=step_mask, position_ids=position, cache=cache,
-                        use_cache=True, **keep)
-            cache, logits = out.cache, out.logits[:, -1]
+            out = model(input_ids=tokens[:, t:t + 1], attention_mask=step_mask, position_ids=position,
+                        use_cache=True, **{cache_arg: cache}, **keep)
+            cache, logits = getattr(out, cache_arg), out.logits[:, -1]
         return tokens[:, :t + 1], logprobs[:, :t + 1]
 
 
