@@ -30,6 +30,7 @@ from .generation import BatchConfig, GenerationConfig
 from .ppo import ESTIMATOR_DEFAULTS, GROUP_KL_IN_LOSS, PPOConfig, apply_estimator_defaults
 from .ptx import PtxConfig
 from .role import RoleConfig
+from .rollout import RolloutConfig
 from .run import PREEMPT_SIGNALS, LoggingConfig, RunConfig
 from .scoring import ScoringConfig
 from .supervised import LONG_RESPONSE_POLICIES, RewardTrainConfig, SFTConfig, SupervisedConfig
@@ -38,5 +39,5 @@ from .train import TrainConfig
 __all__ = ["BAD_ROW_POLICIES", "DTYPES", "ENV_ERRORS", "ESTIMATOR_DEFAULTS", "GATHER_ONCE_MODES", "GROUP_KL_IN_LOSS",
            "LONG_PROMPT_POLICIES", "LONG_RESPONSE_POLICIES", "PREEMPT_SIGNALS", "ROLES", "SCHEDULERS", "TRAINED_ROLES",
            "BatchConfig", "DataConfig", "EngineConfig", "EnvConfig", "GenerationConfig", "LoggingConfig", "PPOConfig",
-           "PtxConfig", "RewardTrainConfig", "RoleConfig", "RunConfig", "ScoringConfig", "SFTConfig", "SupervisedConfig",
+           "PtxConfig", "RewardTrainConfig", "RoleConfig", "RolloutConfig", "RunConfig", "ScoringConfig", "SFTConfig", "SupervisedConfig",
            "TrainConfig", "apply_estimator_defaults", "flat_dict", "flat_fields", "opt", "parse_data_sources"]

@@ -15,6 +15,7 @@ from .ppo import PPOConfig
 from .role import RoleConfig
 from .ptx import PtxConfig
 from .reward_source import DEFAULT as DEFAULT_SOURCE, check_reward_sources, reward_source_kind
+from .rollout import RolloutConfig
 from .run import LoggingConfig, RunConfig
 from .scoring import ScoringConfig
 
@@ -38,6 +39,7 @@ class TrainConfig:
     run: RunConfig = opt(None, "Run directory, checkpoints and resume, timeouts, preemption signals.")
     scoring: ScoringConfig = opt(None, "What scores the rollouts when it is not a reward model.")
     ptx: PtxConfig = opt(None, "PPO-ptx: a language-modelling loss on unsupervised text.")
+    rollout: RolloutConfig = opt(None, "Rollout workers of their own (processes that generate for the trainer).")
     max_steps: int = opt(10, "PPO iterations to run (one iteration = rollouts + ppo_epochs of updates).")
     num_train_epochs: int = opt(0, "Passes over the prompt data: the run stops after min(max_steps, "
                                 "floor(num_train_epochs x batches_per_epoch / generation_batches)) iterations, "
@@ -58,7 +60,7 @@ class TrainConfig:
                           ("reward", RoleConfig), ("ppo", PPOConfig), ("generation", GenerationConfig),
                           ("batch", BatchConfig), ("data", DataConfig), ("logging", LoggingConfig),
                           ("engine", EngineConfig), ("env", EnvConfig), ("run", RunConfig),
-                          ("scoring", ScoringConfig), ("ptx", PtxConfig)):
+                          ("scoring", ScoringConfig), ("ptx", PtxConfig), ("rollout", RolloutConfig)):
             if getattr(self, name) is None:
                 setattr(self, name, cls())
 
@@ -130,6 +132,10 @@ class TrainConfig:
         self.env.validate(p)
         self._validate_environment(p)
         self.run.validate(p)
+        self.rollout.validate(p)
+        if self.rollout.on and self.engine.requested_backend[0] != "lean":
+            p.add("generation_backend", self.engine.requested_backend[0], "rollout workers generate with lean so "
+                  "far (vllm and hf on workers are not built yet)")
         check_choice(p, "", self, "dtype", DTYPES)
         check_positive(p, "", self, "max_steps")
         check_positive(p, "", self, "eval_interval", allow_zero=True)

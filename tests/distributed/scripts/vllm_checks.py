@@ -59,6 +59,7 @@ def trained_actor(cfg, stage: int, dist, pad: int, seed: int):
     """The actor as a DeepSpeed engine at `stage`, moved far from its folder by a few steps at a high learning rate
     on random tokens (the same on every rank: the gradients are averaged anyway)."""
     cfg.actor.learning_rate = 0.02
+    torch.manual_seed(seed)  # the LoRA adapter's initial draw: the same every launch
     engine, _ = build_role_engine(cfg.actor, cfg.actor.model_name_or_path, kind="causal_lm", stage=stage, dtype="fp32",
                                   train=True, batch=cfg.batch, world_size=dist.world_size,
                                   eval_micro_batch_size=4, num_training_steps=10, pad_token_id=pad)
@@ -95,8 +96,10 @@ def compare(backend, actor, ids, mask, params) -> dict:
     top2 = step.topk(2, -1).values
     clear = act & ((top2[..., 0] - top2[..., 1]) > 1e-3)
     wrong = (step.argmax(-1) != r.responses) & clear
-    return {"logprob_diff": float(((lp - gen.logprobs).abs() * act).max()),
-            "argmax_mismatch": float(wrong.sum() / clear.sum().clamp(min=1)), "actions": int(act.sum())}
+    diff = (lp - gen.logprobs).abs() * act
+    return {"logprob_diff": float(diff.max()), "row_diffs": diff.max(-1).values.tolist(),
+            "argmax_mismatch": float(wrong.sum() / clear.sum().clamp(min=1)), "actions": int(act.sum()),
+            "responses": r.responses.tolist()}
 
 
 def main() -> int:
@@ -105,6 +108,7 @@ def main() -> int:
     parser.add_argument("--prompts", required=True)
     parser.add_argument("--workdir", required=True)
     parser.add_argument("--out", required=True)
+    parser.add_argument("--seed", type=int, default=0, help="offsets the actors' training draws")
     parser.add_argument("--local_rank", type=int, default=None)
     args = parser.parse_args()
     dist = init_distributed()
@@ -112,7 +116,7 @@ def main() -> int:
     pad = tok.pad_token_id
     out: dict = {}
     cfg = config(args, 0)
-    actors = {name: trained_actor(config(args, lora) if lora else cfg, stage, dist, pad, seed=i)
+    actors = {name: trained_actor(config(args, lora) if lora else cfg, stage, dist, pad, seed=args.seed + i)
               for i, (name, (stage, lora)) in enumerate(VARIANTS.items())}
 
     torch.manual_seed(5)

@@ -1,0 +1,57 @@
+"""Rollout workers of their own: processes that generate for the trainer on their own devices (docs/async-rollouts.md)."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ..errors import Problems
+from .fields import check_positive, is_number, opt
+
+
+@dataclass
+class RolloutConfig:
+    """Where the rollouts are generated: on the trainer's ranks (the default), or by `rollout_workers` processes
+    started with `python launch/rollout_worker.py --rollout_address HOST:PORT`, which get everything else (model
+    config, sampling, weights) from the trainer."""
+
+    rollout_workers: int = opt(0, "Rollout worker processes that generate for this run (0 = the trainer's ranks "
+                               "generate). Each is started with launch/rollout_worker.py --rollout_address HOST:PORT "
+                               "and runs the generation_backend on a plain copy of the policy.")
+    rollout_address: str = opt("", "HOST:PORT where the trainer's rank 0 waits for its rollout workers (a TCP store "
+                               "of their own group: never the trainer's DeepSpeed group); give the workers the same.")
+    max_staleness: int = opt(0, "Policy versions a trained batch may lag behind the trainer's weights. 0 = "
+                             "synchronous: every batch is generated with the current weights (equals the "
+                             "colocated run). Generating ahead (>= 1) is not built yet.")
+    rollout_timeout_s: float = opt(300.0, "Seconds the trainer waits for its workers (to join, to answer a batch, "
+                                   "to take the weights) before it stops naming the worker.")
+
+    @property
+    def on(self) -> bool:
+        return isinstance(self.rollout_workers, int) and self.rollout_workers > 0
+
+    def validate(self, p: Problems, prefix: str = "") -> None:
+        check_positive(p, prefix, self, "rollout_workers", "max_staleness", allow_zero=True)
+        check_positive(p, prefix, self, "rollout_timeout_s")
+        if is_number(self.rollout_workers) and not isinstance(self.rollout_workers, int):
+            p.add(prefix + "rollout_workers", self.rollout_workers, "must be a whole number")
+        if self.on and not _host_port(self.rollout_address):
+            p.add(prefix + "rollout_address", self.rollout_address, "give HOST:PORT (the trainer's rank 0 listens "
+                  "there; start each worker with launch/rollout_worker.py --rollout_address HOST:PORT)")
+        if is_number(self.max_staleness) and self.max_staleness >= 1:
+            p.add(prefix + "max_staleness", self.max_staleness, "generating ahead of training is not built yet; "
+                  "use 0 (synchronous rollouts from the workers)")
+        if is_number(self.max_staleness) and self.max_staleness > 0 and not self.on:
+            p.add(prefix + "max_staleness", self.max_staleness, "needs rollout_workers > 0")
+
+
+def _host_port(address: str) -> tuple | None:
+    """('host', port) of 'HOST:PORT', or None."""
+    host, _, port = str(address).rpartition(":")
+    return (host, int(port)) if host and port.isdigit() and 0 < int(port) < 65536 else None
+
+
+def parse_address(address: str) -> tuple:
+    """('host', port) of a checked 'HOST:PORT' (ValueError naming the flag otherwise)."""
+    hp = _host_port(address)
+    if hp is None:
+        raise ValueError(f"rollout_address {address!r}: give HOST:PORT")
+    return hp
