@@ -154,6 +154,30 @@ def run_on_main(fn: Callable[[], Any], what: str, timeout: datetime.timedelta = 
     return result
 
 
+class PeerGroup:
+    """A process group of its own over a TCP store (`open_store`), outside the default group and outside any
+    launcher: the trainer's rank 0 and its rollout workers (a worker's default group, if any, belongs to its own
+    engine: vLLM's external launcher takes it). gloo: tensors travel as CPU tensors (a GPU tensor is copied to the
+    CPU and back by the caller)."""
+
+    def __init__(self, store: Any, rank: int, size: int, timeout: datetime.timedelta, prefix: str = "peers"):
+        self.rank, self.size = rank, size
+        self.pg = torch.distributed.ProcessGroupGloo(torch.distributed.PrefixStore(prefix, store), rank, size,
+                                                     timeout)
+
+    def broadcast_(self, tensor: torch.Tensor, root: int = 0) -> torch.Tensor:
+        """`tensor` (CPU, contiguous) filled with the root's on every member. Collective over the group."""
+        opts = torch.distributed.BroadcastOptions()
+        opts.rootRank = root
+        self.pg.broadcast([tensor], opts).wait()
+        return tensor
+
+
+def open_store(host: str, port: int, is_master: bool, timeout: datetime.timedelta) -> Any:
+    """The TCP store of a `PeerGroup`: served by the master (it listens on host:port), joined by the others."""
+    return torch.distributed.TCPStore(host, port, is_master=is_master, wait_for_workers=False, timeout=timeout)
+
+
 _AT_SHUTDOWN: list = []
 
 

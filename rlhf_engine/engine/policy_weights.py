@@ -14,8 +14,9 @@ own copy of the policy loads (the vLLM backend's push after every optimizer step
 """
 from __future__ import annotations
 
+import hashlib
 import re
-from typing import Iterator
+from typing import Iterable, Iterator
 
 import torch
 from torch import nn
@@ -70,18 +71,32 @@ def _plain(group: list[tuple[str, nn.Parameter]], lora: dict[str, nn.Module]) ->
 
 
 @torch.no_grad()
-def stream_weights(module: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
-    """(Hugging Face name, tensor) of every weight of the actor's `module`, group by group (`weight_groups`).
-    Collective under ZeRO-3 (each group is gathered): every rank must consume the whole stream. A yielded tensor is
-    the parameter itself where nothing had to be gathered or merged (the consumer copies it), else a fresh tensor."""
+def stream_blocks(module: nn.Module) -> Iterator[tuple[str, list[tuple[str, torch.Tensor]]]]:
+    """(group name, [(Hugging Face name, tensor)]) of the actor's `module`, group by group (`weight_groups`).
+    Collective under ZeRO-3 (each group is gathered): every rank must consume the whole stream. A tensor is the
+    parameter itself where nothing had to be gathered or merged (the consumer copies it), else a fresh tensor."""
     import deepspeed
 
     lora = _lora_layers(module)
-    for _, group in weight_groups(module):
+    for key, group in weight_groups(module):
         todo = _not_available([p for _, p in group])
         if not todo:
-            yield from _plain(group, lora)
+            yield key, _plain(group, lora)
             continue
         with deepspeed.zero.GatheredParameters(todo):  # the gathered storage is freed on exit: copy it out
             values = [(n, v.clone()) for n, v in _plain(group, lora)]
+        yield key, values
+
+
+def stream_weights(module: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
+    """(Hugging Face name, tensor) of every weight, in `stream_blocks` order (collective under ZeRO-3)."""
+    for _, values in stream_blocks(module):
         yield from values
+
+
+def weights_sha256(pairs: Iterable[tuple[str, torch.Tensor]]) -> str:
+    """sha256 of the tensors' bytes in the given order: equal on two sides only if every weight is bitwise equal."""
+    h = hashlib.sha256()
+    for _, t in pairs:
+        h.update(t.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()

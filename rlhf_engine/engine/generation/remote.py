@@ -1,0 +1,226 @@
+"""Rollouts from worker processes of their own (`--rollout_workers N`, docs/async-rollouts.md): the trainer side and
+the protocol both sides speak. The worker's loop is rlhf_engine/workers/rollout_worker.py.
+
+* Rendezvous: the trainer's rank 0 serves a TCP store at `--rollout_address HOST:PORT` and writes the worker count;
+  each worker joins, takes an index from a counter, and the N + 1 processes build a gloo `comm.PeerGroup` on that
+  store (rank 0 = the trainer's rank 0, rank 1 + i = worker i): never the trainer's DeepSpeed group, never a worker's
+  default group.
+* Messages: pickled objects under `w<i>/in/<seq>` (to worker i) and `w<i>/out/<seq>` (its answers), each taken once
+  and deleted; every wait has `rollout_timeout_s` and names the worker it waited for.
+* Setup: the worker gets the actor's Hugging Face config, dtype, generation backend and the weight names it must hold;
+  it builds a plain copy of the policy (random weights) and answers with its own names, checked against ours.
+* Weights: after every optimizer step, before the next generate call, the actor's weights are broadcast block by
+  block (engine/policy_weights.stream_blocks: gathered under ZeRO-3, LoRA merged; each block flattened into one
+  buffer), versioned by the actor's step count; each worker acknowledges the version it now holds.
+* Generate: every trainer rank's call is collective (`collective_calls`): rank 0 gathers the ranks' prompts, sends
+  rank r's batch to worker (call x world + r) mod N as it is (so a worker decodes exactly the batch that rank would),
+  and hands each rank the tokens, their log-probs and the version that made them; the rollout is laid out from them
+  exactly as the lean backend lays out its own.
+"""
+from __future__ import annotations
+
+import datetime
+import logging
+import pickle
+import time
+from typing import Any, Optional
+
+import torch
+
+from ... import comm
+from ...rollout import Rollout
+from ..policy_weights import stream_blocks, weight_groups
+from .base import GenerationBackend, Generated, SamplingParams
+
+log = logging.getLogger(__name__)
+
+WORKER_COMMAND = "python launch/rollout_worker.py --rollout_address {address}"
+
+
+class Mailbox:
+    """Pickled messages over a TCP store, one numbered slot per message and direction, per worker."""
+
+    def __init__(self, store: Any, timeout_s: float, address: str):
+        self.store, self.timeout_s, self.address = store, timeout_s, address
+        self.sent: dict = {}
+        self.taken: dict = {}
+
+    def put(self, box: str, obj: Any) -> None:
+        seq = self.sent.get(box, 0)
+        self.sent[box] = seq + 1
+        self.store.set(f"{box}/{seq}", pickle.dumps(obj))
+
+    def take(self, box: str, who: str, timeout_s: Optional[float] = None) -> Any:
+        """The next message in `box`; a TimeoutError naming `who` after the timeout."""
+        seq = self.taken.get(box, 0)
+        key = f"{box}/{seq}"
+        wait = self.timeout_s if timeout_s is None else timeout_s
+        try:
+            self.store.wait([key], datetime.timedelta(seconds=wait))
+        except Exception as e:  # noqa: BLE001  (the store raises its own error types for a timeout or a lost peer)
+            raise TimeoutError(f"{who} did not answer within {wait:.0f} s at {self.address} "
+                               f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})") from e
+        obj = pickle.loads(self.store.get(key))
+        self.store.delete_key(key)
+        self.taken[box] = seq + 1
+        return obj
+
+
+def worker_boxes(index: int) -> tuple[str, str]:
+    """(the box worker `index` reads, the box it answers in)."""
+    return f"w{index}/in", f"w{index}/out"
+
+
+def plain_names(module: torch.nn.Module) -> list:
+    """The weight names a worker's plain copy of the policy must hold, in stream order (LoRA merged away)."""
+    out = []
+    for _, group in weight_groups(module):
+        for name, _ in group:
+            if ".lora_" not in name:
+                out.append(name.replace(".base_layer.", "."))
+    return out
+
+
+def flatten(values: list) -> torch.Tensor:
+    """One contiguous CPU buffer of a block's tensors (all of one dtype), in order."""
+    return torch.cat([v.detach().reshape(-1).cpu() for v in values])
+
+
+class RemoteBackend(GenerationBackend):
+    """The trainer's side: `generate` hands each rank's batch to a worker and lays out what comes back."""
+
+    name = "remote"
+
+    def __init__(self, ctx, worker_backend: str):
+        super().__init__(ctx)
+        r = ctx.cfg.rollout
+        self.workers, self.address, self.timeout_s = int(r.rollout_workers), r.rollout_address, float(r.rollout_timeout_s)
+        self.worker_backend = worker_backend
+        self.calls = 0
+        self._pushed_version: Optional[int] = None
+        self.sync_seconds = 0.0
+        self.group = self.mail = None
+        if self.dist.is_main:
+            self._connect(ctx)
+        comm.barrier()  # every rank goes on once the workers are set up (or rank 0 raised)
+        comm.at_shutdown(self.close)
+
+    # ---- rank 0: the workers -------------------------------------------------------------------------------
+    def _connect(self, ctx) -> None:
+        from ...config.rollout import parse_address
+
+        host, port = parse_address(self.address)
+        timeout = datetime.timedelta(seconds=self.timeout_s)
+        store = comm.open_store(host, port, True, timeout)
+        store.set("size", str(self.workers))
+        self.store, self.mail = store, Mailbox(store, self.timeout_s, self.address)
+        t0 = time.perf_counter()
+        try:
+            self.group = comm.PeerGroup(store, 0, self.workers + 1, timeout)
+        except Exception as e:  # noqa: BLE001
+            joined = int(store.add("joined", 0))
+            raise RuntimeError(f"rollout workers: {joined} of {self.workers} joined at {self.address} within "
+                               f"{self.timeout_s:.0f} s; start each with `{WORKER_COMMAND.format(address=self.address)}` "
+                               f"({type(e).__name__})") from e
+        names = plain_names(self.actor.module)
+        hf = getattr(self.actor.module, "get_base_model", lambda: self.actor.module)()
+        setup = {"kind": "setup", "config": hf.config.to_dict(), "dtype": ctx.dtype, "backend": self.worker_backend,
+                 "names": names}
+        for i in range(self.workers):
+            self.mail.put(worker_boxes(i)[0], setup)
+        for i in range(self.workers):
+            answer = self.mail.take(worker_boxes(i)[1], self._who(i))
+            if answer.get("names") != names:
+                raise RuntimeError(f"{self._who(i)}: its copy of the policy holds other weights than the actor "
+                                   f"({answer.get('error') or 'names differ'})")
+        log.info("rollout workers: %d joined at %s in %.1f s (%s backend)", self.workers, self.address,
+                 time.perf_counter() - t0, self.worker_backend)
+
+    def _who(self, i: int) -> str:
+        return f"rollout worker {i} (of {self.workers}, at {self.address})"
+
+    def close(self) -> None:
+        """Tell every worker the run is over (rank 0; once)."""
+        if self.mail is not None:
+            for i in range(self.workers):
+                self.mail.put(worker_boxes(i)[0], {"kind": "stop"})
+            self.mail = None
+
+    # ---- weights -------------------------------------------------------------------------------------------
+    def zero3_mode(self) -> str:
+        return "plain"  # the workers hold their own copy; only the weight stream gathers (collectively)
+
+    def lockstep(self) -> bool:
+        return False
+
+    def collective_calls(self) -> bool:
+        return self.dist.world_size > 1  # rank 0 gathers every rank's batch at each call
+
+    @property
+    def actor_version(self) -> int:
+        return int(self.actor.global_steps)
+
+    def sync_weights(self) -> bool:
+        """Broadcast the actor's weights to every worker if they changed since the last broadcast (collective on
+        the trainer's ranks: the stream gathers under ZeRO-3). Returns whether it broadcast."""
+        version = self.actor_version
+        if self._pushed_version == version:
+            return False
+        t0 = time.perf_counter()
+        if self.mail is not None:
+            for i in range(self.workers):
+                self.mail.put(worker_boxes(i)[0], {"kind": "weights", "version": version})
+        for _, values in stream_blocks(self.actor.module):
+            if self.group is not None:
+                self.group.broadcast_(flatten([v for _, v in values]))
+        if self.mail is not None:
+            for i in range(self.workers):
+                ack = self.mail.take(worker_boxes(i)[1], self._who(i))
+                if ack.get("version") != version:
+                    raise RuntimeError(f"{self._who(i)} holds version {ack.get('version')} after the broadcast of "
+                                       f"{version}")
+        self._pushed_version = version
+        self.sync_seconds += time.perf_counter() - t0
+        return True
+
+    def take_sync_seconds(self) -> float:
+        out, self.sync_seconds = self.sync_seconds, 0.0
+        return out
+
+    def worker_checksums(self) -> list:
+        """(rank 0) Each worker's sha256 of its weights' bytes in stream order (tests: bitwise equality)."""
+        out = []
+        for i in range(self.workers):
+            self.mail.put(worker_boxes(i)[0], {"kind": "checksum"})
+            out.append(self.mail.take(worker_boxes(i)[1], self._who(i))["sha256"])
+        return out
+
+    # ---- generation ----------------------------------------------------------------------------------------
+    @torch.no_grad()
+    def generate(self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, params: SamplingParams) -> Generated:
+        self.sync_weights()
+        mine = (prompt_ids.cpu(), prompt_mask.cpu(), params)
+        batches = comm.all_gather_object(mine)
+        answers = None
+        if self.mail is not None:
+            world = len(batches)
+            for r, (ids, mask, p) in enumerate(batches):
+                i = (self.calls * world + r) % self.workers
+                self.mail.put(worker_boxes(i)[0], {"kind": "generate", "ids": ids, "mask": mask, "params": p})
+            answers = [self.mail.take(worker_boxes((self.calls * world + r) % self.workers)[1],
+                                      self._who((self.calls * world + r) % self.workers))
+                       for r in range(world)]
+        self.calls += 1
+        answer = comm.broadcast_object(answers)[self.dist.rank]
+        if "error" in answer:
+            raise RuntimeError(f"rollout worker: {answer['error']}")
+        if answer["version"] != self.actor_version:
+            raise RuntimeError(f"rollout worker answered with policy version {answer['version']}, the trainer is at "
+                               f"{self.actor_version}")
+        dev = self.device
+        limits = params.limits(prompt_ids.shape[0], dev)
+        rollout = Rollout.from_generation(prompt_ids.to(dev), prompt_mask.to(dev), answer["tokens"].to(dev),
+                                          params.stop_token_ids, params.pad_token_id, includes_prompt=False,
+                                          limits=limits)
+        lp = answer["logprobs"].to(dev)[:, :rollout.response_width]
+        return Generated(rollout, lp * rollout.action_mask)

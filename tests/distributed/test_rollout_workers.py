@@ -1,0 +1,148 @@
+"""Rollout workers of their own (`--rollout_workers 1`, max_staleness 0): 2 trainer ranks under the deepspeed launcher
+and one worker process per run (3 processes), started after the trainer (a worker that comes late joins). With
+greedy decoding every logged metric equals the colocated run's (lean on the trainer's ranks) over 3 iterations at
+lr > 0: GAE at ZeRO 3, GRPO at ZeRO 2, and a 2-turn environment (GAE, ZeRO 2): the proof that the weights the worker holds
+after each broadcast are the trainer's. One launch of scripts/ppo_checks.py serves every test here."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+
+from _support import ROOT, SCRIPTS, VOLATILE, check, clean_env, launch, ppo_args, run_harness
+
+ATOL = 1e-5
+BASE = dict(do_sample="false", max_steps=3, seed=3, actor_learning_rate=1e-3, per_device_generation_batch_size=4,
+            per_device_training_batch_size=2)
+CASES = {"gae_z3": dict(actor_zero_stage=3, reference_zero_stage=3, critic_zero_stage=3, critic_learning_rate=1e-3),
+         "grpo_z2": dict(actor_zero_stage=2, advantage_estimator="grpo", n_samples_per_prompt=2,
+                         per_device_generation_batch_size=2),
+         "env_z2": dict(actor_zero_stage=2, environment="_envs:counting", max_turns=2, critic_learning_rate=1e-3)}
+LR0 = dict(BASE, do_sample="true", actor_learning_rate=0.0, critic_learning_rate=0.0, ppo_epochs=2)
+
+
+class Workers:
+    """One rollout worker process per address, started `delay` seconds from now (after the trainer: a worker that
+    comes late joins); `wait()` gives their exit codes."""
+
+    def __init__(self, tmp: str, addresses: list, delay: float = 3.0):
+        self.tmp, self.addresses, self.procs, self.logs = tmp, addresses, [], []
+        self.thread = threading.Thread(target=self._start, args=(delay,))
+        self.thread.start()
+
+    def _start(self, delay: float) -> None:
+        time.sleep(delay)
+        for i, address in enumerate(self.addresses):
+            log = open(os.path.join(self.tmp, f"worker_{i}.log"), "w")
+            self.logs.append(log)
+            self.procs.append(subprocess.Popen([sys.executable, os.path.join(ROOT, "launch", "rollout_worker.py"),
+                                                "--rollout_address", address, "--rollout_timeout_s", "120"],
+                                               cwd=ROOT, env=clean_env(), stdout=log, stderr=subprocess.STDOUT))
+
+    def wait(self) -> list:
+        self.thread.join()
+        codes = []
+        for w in self.procs:
+            try:
+                codes.append(w.wait(timeout=60))
+            except subprocess.TimeoutExpired:
+                w.kill()
+                codes.append("hung")
+        for log in self.logs:
+            log.close()
+        return codes
+
+
+def _address() -> str:
+    from rlhf_engine.engine.distributed import free_port
+
+    return f"127.0.0.1:{free_port()}"
+
+
+@pytest.fixture(scope="module")
+def runs(tiny, tmp_path_factory):
+    tmp = str(tmp_path_factory.mktemp("rollout_workers"))
+    spec, addresses = [], []
+    for name, flags in CASES.items():
+        addresses.append(_address())
+        run = {**BASE, **flags}
+        # greedy GRPO groups: member k keeps all but its last k tokens (the harness's group_spread), so they differ
+        hooks = {"group_spread": True} if "grpo" in name else {}
+        spec.append({"name": f"{name}_colocated", "hooks": hooks,
+                     "args": ppo_args(tiny, os.path.join(tmp, f"{name}_colocated"), **run)})
+        spec.append({"name": f"{name}_workers", "hooks": hooks,
+                     "args": ppo_args(tiny, os.path.join(tmp, f"{name}_workers"), **run, rollout_workers=1,
+                                      rollout_address=addresses[-1])})
+    addresses.append(_address())
+    spec.append({"name": "lr0_workers", "args": ppo_args(tiny, os.path.join(tmp, "lr0_workers"), **LR0,
+                                                         rollout_workers=1, rollout_address=addresses[-1])})
+    workers = Workers(tmp, addresses)
+    try:
+        result = run_harness(tmp, "rollout_workers", spec, 2, "deepspeed")
+    finally:
+        codes = workers.wait()
+    result["worker_exit_codes"] = codes
+    return result
+
+
+@pytest.fixture(scope="module")
+def weights(tiny, tmp_path_factory):
+    tmp = str(tmp_path_factory.mktemp("rollout_weights"))
+    addresses = [_address(), _address()]
+    workers = Workers(tmp, addresses, delay=1.0)
+    out = os.path.join(tmp, "out.json")
+    try:
+        check(launch(os.path.join(SCRIPTS, "rollout_worker_checks.py"),
+                     ["--actor", tiny.actor, "--prompts", tiny.prompts, "--workdir", tmp,
+                      "--addresses", ",".join(addresses), "--out", out]))
+    finally:
+        codes = workers.wait()
+    with open(out) as f:
+        return {**json.load(f), "worker_exit_codes": codes}
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_synchronous_workers_equal_the_colocated_run(runs, name):
+    colocated, remote = runs[f"{name}_colocated"], runs[f"{name}_workers"]
+    assert len(remote["records"]) == len(colocated["records"]) >= 3
+    worst = {}
+    for a, b in zip(remote["records"], colocated["records"]):
+        for k, v in b.items():
+            if not k.startswith(VOLATILE) and isinstance(v, (int, float)) and not isinstance(v, bool):
+                worst[k] = max(worst.get(k, 0.0), abs(a[k] - v))
+    assert max(worst.values()) <= ATOL, sorted(worst.items(), key=lambda kv: -kv[1])[:5]
+    assert remote["max_param_change"]["actor"] > 1e-4  # the policy moved: later rollouts needed the broadcasts
+    for ra, rb in zip(remote["ranks"], colocated["ranks"]):
+        assert ra["rollouts"] == rb["rollouts"]  # every rank's rollouts, token for token
+    assert all("time/weight_sync" in r for r in remote["records"] if "objective/kl" in r)
+
+
+@pytest.mark.distributed
+def test_every_worker_stops_cleanly_when_its_trainer_is_done(runs):
+    assert runs["worker_exit_codes"] == [0] * (len(CASES) + 1)  # the cases and the lr-0 run
+
+
+@pytest.mark.distributed
+def test_lr0_every_ratio_is_one_with_worker_rollouts(runs):
+    run = runs["lr0_workers"]
+    assert run["ratio_trace"] and max(run["ratio_trace"]) == 0.0 and run["max_param_change"]["actor"] == 0.0
+    # sampled on the worker: its generation-time log-probs are the trainer's to kernel rounding
+    assert max(r["rollout/logprob_diff_max"] for r in run["records"]) < 1e-5
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("stage", ["z2", "z3"])
+def test_after_a_broadcast_the_worker_holds_the_trainer_s_weights_bitwise(weights, stage):
+    w = weights[stage]
+    assert w["after_broadcast"]["equal"] and w["after_next_broadcast"]["equal"]
+    # negative control: the actor stepped and nothing was broadcast: the hashes differ
+    assert w["stepped_without_broadcast"]["equal"] is False
+    assert w["after_next_broadcast"]["version"] == w["after_broadcast"]["version"] + 1
+    assert w["broadcast_again_is_a_no_op"]
+    assert weights["worker_exit_codes"] == [0, 0]
