@@ -35,11 +35,21 @@ POLICY_LOSS_DEFAULTS = {"gspo": {"loss_agg_mode": "seq_mean_token_mean"}}
 BACKEND_DEFAULTS = {"vllm": {"rollout_correction": "token_truncate"}}
 
 
-def run_defaults(ppo: Any, backend: str = "") -> dict:
-    """The defaults the run's estimator family, policy loss and generation backend ask for (`ESTIMATOR_DEFAULTS`,
-    `POLICY_LOSS_DEFAULTS`, then `BACKEND_DEFAULTS`), by PPO field."""
+# Rollouts generated ahead of training (max_staleness >= 1) come from an older policy: AReaL's decoupled objective
+# weights them by the trainer's over the behaviour policy's probability; capped, as above.
+AHEAD_DEFAULTS = {"rollout_correction": "token_truncate"}
+
+
+def run_defaults(ppo: Any, backend: str = "", ahead: bool = False) -> dict:
+    """The defaults the run's estimator family, policy loss, generation backend and rollouts ahead of training ask
+    for (`ESTIMATOR_DEFAULTS`, `POLICY_LOSS_DEFAULTS`, `BACKEND_DEFAULTS`, then `AHEAD_DEFAULTS`), by PPO field."""
     return {**ESTIMATOR_DEFAULTS.get(ppo.advantage_estimator, {}), **POLICY_LOSS_DEFAULTS.get(ppo.policy_loss, {}),
-            **BACKEND_DEFAULTS.get(backend, {})}
+            **BACKEND_DEFAULTS.get(backend, {}), **(AHEAD_DEFAULTS if ahead else {})}
+
+
+def rollouts_ahead_of_training(cfg: Any) -> bool:
+    r = cfg.rollout
+    return bool(r.on and is_number(r.max_staleness) and r.max_staleness >= 1)
 
 
 def apply_estimator_defaults(cfg: Any, explicit: set) -> dict:
@@ -47,7 +57,7 @@ def apply_estimator_defaults(cfg: Any, explicit: set) -> dict:
     PPO fields of `cfg` (a TrainConfig) that are not in `explicit` (the flat keys a run gave); returns what was
     set."""
     applied = {}
-    for key, value in run_defaults(cfg.ppo, cfg.engine.requested_backend[0]).items():
+    for key, value in run_defaults(cfg.ppo, cfg.engine.requested_backend[0], rollouts_ahead_of_training(cfg)).items():
         if key not in explicit:
             setattr(cfg.ppo, key, value)
             applied[key] = value

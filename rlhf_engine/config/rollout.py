@@ -20,7 +20,8 @@ class RolloutConfig:
                                "of their own group: never the trainer's DeepSpeed group); give the workers the same.")
     max_staleness: int = opt(0, "Policy versions a trained batch may lag behind the trainer's weights. 0 = "
                              "synchronous: every batch is generated with the current weights (equals the "
-                             "colocated run). Generating ahead (>= 1) is not built yet.")
+                             "colocated run); K >= 1: the workers generate the next K iterations while the trainer "
+                             "trains, and rollout_correction defaults to token_truncate.")
     rollout_timeout_s: float = opt(300.0, "Seconds the trainer waits for its workers (to join, to answer a batch, "
                                    "to take the weights) before it stops naming the worker.")
 
@@ -36,9 +37,6 @@ class RolloutConfig:
         if self.on and not _host_port(self.rollout_address):
             p.add(prefix + "rollout_address", self.rollout_address, "give HOST:PORT (the trainer's rank 0 listens "
                   "there; start each worker with launch/rollout_worker.py --rollout_address HOST:PORT)")
-        if is_number(self.max_staleness) and self.max_staleness >= 1:
-            p.add(prefix + "max_staleness", self.max_staleness, "generating ahead of training is not built yet; "
-                  "use 0 (synchronous rollouts from the workers)")
         if is_number(self.max_staleness) and self.max_staleness > 0 and not self.on:
             p.add(prefix + "max_staleness", self.max_staleness, "needs rollout_workers > 0")
 

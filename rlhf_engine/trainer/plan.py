@@ -195,8 +195,10 @@ def log_estimator_defaults(cfg: TrainConfig, dist: DistInfo) -> None:
     start-up."""
     from ..config.ppo import run_defaults
 
+    from ..config.ppo import rollouts_ahead_of_training
+
     backend = cfg.engine.requested_backend[0]
-    family = run_defaults(cfg.ppo, backend)
+    family = run_defaults(cfg.ppo, backend, rollouts_ahead_of_training(cfg))
     if family and dist.is_main:
         log.info("advantage_estimator %s, policy_loss %s, generation_backend %s: their defaults %s (explicit flags "
                  "win); in effect %s", cfg.ppo.advantage_estimator, cfg.ppo.policy_loss, backend,

@@ -82,6 +82,8 @@ class PPOTrainer:
         self.hooks = (hooks or TestHooks()).attach(dist.rank, lambda: engine.optimizer_steps("actor"))
         self.sampler = plan.sampler
         self._batches = DataCursor(self.sampler)  # (epoch, k, indices) like sampler.iter_from, with a position
+        # max_staleness >= 1: the workers generate the next iterations while this one trains (trainer/ahead.py)
+        self.ahead = setup.rollouts_ahead(plan, engine, self._batches)
         self.kl_ctl = setup.kl_controller(cfg.ppo)
         self.metrics = metrics or MetricsWriter(cfg.run.output_dir, enabled=dist.is_main)
         self.total_iterations = plan.iterations
@@ -105,7 +107,7 @@ class PPOTrainer:
         # What a checkpoint saves besides the engines, per rank, in restore order (trainer/state.py adds "trainer"
         # first and "rng" last): name -> object with state_dict() / load_state_dict()
         self.state_providers = {name: obj for name, obj in (
-            ("data", self._batches), ("kl_controller", self.kl_ctl),
+            ("data", self.ahead or self._batches), ("kl_controller", self.kl_ctl),
             ("ptx_data", self.ptx.cursor if self.ptx is not None else None),
             ("reward_normalizer", self.shaper.normalizer), ("step_guard", self.guard)) if obj is not None}
         self.checkpointer = setup.checkpointer(plan, engine, providers_of(self), self.hooks)
@@ -120,6 +122,8 @@ class PPOTrainer:
     # ---- phases ----------------------------------------------------------------------------------------------
     def rollout_phase(self):
         self.hooks.at("rollout", self.iteration)
+        if self.ahead is not None:
+            return self.ahead.take(self.iteration)
         n = self.cfg.batch.n_samples_per_prompt
         rollouts = []
         for _ in range(self.cfg.batch.generation_batches):
@@ -241,6 +245,11 @@ class PPOTrainer:
         sync = self.engine.generator.take_sync_seconds()  # weights loaded into the backend's own engine (vllm)
         if sync is not None:
             rec["time/weight_sync"] = sync
+        rec.update(self.engine.generator.take_async_stats())  # rollout workers: the waits on either side
+        if self.ahead is not None:
+            st = self.ahead.staleness
+            rec.update({"async/staleness_mean": sum(st) / len(st), "async/staleness_max": max(st),
+                        **self.ahead.take_counts()})
         rec.update(evaluated)
         self.kl_ctl.update(rec["objective/kl"], int(n_seq))
         rec.update(self.clock.close(rec, metrics=time.perf_counter() - t3))

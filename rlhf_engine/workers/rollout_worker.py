@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import datetime
 import logging
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -20,7 +21,7 @@ from .. import comm
 from ..config import TrainConfig
 from ..config.rollout import parse_address
 from ..engine.generation import BACKENDS, GenerationContext
-from ..engine.generation.remote import Mailbox, worker_boxes
+from ..engine.generation.remote import Mailbox, answer_key, inbox
 from ..engine.policy_weights import weight_groups, weights_sha256
 
 log = logging.getLogger(__name__)
@@ -57,13 +58,29 @@ def receive_weights(group: comm.PeerGroup, model: torch.nn.Module) -> None:
             offset += p.numel()
 
 
+def find_trainer(host: str, port: int, timeout_s: float) -> Any:
+    """The trainer's store, looked for every few seconds until `timeout_s` (a worker may start before its trainer;
+    one long connection attempt would back off for minutes after the trainer came up)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            store = comm.open_store(host, port, False, datetime.timedelta(seconds=5))
+            store.set_timeout(datetime.timedelta(seconds=timeout_s))
+            return store
+        except Exception as e:  # noqa: BLE001  (DistNetworkError, or a RuntimeError from older torch)
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"rollout worker: no trainer at {host}:{port} within {timeout_s:.0f} s (start "
+                                   "the trainer with --rollout_workers N --rollout_address HOST:PORT)") from e
+            time.sleep(1.0)
+
+
 def serve(address: str, backend: str = "", timeout_s: float = 300.0, idle_timeout_s: float = 86400.0,
           device: str = "cpu") -> int:
     """Join the trainer at `address` and serve it until it says stop; returns the exit code. `backend` '' = the
     trainer's generation backend."""
     host, port = parse_address(address)
     timeout = datetime.timedelta(seconds=timeout_s)
-    store = comm.open_store(host, port, False, timeout)
+    store = find_trainer(host, port, timeout_s)
     index = int(store.add("joined", 1)) - 1
     size = int(store.get("size"))
     if index >= size:
@@ -71,12 +88,16 @@ def serve(address: str, backend: str = "", timeout_s: float = 300.0, idle_timeou
         return 2
     group = comm.PeerGroup(store, index + 1, size + 1, timeout)
     mail = Mailbox(store, timeout_s, address)
-    inbox, outbox = worker_boxes(index)
+    box = inbox(index)
     dev = torch.device(device)
     model = generator = policy = None
     log.info("rollout worker %d of %d: joined the trainer at %s", index, size, address)
+    idle = 0.0  # seconds spent waiting for the trainer since the last answered batch (reported with the next)
     while True:
-        msg = mail.take(inbox, f"the trainer (worker {index}'s inbox)", timeout_s=idle_timeout_s)
+        t0 = time.perf_counter()
+        msg = mail.receive(box, f"the trainer (worker {index}'s inbox)", timeout_s=idle_timeout_s)
+        if generator is not None:  # not the wait for the first setup
+            idle += time.perf_counter() - t0
         kind = msg["kind"]
         if kind == "stop":
             log.info("rollout worker %d: the trainer is done", index)
@@ -88,23 +109,30 @@ def serve(address: str, backend: str = "", timeout_s: float = 300.0, idle_timeou
                 policy = PlainPolicy(model)
                 ctx = GenerationContext(policy, comm.DistInfo(0, 1, 0, dev), 0, TrainConfig())
                 generator = BACKENDS[backend or msg["backend"]](ctx)
-                mail.put(outbox, {"names": names})
+                mail.put(answer_key(index, "setup"), {"names": names})
             except Exception as e:  # noqa: BLE001  (told to the trainer, which stops naming this worker)
-                mail.put(outbox, {"names": None, "error": f"{type(e).__name__}: {e}"})
+                mail.put(answer_key(index, "setup"), {"names": None, "error": f"{type(e).__name__}: {e}"})
                 raise
         elif kind == "weights":
             receive_weights(group, model)
             policy.global_steps = int(msg["version"])
-            mail.put(outbox, {"version": policy.global_steps})
+            mail.put(answer_key(index, f"ack/{policy.global_steps}"), {"version": policy.global_steps})
         elif kind == "checksum":
-            mail.put(outbox, {"sha256": weights_sha256(p for _, g in weight_groups(model) for p in g)})
+            mail.put(answer_key(index, f"sum/{msg['n']}"),
+                     {"sha256": weights_sha256(p for _, g in weight_groups(model) for p in g)})
         elif kind == "generate":
             try:
+                if msg.get("seed") is not None:  # the trainer's draw: a rerun samples the same
+                    torch.manual_seed(msg["seed"])
                 gen = generator.generate(msg["ids"], msg["mask"], msg["params"])
-                mail.put(outbox, {"tokens": gen.rollout.responses.cpu(), "logprobs": gen.logprobs.cpu(),
-                                  "version": policy.global_steps})
+                mail.put(answer_key(index, f"batch/{msg['ticket']}/{msg['rank']}"),
+                         {"tokens": gen.rollout.responses.cpu(), "logprobs": gen.logprobs.cpu(),
+                          "version": policy.global_steps, "idle_s": idle})
             except Exception as e:  # noqa: BLE001
-                mail.put(outbox, {"error": f"worker {index}: {type(e).__name__}: {e}"})
+                mail.put(answer_key(index, f"batch/{msg['ticket']}/{msg['rank']}"),
+                         {"error": f"worker {index}: {type(e).__name__}: {e}"})
                 raise
         else:
             raise RuntimeError(f"rollout worker {index}: unknown message {kind!r}")
+        if kind == "generate":
+            idle = 0.0

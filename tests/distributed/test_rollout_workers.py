@@ -24,6 +24,8 @@ CASES = {"gae_z3": dict(actor_zero_stage=3, reference_zero_stage=3, critic_zero_
                          per_device_generation_batch_size=2),
          "env_z2": dict(actor_zero_stage=2, environment="_envs:counting", max_turns=2, critic_learning_rate=1e-3)}
 LR0 = dict(BASE, do_sample="true", actor_learning_rate=0.0, critic_learning_rate=0.0, ppo_epochs=2)
+AHEAD = dict(BASE, do_sample="true", max_steps=4, max_staleness=1, critic_learning_rate=1e-3, eval_split=0.25,
+             eval_interval=2)
 
 
 class Workers:
@@ -41,7 +43,7 @@ class Workers:
             log = open(os.path.join(self.tmp, f"worker_{i}.log"), "w")
             self.logs.append(log)
             self.procs.append(subprocess.Popen([sys.executable, os.path.join(ROOT, "launch", "rollout_worker.py"),
-                                                "--rollout_address", address, "--rollout_timeout_s", "120"],
+                                                "--rollout_address", address, "--rollout_timeout_s", "600"],
                                                cwd=ROOT, env=clean_env(), stdout=log, stderr=subprocess.STDOUT))
 
     def wait(self) -> list:
@@ -81,6 +83,13 @@ def runs(tiny, tmp_path_factory):
     addresses.append(_address())
     spec.append({"name": "lr0_workers", "args": ppo_args(tiny, os.path.join(tmp, "lr0_workers"), **LR0,
                                                          rollout_workers=1, rollout_address=addresses[-1])})
+    # K = 1: straight, and stopped after 2 iterations then resumed by the requeued command (--resume auto)
+    part = os.path.join(tmp, "ahead_part")
+    for name, out, extra in (("ahead", os.path.join(tmp, "ahead"), {}), ("ahead_part", part, {"max_steps": 2}),
+                             ("ahead_resumed", part, {"resume": "auto"})):
+        addresses.append(_address())
+        spec.append({"name": name, "args": ppo_args(tiny, out, **{**AHEAD, **extra}, rollout_workers=1,
+                                                    rollout_address=addresses[-1])})
     workers = Workers(tmp, addresses)
     try:
         result = run_harness(tmp, "rollout_workers", spec, 2, "deepspeed")
@@ -125,7 +134,7 @@ def test_synchronous_workers_equal_the_colocated_run(runs, name):
 
 @pytest.mark.distributed
 def test_every_worker_stops_cleanly_when_its_trainer_is_done(runs):
-    assert runs["worker_exit_codes"] == [0] * (len(CASES) + 1)  # the cases and the lr-0 run
+    assert runs["worker_exit_codes"] == [0] * (len(CASES) + 4)  # the cases, lr 0 and the three K = 1 runs
 
 
 @pytest.mark.distributed
@@ -146,3 +155,37 @@ def test_after_a_broadcast_the_worker_holds_the_trainer_s_weights_bitwise(weight
     assert w["after_next_broadcast"]["version"] == w["after_broadcast"]["version"] + 1
     assert w["broadcast_again_is_a_no_op"]
     assert weights["worker_exit_codes"] == [0, 0]
+
+
+def _train(run):
+    return [r for r in run["records"] if "objective/kl" in r]  # not the final evaluation's record
+
+
+@pytest.mark.distributed
+def test_k1_generates_one_version_ahead_and_never_staler(runs):
+    """Iteration k + 1's batches are generated while the trainer trains on k (with the weights before that update):
+    staleness 1 from the second iteration on, 0 for the first, never more; the correction defaults to
+    token_truncate; the waits on both sides are reported; an evaluation between iterations takes its own batch."""
+    records = _train(runs["ahead"])
+    assert [r["async/staleness_max"] for r in records] == [0, 1, 1, 1]
+    assert all(r["async/dropped_batches"] == 0 for r in records)
+    assert all(r["time/trainer_wait"] >= 0 and r["time/worker_idle"] >= 0 for r in records)
+    assert sum("eval/score" in r for r in runs["ahead"]["records"]) >= 2
+    with open(os.path.join(runs["ahead"]["output_dir"], "config.json")) as f:
+        assert json.load(f)["rollout_correction"] == "token_truncate"
+    assert runs["ahead"]["max_param_change"]["actor"] > 1e-4
+
+
+@pytest.mark.distributed
+def test_k1_resume_discards_rollouts_in_flight_and_redraws_their_prompts(runs):
+    """The checkpoint after 2 iterations holds the data position of the first prompt not trained on (iteration 2's,
+    already in flight when it was saved): the resumed run trains iteration 2 on the same prompts as the straight
+    run, generated afresh with its current weights (staleness 0)."""
+    straight, resumed = runs["ahead"], runs["ahead_resumed"]
+    assert [r["iteration"] for r in _train(resumed)] == [2, 3]
+    assert _train(resumed)[0]["async/staleness_max"] == 0
+    for rs, rr in zip(straight["ranks"], resumed["ranks"]):
+        width = rs["rollouts"][2]["prompt_lengths"][0]
+        prompts = [row[:width] for row in rs["rollouts"][2]["sequences"]]
+        width_r = rr["rollouts"][0]["prompt_lengths"][0]
+        assert prompts == [row[:width_r] for row in rr["rollouts"][0]["sequences"]]

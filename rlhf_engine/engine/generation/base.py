@@ -63,6 +63,7 @@ class Generated:
     rollout: Rollout
     logprobs: Optional[torch.Tensor] = None  # [B, R] generation-time log-probs, None: not available
     episode_stats: Optional[Any] = None  # multi-turn batches: their envs.EpisodeStats (env/* metrics)
+    policy_version: Optional[int] = None  # rollout workers: the actor's step count of the weights that made it
 
 
 @dataclass(frozen=True)
@@ -110,6 +111,10 @@ class GenerationBackend:
     def release(self) -> None:
         """Called after an iteration's rollouts: a backend with an engine of its own may free its memory for the
         training phase (vllm on a GPU: sleep mode)."""
+
+    def take_async_stats(self) -> dict:
+        """Rollout workers: time/trainer_wait and time/worker_idle since the last call ({} otherwise)."""
+        return {}
 
     def take_sync_seconds(self) -> Optional[float]:
         """Seconds spent loading the actor's weights into the backend's own engine since the last call (None: the

@@ -5,8 +5,9 @@ the protocol both sides speak. The worker's loop is rlhf_engine/workers/rollout_
   each worker joins, takes an index from a counter, and the N + 1 processes build a gloo `comm.PeerGroup` on that
   store (rank 0 = the trainer's rank 0, rank 1 + i = worker i): never the trainer's DeepSpeed group, never a worker's
   default group.
-* Messages: pickled objects under `w<i>/in/<seq>` (to worker i) and `w<i>/out/<seq>` (its answers), each taken once
-  and deleted; every wait has `rollout_timeout_s` and names the worker it waited for.
+* Messages: pickled objects under `w<i>/in/<seq>` (to worker i, read in order) and one key per answer
+  (`answer_key`: a batch's by its ticket), each taken once and deleted; every wait has `rollout_timeout_s` and names
+  the worker it waited for.
 * Setup: the worker gets the actor's Hugging Face config, dtype, generation backend and the weight names it must hold;
   it builds a plain copy of the policy (random weights) and answers with its own names, checked against ours.
 * Weights: after every optimizer step, before the next generate call, the actor's weights are broadcast block by
@@ -38,22 +39,20 @@ WORKER_COMMAND = "python launch/rollout_worker.py --rollout_address {address}"
 
 
 class Mailbox:
-    """Pickled messages over a TCP store, one numbered slot per message and direction, per worker."""
+    """Pickled messages over a TCP store. A worker's inbox is read in order (`send` / `receive`); every answer has
+    a key of its own (`put` / `take`): a batch's by its ticket, so answers are taken in any order (an evaluation's
+    batch while batches submitted earlier are still in flight)."""
 
     def __init__(self, store: Any, timeout_s: float, address: str):
         self.store, self.timeout_s, self.address = store, timeout_s, address
         self.sent: dict = {}
-        self.taken: dict = {}
+        self.read: dict = {}
 
-    def put(self, box: str, obj: Any) -> None:
-        seq = self.sent.get(box, 0)
-        self.sent[box] = seq + 1
-        self.store.set(f"{box}/{seq}", pickle.dumps(obj))
+    def put(self, key: str, obj: Any) -> None:
+        self.store.set(key, pickle.dumps(obj))
 
-    def take(self, box: str, who: str, timeout_s: Optional[float] = None) -> Any:
-        """The next message in `box`; a TimeoutError naming `who` after the timeout."""
-        seq = self.taken.get(box, 0)
-        key = f"{box}/{seq}"
+    def take(self, key: str, who: str, timeout_s: Optional[float] = None) -> Any:
+        """The message at `key` (deleted once taken); a TimeoutError naming `who` after the timeout."""
         wait = self.timeout_s if timeout_s is None else timeout_s
         try:
             self.store.wait([key], datetime.timedelta(seconds=wait))
@@ -62,13 +61,28 @@ class Mailbox:
                                f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})") from e
         obj = pickle.loads(self.store.get(key))
         self.store.delete_key(key)
-        self.taken[box] = seq + 1
+        return obj
+
+    def send(self, box: str, obj: Any) -> None:
+        seq = self.sent.get(box, 0)
+        self.sent[box] = seq + 1
+        self.put(f"{box}/{seq}", obj)
+
+    def receive(self, box: str, who: str, timeout_s: Optional[float] = None) -> Any:
+        seq = self.read.get(box, 0)
+        obj = self.take(f"{box}/{seq}", who, timeout_s)
+        self.read[box] = seq + 1
         return obj
 
 
-def worker_boxes(index: int) -> tuple[str, str]:
-    """(the box worker `index` reads, the box it answers in)."""
-    return f"w{index}/in", f"w{index}/out"
+def inbox(index: int) -> str:
+    """The box worker `index` reads its messages from, in order."""
+    return f"w{index}/in"
+
+
+def answer_key(index: int, what: str) -> str:
+    """Where worker `index` answers: 'setup', 'ack/<version>', 'sum/<n>', 'batch/<ticket>'."""
+    return f"w{index}/{what}"
 
 
 def plain_names(module: torch.nn.Module) -> list:
@@ -96,9 +110,11 @@ class RemoteBackend(GenerationBackend):
         r = ctx.cfg.rollout
         self.workers, self.address, self.timeout_s = int(r.rollout_workers), r.rollout_address, float(r.rollout_timeout_s)
         self.worker_backend = worker_backend
-        self.calls = 0
+        self.calls = self.checksums = 0  # batches submitted, checksum requests made
+        self._seen_steps: Optional[int] = None  # the actor's optimizer steps when the version was last read
+        self._version = 0
         self._pushed_version: Optional[int] = None
-        self.sync_seconds = 0.0
+        self.sync_seconds = self.trainer_wait = self.worker_idle = 0.0
         self.group = self.mail = None
         if self.dist.is_main:
             self._connect(ctx)
@@ -127,9 +143,9 @@ class RemoteBackend(GenerationBackend):
         setup = {"kind": "setup", "config": hf.config.to_dict(), "dtype": ctx.dtype, "backend": self.worker_backend,
                  "names": names}
         for i in range(self.workers):
-            self.mail.put(worker_boxes(i)[0], setup)
+            self.mail.send(inbox(i), setup)
         for i in range(self.workers):
-            answer = self.mail.take(worker_boxes(i)[1], self._who(i))
+            answer = self.mail.take(answer_key(i, "setup"), self._who(i))
             if answer.get("names") != names:
                 raise RuntimeError(f"{self._who(i)}: its copy of the policy holds other weights than the actor "
                                    f"({answer.get('error') or 'names differ'})")
@@ -143,7 +159,7 @@ class RemoteBackend(GenerationBackend):
         """Tell every worker the run is over (rank 0; once)."""
         if self.mail is not None:
             for i in range(self.workers):
-                self.mail.put(worker_boxes(i)[0], {"kind": "stop"})
+                self.mail.send(inbox(i), {"kind": "stop"})
             self.mail = None
 
     # ---- weights -------------------------------------------------------------------------------------------
@@ -158,7 +174,12 @@ class RemoteBackend(GenerationBackend):
 
     @property
     def actor_version(self) -> int:
-        return int(self.actor.global_steps)
+        """The policy version: how many times the actor's weights changed (its optimizer stepped) since the run
+        started, counted once per change however many steps an iteration takes (what staleness counts)."""
+        steps = int(self.actor.global_steps)
+        if steps != self._seen_steps:
+            self._seen_steps, self._version = steps, self._version + (self._seen_steps is not None)
+        return self._version
 
     def sync_weights(self) -> bool:
         """Broadcast the actor's weights to every worker if they changed since the last broadcast (collective on
@@ -169,13 +190,13 @@ class RemoteBackend(GenerationBackend):
         t0 = time.perf_counter()
         if self.mail is not None:
             for i in range(self.workers):
-                self.mail.put(worker_boxes(i)[0], {"kind": "weights", "version": version})
+                self.mail.send(inbox(i), {"kind": "weights", "version": version})
         for _, values in stream_blocks(self.actor.module):
             if self.group is not None:
                 self.group.broadcast_(flatten([v for _, v in values]))
         if self.mail is not None:
             for i in range(self.workers):
-                ack = self.mail.take(worker_boxes(i)[1], self._who(i))
+                ack = self.mail.take(answer_key(i, f"ack/{version}"), self._who(i))
                 if ack.get("version") != version:
                     raise RuntimeError(f"{self._who(i)} holds version {ack.get('version')} after the broadcast of "
                                        f"{version}")
@@ -190,37 +211,66 @@ class RemoteBackend(GenerationBackend):
     def worker_checksums(self) -> list:
         """(rank 0) Each worker's sha256 of its weights' bytes in stream order (tests: bitwise equality)."""
         out = []
+        self.checksums += 1
         for i in range(self.workers):
-            self.mail.put(worker_boxes(i)[0], {"kind": "checksum"})
-            out.append(self.mail.take(worker_boxes(i)[1], self._who(i))["sha256"])
+            self.mail.send(inbox(i), {"kind": "checksum", "n": self.checksums})
+        for i in range(self.workers):
+            out.append(self.mail.take(answer_key(i, f"sum/{self.checksums}"), self._who(i))["sha256"])
         return out
 
     # ---- generation ----------------------------------------------------------------------------------------
-    @torch.no_grad()
-    def generate(self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, params: SamplingParams) -> Generated:
-        self.sync_weights()
-        mine = (prompt_ids.cpu(), prompt_mask.cpu(), params)
-        batches = comm.all_gather_object(mine)
-        answers = None
+    def submit(self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, params: SamplingParams) -> int:
+        """Hand every rank's batch to a worker with the weights it holds now, without waiting: a ticket for
+        `result`. Collective on the trainer's ranks. A sampled batch carries a seed from this rank's stream (the
+        worker seeds its draws with it: a rerun draws the same samples)."""
+        seed = int(torch.randint(0, 2**31 - 1, ())) if params.do_sample else None
+        batches = comm.all_gather_object((prompt_ids.cpu(), prompt_mask.cpu(), params, seed))
+        ticket = self.calls
         if self.mail is not None:
-            world = len(batches)
-            for r, (ids, mask, p) in enumerate(batches):
-                i = (self.calls * world + r) % self.workers
-                self.mail.put(worker_boxes(i)[0], {"kind": "generate", "ids": ids, "mask": mask, "params": p})
-            answers = [self.mail.take(worker_boxes((self.calls * world + r) % self.workers)[1],
-                                      self._who((self.calls * world + r) % self.workers))
-                       for r in range(world)]
+            for r, (ids, mask, p, sd) in enumerate(batches):
+                self.mail.send(inbox(self._worker(ticket, r, len(batches))),
+                               {"kind": "generate", "ticket": ticket, "rank": r, "ids": ids, "mask": mask, "params": p,
+                                "seed": sd})
         self.calls += 1
+        return ticket
+
+    def _worker(self, ticket: int, rank: int, world: int) -> int:
+        return (ticket * world + rank) % self.workers
+
+    def result(self, ticket: int, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor,
+               params: SamplingParams) -> Generated:
+        """The rollout of a submitted batch (this rank's), waiting for it (`time/trainer_wait`). Collective."""
+        answers = None
+        t0 = time.perf_counter()
+        if self.mail is not None:
+            world = self.dist.world_size
+            answers = [self.mail.take(answer_key(self._worker(ticket, r, world), f"batch/{ticket}/{r}"),
+                                      self._who(self._worker(ticket, r, world))) for r in range(world)]
+            self.worker_idle += sum(a.get("idle_s", 0.0) for a in answers)
         answer = comm.broadcast_object(answers)[self.dist.rank]
+        self.trainer_wait += time.perf_counter() - t0
         if "error" in answer:
             raise RuntimeError(f"rollout worker: {answer['error']}")
-        if answer["version"] != self.actor_version:
-            raise RuntimeError(f"rollout worker answered with policy version {answer['version']}, the trainer is at "
-                               f"{self.actor_version}")
         dev = self.device
         limits = params.limits(prompt_ids.shape[0], dev)
         rollout = Rollout.from_generation(prompt_ids.to(dev), prompt_mask.to(dev), answer["tokens"].to(dev),
                                           params.stop_token_ids, params.pad_token_id, includes_prompt=False,
                                           limits=limits)
         lp = answer["logprobs"].to(dev)[:, :rollout.response_width]
-        return Generated(rollout, lp * rollout.action_mask)
+        return Generated(rollout, lp * rollout.action_mask, policy_version=int(answer["version"]))
+
+    @torch.no_grad()
+    def generate(self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, params: SamplingParams) -> Generated:
+        """Synchronous: the current weights, then this batch (max_staleness 0)."""
+        self.sync_weights()
+        gen = self.result(self.submit(prompt_ids, prompt_mask, params), prompt_ids, prompt_mask, params)
+        if gen.policy_version != self.actor_version:
+            raise RuntimeError(f"rollout worker answered with policy version {gen.policy_version}, the trainer is at "
+                               f"{self.actor_version}")
+        return gen
+
+    def take_async_stats(self) -> dict:
+        """Seconds the trainer waited for answers and the workers waited for work, since the last call."""
+        out = {"time/trainer_wait": self.trainer_wait, "time/worker_idle": self.worker_idle}
+        self.trainer_wait = self.worker_idle = 0.0
+        return out

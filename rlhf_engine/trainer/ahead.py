@@ -1,0 +1,85 @@
+"""Rollouts generated ahead of training (`--max_staleness K >= 1` with rollout workers, docs/async-rollouts.md).
+
+At iteration k the trainer takes the batches of iteration k (submitted earlier), then broadcasts its current weights
+and submits iterations up to k + K, which the workers generate while the trainer computes the experience of k and
+trains on it. A batch's staleness is the trainer's policy version when it trains on it minus the version that made
+it: at most K by construction (a batch past K would be dropped and generated again, counted in
+`async/dropped_batches`). The PPO objective is decoupled, as AReaL's: the proximal policy is the trainer's own
+recompute at the start of the update (the old log-probs), the behaviour policy the workers' log-probs, corrected by
+`--rollout_correction` (token_truncate by default with K >= 1).
+
+The data position a checkpoint saves is the first prompt not trained on: the prompts of batches in flight are drawn
+again after a resume (their rollouts are discarded).
+"""
+from __future__ import annotations
+
+import collections
+import dataclasses
+from typing import Any
+
+from ..data.prompts import collate_prompts
+
+
+class RolloutsAhead:
+    """Iterations of rollout batches in flight on the workers; `take(iteration)` gives one iteration's, as
+    `PPOTrainer.rollout_phase` would have generated them."""
+
+    def __init__(self, backend: Any, cursor: Any, dataset: Any, batch_cfg: Any, sampling: Any, pad_token_id: int,
+                 max_staleness: int):
+        self.backend, self.cursor, self.dataset = backend, cursor, dataset
+        self.batch_cfg, self.sampling, self.pad = batch_cfg, sampling, pad_token_id
+        self.max_staleness = max_staleness
+        self.pending: collections.deque = collections.deque()  # per iteration: (data position before it, batches)
+        self.staleness: list = []  # of the last taken iteration's batches
+        self.dropped = 0
+
+    def _draw(self) -> list:
+        """One iteration's prompt batches: (ids, mask, rows) each, in the data order."""
+        n = self.batch_cfg.n_samples_per_prompt
+        out = []
+        for _ in range(self.batch_cfg.generation_batches):
+            _, _, idx = next(self.cursor)
+            ids, mask = collate_prompts(self.dataset, idx, self.pad)
+            if n > 1:
+                ids, mask = ids.repeat_interleave(n, 0), mask.repeat_interleave(n, 0)
+            out.append((ids, mask, self.dataset.rows(idx, repeat=n)))
+        return out
+
+    def _submit(self) -> None:
+        position = self.cursor.state_dict()
+        batches = [(self.backend.submit(ids, mask, self.sampling), ids, mask, rows) for ids, mask, rows in self._draw()]
+        self.pending.append((position, batches))
+
+    def take(self, iteration: int) -> list:
+        """The iteration's Generated batches (rows attached); then the current weights go out and the next
+        iterations are submitted. Collective on the trainer's ranks."""
+        if not self.pending:
+            self.backend.sync_weights()
+            self._submit()
+        _, batches = self.pending.popleft()
+        version = self.backend.actor_version
+        gens, self.staleness = [], []
+        for ticket, ids, mask, rows in batches:
+            gen = self.backend.result(ticket, ids, mask, self.sampling)
+            if version - gen.policy_version > self.max_staleness:  # cannot happen in this pipeline: guarded anyway
+                self.dropped += 1
+                gen = self.backend.generate(ids, mask, self.sampling)
+            self.staleness.append(version - gen.policy_version)
+            gens.append(dataclasses.replace(gen, rollout=gen.rollout.with_rows(rows)))
+        self.backend.sync_weights()  # the weights of this iteration's update are the next batches' policy
+        while len(self.pending) < self.max_staleness:
+            self._submit()
+        return gens
+
+    def take_counts(self) -> dict:
+        out = {"async/dropped_batches": self.dropped}
+        self.dropped = 0
+        return out
+
+    # ---- checkpoint: the first prompt not trained on ---------------------------------------------------------
+    def state_dict(self) -> dict:
+        return self.pending[0][0] if self.pending else self.cursor.state_dict()
+
+    def load_state_dict(self, state: dict, strict: bool = True) -> None:
+        self.pending.clear()  # rollouts in flight belong to the interrupted run
+        self.cursor.load_state_dict(state, strict)
