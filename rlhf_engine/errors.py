@@ -31,6 +31,11 @@ class TrainingStopped(RuntimeError):
     exit_code = EXIT_FAILED
 
 
+class RolloutWorkerLost(TrainingStopped):
+    """A rollout worker died, hung or answered wrongly: every trainer rank stops together, naming it, after a
+    checkpoint of the iterations completed (trainer/ppo_trainer.py)."""
+
+
 @dataclass(frozen=True)
 class Problem:
     field: str  # the config field, flag, argument or file the problem is about

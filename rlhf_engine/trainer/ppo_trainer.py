@@ -26,6 +26,7 @@ num_train_epochs).
 """
 from __future__ import annotations
 
+import copy
 import dataclasses
 import logging
 import time
@@ -35,6 +36,7 @@ import torch
 
 from ..data.prompts import collate_prompts
 from ..engine.generation import Generated
+from ..errors import RolloutWorkerLost
 from ..hooks import TestHooks
 from ..data.sampler import DataCursor
 from ..outputs.metrics import MetricsWriter
@@ -263,6 +265,16 @@ class PPOTrainer:
         self.iteration += 1
         return rec
 
+    def _save_before(self, start: dict) -> None:
+        """A rollout worker was lost during this iteration's generation (before its update): the checkpoint of the
+        completed iterations, with the data position and random generators of this iteration's start."""
+        if self.iteration in (0, self.checkpointer.last_saved):
+            return  # nothing completed, or already saved: the last checkpoint stays as it is
+        for name, state in start.items():
+            self.checkpointer.providers[name].load_state_dict(state)
+        path = self.checkpointer.save(self.iteration)
+        log.warning("a rollout worker was lost: checkpoint %s written (iterations 0-%d)", path, self.iteration - 1)
+
     def evaluate(self) -> dict:
         """Greedy generation on the held-out prompts -> eval/* metrics; rank 0 appends samples to eval_samples.jsonl."""
         from .evaluation import write_eval_samples
@@ -277,8 +289,14 @@ class PPOTrainer:
         try:
             self.checkpointer.before_first(self.iteration)  # a preemption during start-up: exit 75, nothing saved
             for _ in range(self.iteration, self.total_iterations):
+                # where this iteration starts: a lost rollout worker is noticed before its update
+                start = ({n: copy.deepcopy(self.checkpointer.providers[n].state_dict()) for n in ("data", "rng")}
+                         if self.cfg.rollout.on else None)
                 try:
                     rec = self.step()
+                except RolloutWorkerLost:
+                    self._save_before(start)
+                    raise
                 except NonFiniteError as e:
                     if str(e).startswith("rank "):  # the guards name rank and iteration themselves
                         raise

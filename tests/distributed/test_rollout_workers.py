@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 import threading
@@ -189,3 +190,40 @@ def test_k1_resume_discards_rollouts_in_flight_and_redraws_their_prompts(runs):
         prompts = [row[:width] for row in rs["rollouts"][2]["sequences"]]
         width_r = rr["rollouts"][0]["prompt_lengths"][0]
         assert prompts == [row[:width_r] for row in rr["rollouts"][0]["sequences"]]
+
+
+@pytest.mark.distributed
+def test_a_killed_worker_stops_the_run_naming_it_after_a_checkpoint(tiny, tmp_path):
+    """SIGKILL to the worker after the trainer's second iteration: every rank stops with exit code 1 and one line
+    naming the worker, after a complete checkpoint of the iterations done (the newest COMPLETE one is theirs)."""
+    import signal
+
+    from rlhf_engine.engine.distributed import free_port
+    from rlhf_engine.outputs.checkpoint import latest_complete
+
+    address, out = _address(), str(tmp_path / "run")
+    args = ppo_args(tiny, out, **{**BASE, "max_steps": 200, "save_interval": 5, "critic_learning_rate": 1e-3},
+                    rollout_workers=1, rollout_address=address, rollout_timeout_s=8)
+    bindir = os.path.dirname(sys.executable)
+    trainer = subprocess.Popen([os.path.join(bindir, "deepspeed"), "--num_gpus", "2", "--master_port",
+                                str(free_port()), os.path.join(ROOT, "launch", "train_ppo.py"), *args], cwd=ROOT,
+                               env=clean_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    workers = Workers(str(tmp_path), [address], delay=0.0)
+    metrics = os.path.join(out, "metrics.jsonl")
+    deadline = time.monotonic() + 240
+    while time.monotonic() < deadline and trainer.poll() is None:
+        if os.path.exists(metrics) and sum(1 for _ in open(metrics)) >= 7:
+            break
+        time.sleep(0.2)
+    workers.thread.join()
+    workers.procs[0].send_signal(signal.SIGKILL)
+    output, _ = trainer.communicate(timeout=180)
+    codes = workers.wait()
+    assert codes == [-signal.SIGKILL]
+    assert trainer.returncode == 1, output[-3000:]
+    # named: the worker whose answer did not come, or the broadcast it left (whichever it was in when killed)
+    named = re.search(r"error: RolloutWorkerLost: .*rollout worker.*\(of 1, at " + re.escape(address), output)
+    assert named, output[-3000:]
+    done = sum(1 for _ in open(metrics))
+    latest = latest_complete(os.path.join(out, "checkpoints"))
+    assert latest is not None and latest.endswith(f"iter_{done:06d}"), (latest, done)

@@ -188,21 +188,45 @@ class RemoteBackend(GenerationBackend):
         if self._pushed_version == version:
             return False
         t0 = time.perf_counter()
+        lost = None  # rank 0: what went wrong with a worker (the stream goes on: under ZeRO-3 it is collective)
         if self.mail is not None:
             for i in range(self.workers):
                 self.mail.send(inbox(i), {"kind": "weights", "version": version})
         for _, values in stream_blocks(self.actor.module):
-            if self.group is not None:
-                self.group.broadcast_(flatten([v for _, v in values]))
-        if self.mail is not None:
-            for i in range(self.workers):
-                ack = self.mail.take(answer_key(i, f"ack/{version}"), self._who(i))
-                if ack.get("version") != version:
-                    raise RuntimeError(f"{self._who(i)} holds version {ack.get('version')} after the broadcast of "
-                                       f"{version}")
+            if self.group is not None and lost is None:
+                try:
+                    self.group.broadcast_(flatten([v for _, v in values]))
+                except Exception as e:  # noqa: BLE001  (gloo: a closed connection or its timeout)
+                    lost = (f"a rollout worker (of {self.workers}, at {self.address}) is gone: the weight broadcast "
+                            f"failed ({str(e).splitlines()[0][:300]})")
+        if self.mail is not None and lost is None:
+            lost = self._rank0(lambda: [self._ack(i, version) for i in range(self.workers)])
+        self._raise_if_lost(lost)
         self._pushed_version = version
         self.sync_seconds += time.perf_counter() - t0
         return True
+
+    def _ack(self, i: int, version: int) -> None:
+        ack = self.mail.take(answer_key(i, f"ack/{version}"), self._who(i))
+        if ack.get("version") != version:
+            raise RuntimeError(f"{self._who(i)} holds version {ack.get('version')} after the broadcast of {version}")
+
+    @staticmethod
+    def _rank0(fn) -> Optional[str]:
+        """Run rank 0's side of an exchange with the workers; what went wrong, as a message (None: nothing)."""
+        try:
+            fn()
+        except (TimeoutError, RuntimeError) as e:
+            return str(e)
+        return None
+
+    def _raise_if_lost(self, lost: Optional[str]) -> None:
+        """Every trainer rank learns rank 0's outcome and they stop together (collective)."""
+        from ...errors import RolloutWorkerLost
+
+        lost = comm.broadcast_object(lost)
+        if lost is not None:
+            raise RolloutWorkerLost(lost)
 
     def take_sync_seconds(self) -> float:
         out, self.sync_seconds = self.sync_seconds, 0.0
@@ -244,13 +268,18 @@ class RemoteBackend(GenerationBackend):
         t0 = time.perf_counter()
         if self.mail is not None:
             world = self.dist.world_size
-            answers = [self.mail.take(answer_key(self._worker(ticket, r, world), f"batch/{ticket}/{r}"),
-                                      self._who(self._worker(ticket, r, world))) for r in range(world)]
-            self.worker_idle += sum(a.get("idle_s", 0.0) for a in answers)
+            try:
+                answers = [self.mail.take(answer_key(self._worker(ticket, r, world), f"batch/{ticket}/{r}"),
+                                          self._who(self._worker(ticket, r, world))) for r in range(world)]
+                self.worker_idle += sum(a.get("idle_s", 0.0) for a in answers)
+            except TimeoutError as e:
+                answers = [{"error": str(e)}] * world
         answer = comm.broadcast_object(answers)[self.dist.rank]
         self.trainer_wait += time.perf_counter() - t0
         if "error" in answer:
-            raise RuntimeError(f"rollout worker: {answer['error']}")
+            from ...errors import RolloutWorkerLost
+
+            raise RolloutWorkerLost(answer["error"])
         dev = self.device
         limits = params.limits(prompt_ids.shape[0], dev)
         rollout = Rollout.from_generation(prompt_ids.to(dev), prompt_mask.to(dev), answer["tokens"].to(dev),
