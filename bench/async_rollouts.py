@@ -1,0 +1,125 @@
+"""Rollout workers, synchronous against one version ahead, and a model of what a placement gains (docs/async-rollouts.md).
+
+    python bench/async_rollouts.py measure --out bench/results/cpu/async_rollouts.json [--iterations 5]
+    python bench/async_rollouts.py model --generate 40 --train 30 --sync 2 [--rollout_devices 1 --trainer_devices 1]
+
+measure: the GRPO example (examples/grpo_arithmetic.yaml: SmolLM2-135M-Instruct, 8 prompts x 4 samples x 32 tokens)
+run three ways in turn, each its own launch: colocated (1 trainer rank generates and trains), a rollout worker with
+max_staleness 0, and with max_staleness 1. On this 2-core machine the trainer and the worker get one core each
+(OMP_NUM_THREADS=1): the colocated run uses one core, so its time is what the trainer's core alone does. Medians of
+each run's `time/*` over the iterations after the first.
+
+model: the steady-state time of an iteration for a placement, from the generation time G (on the rollout devices),
+the training time T (experience + update, on the trainer devices) and the weight broadcast S, each measured alone:
+  colocated on all D = trainer + rollout devices:  G * R / D + T * P / D   (R, P: the devices each measurement used)
+  separate, max_staleness 0:                       G' + S + T'             (G' = G * R / rollout, T' = T * P / trainer)
+  separate, max_staleness >= 1:                    max(G', T' + S)         (generation hides behind training)
+assuming generation and training scale linearly with their devices (an upper bound on the gain).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+
+BENCH = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(BENCH)
+sys.path.insert(0, BENCH)
+import benchlib as bl  # noqa: E402
+
+# published points to set the model beside (the issue's numbers; each from its project's report)
+PUBLISHED = [
+    {"who": "verl one-step-off-policy, FSDP2", "setup": "16 H20 GPUs", "speedup": 1.23},
+    {"who": "verl one-step-off-policy, Megatron", "setup": "16 H20 GPUs", "speedup": 1.40},
+    {"who": "verl fully async", "setup": "32-128 GPUs", "speedup": "1.9-2.7"},
+    {"who": "AReaL (staleness bound, decoupled PPO)", "setup": "its reported runs", "speedup": 2.77},
+    {"who": "PipelineRL (DeepSpeed ZeRO-3 trainer)", "setup": "128 H100", "speedup": 2.0},
+]
+
+
+def predict(g: float, t: float, s: float, r: int = 1, p: int = 1, rollout: int = 1, trainer: int = 1) -> dict:
+    """Iteration seconds per placement (module docstring) and the speedups over colocated on every device."""
+    d = rollout + trainer
+    colocated = g * r / d + t * p / d
+    gs, ts = g * r / rollout, t * p / trainer
+    sync, ahead = gs + s + ts, max(gs, ts + s)
+    return {"colocated_s": colocated, "separate_sync_s": sync, "separate_ahead_s": ahead,
+            "speedup_sync": colocated / sync, "speedup_ahead": colocated / ahead}
+
+
+def _median(records: list, key: str):
+    xs = [r[key] for r in records[1:] if r.get(key) is not None]
+    return statistics.median(xs) if xs else None
+
+
+def measure(args) -> int:
+    from rlhf_engine.engine.distributed import free_port
+
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "WANDB_MODE": "disabled",
+           "DS_ACCELERATOR": "cpu", "TOKENIZERS_PARALLELISM": "false", "PYTHONPATH": ROOT}
+    base = [sys.executable, os.path.join(ROOT, "launch", "train_ppo.py"), "--config",
+            os.path.join(ROOT, "examples", "grpo_arithmetic.yaml"), "--max_steps", str(args.iterations),
+            "--export_final", "false", "--overwrite_output_dir", "true"]
+    runs = {}
+    for name, extra in (("colocated", []), ("workers_k0", ["--max_staleness", "0"]),
+                        ("workers_k1", ["--max_staleness", "1"])):
+        out = os.path.join(args.work, name)
+        cmd = base + ["--output_dir", out]
+        worker = None
+        if name != "colocated":
+            address = f"127.0.0.1:{free_port()}"
+            cmd += ["--rollout_workers", "1", "--rollout_address", address, *extra]
+            worker = subprocess.Popen([sys.executable, os.path.join(ROOT, "launch", "rollout_worker.py"),
+                                       "--rollout_address", address], cwd=ROOT, env=env,
+                                      stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        t0 = time.perf_counter()
+        proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
+        wall = time.perf_counter() - t0
+        if worker is not None:
+            worker.wait(timeout=120)
+        if proc.returncode != 0:
+            print(proc.stderr[-3000:], file=sys.stderr)
+            return proc.returncode
+        with open(os.path.join(out, "metrics.jsonl")) as f:
+            records = [json.loads(line) for line in f if line.strip()]
+        keys = ("time/iteration", "time/generate", "time/experience", "time/train", "time/weight_sync",
+                "time/trainer_wait", "time/worker_idle", "async/staleness_max")
+        runs[name] = {"wall_s": wall, "iterations": len(records), "median": {k: _median(records, k) for k in keys},
+                      "per_iteration": [{k: r.get(k) for k in keys} for r in records]}
+        print(name, json.dumps(runs[name]["median"]), flush=True)
+    c, k0, k1 = runs["colocated"]["median"], runs["workers_k0"]["median"], runs["workers_k1"]["median"]
+    g, t = c["time/generate"], c["time/experience"] + c["time/train"]
+    result = {"command": bl.script_command(), "machine": bl.machine_info(), "runs": runs,
+              "ratios": {"k1_over_k0_iteration": k1["time/iteration"] / k0["time/iteration"],
+                         "k1_over_colocated_iteration": k1["time/iteration"] / c["time/iteration"]},
+              "model_from_colocated": predict(g, t, k0["time/weight_sync"] or 0.0), "published": PUBLISHED}
+    bl.write_json(args.out, result)
+    return 0
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = p.add_subparsers(dest="cmd", required=True)
+    m = sub.add_parser("measure")
+    m.add_argument("--out", required=True)
+    m.add_argument("--iterations", type=int, default=5)
+    m.add_argument("--work", default=os.path.join(os.environ.get("TMPDIR", "/tmp"), "rlhf_bench_async"))
+    q = sub.add_parser("model")
+    for name in ("generate", "train", "sync"):
+        q.add_argument(f"--{name}", type=float, required=True)
+    for name in ("measured_rollout_devices", "measured_trainer_devices", "rollout_devices", "trainer_devices"):
+        q.add_argument(f"--{name}", type=int, default=1)
+    args = p.parse_args(argv)
+    if args.cmd == "measure":
+        return measure(args)
+    print(json.dumps(predict(args.generate, args.train, args.sync, args.measured_rollout_devices,
+                             args.measured_trainer_devices, args.rollout_devices, args.trainer_devices), indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
