@@ -1,5 +1,6 @@
-"""rlhf_engine.ppo_math is a package of small modules, one per concern: each stays under 400 lines, and every name
-the rest of the repository imports from it (or reads as `ppo_math.X`) is still importable from the package."""
+"""rlhf_engine.ppo_math is a package of small modules, one per concern: each stays under 200 lines (what the split
+promised), and every name the rest of the repository imports from it (or reads as `ppo_math.X`) is still
+importable from the package."""
 import ast
 import glob
 import importlib
@@ -10,7 +11,7 @@ import pytest
 from _support import ROOT
 
 PACKAGE = os.path.join(ROOT, "rlhf_engine", "ppo_math")
-MAX_LINES = 400
+MAX_LINES = 200
 # the names imported from ppo_math across the repository when it became a package (the scan below finds new ones)
 KNOWN = ("KL_ESTIMATORS", "LOSS_AGG_MODES", "RENAMED_CORRECTIONS", "ROLLOUT_CORRECTIONS", "STOP_MASK_VALUE",
          "AdaptiveKLController", "FixedKLController", "cispo_loss", "compute_gae", "compute_rewards",
