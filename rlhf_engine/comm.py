@@ -193,7 +193,13 @@ def shutdown(ok: bool) -> None:
     callbacks run next, newest first."""
     if initialized() and ok:
         torch.distributed.barrier()
-    while _AT_SHUTDOWN:
-        _AT_SHUTDOWN.pop()()
+    failure = None
+    while _AT_SHUTDOWN:  # each runs, whatever an earlier one raised; the group is destroyed, then the first raises
+        try:
+            _AT_SHUTDOWN.pop()()
+        except Exception as e:  # noqa: BLE001
+            failure = failure or e
     if initialized():
         torch.distributed.destroy_process_group()
+    if failure is not None:
+        raise failure

@@ -7,6 +7,8 @@ import os
 import shutil
 import subprocess
 import sys
+import threading
+import time
 from dataclasses import dataclass
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -181,3 +183,41 @@ def run_example(config: str, out: str, *extra: str, timeout: int = 1500) -> list
     assert proc.returncode == 0, proc.stderr[-4000:]
     with open(os.path.join(out, "metrics.jsonl")) as f:
         return [json.loads(line) for line in f]
+
+
+class RolloutWorkers:
+    """One rollout worker process per address (launch/rollout_worker.py, this interpreter), started `delay` seconds
+    from now (after the trainer: a worker that comes late joins); `wait()` gives their exit codes."""
+
+    def __init__(self, tmp: str, addresses: list, delay: float = 3.0):
+        self.tmp, self.addresses, self.procs, self.logs = tmp, addresses, [], []
+        self.thread = threading.Thread(target=self._start, args=(delay,))
+        self.thread.start()
+
+    def _start(self, delay: float) -> None:
+        time.sleep(delay)
+        for i, address in enumerate(self.addresses):
+            log = open(os.path.join(self.tmp, f"worker_{i}.log"), "w")
+            self.logs.append(log)
+            self.procs.append(subprocess.Popen([sys.executable, os.path.join(ROOT, "launch", "rollout_worker.py"),
+                                                "--rollout_address", address, "--rollout_timeout_s", "600"],
+                                               cwd=ROOT, env=clean_env(), stdout=log, stderr=subprocess.STDOUT))
+
+    def wait(self) -> list:
+        self.thread.join()
+        codes = []
+        for w in self.procs:
+            try:
+                codes.append(w.wait(timeout=60))
+            except subprocess.TimeoutExpired:
+                w.kill()
+                codes.append("hung")
+        for log in self.logs:
+            log.close()
+        return codes
+
+
+def free_address() -> str:
+    from rlhf_engine.engine.distributed import free_port
+
+    return f"127.0.0.1:{free_port()}"

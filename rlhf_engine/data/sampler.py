@@ -85,6 +85,8 @@ class DataCursor:
     `sampler.iter_from`, and its state is the position of the NEXT batch, so a resumed run continues with exactly
     the batch the interrupted one would have drawn (mid-epoch too)."""
 
+    strict_on_resume = True  # takes the checkpointer's strict flag (--resume_force remaps the position)
+
     def __init__(self, sampler: Any, epoch: int = 0, batch: int = 0):
         self.sampler = sampler
         self.consumed = 0

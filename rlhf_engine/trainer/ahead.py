@@ -9,7 +9,10 @@ recompute at the start of the update (the old log-probs), the behaviour policy t
 `--rollout_correction` (token_truncate by default with K >= 1).
 
 The data position a checkpoint saves is the first prompt not trained on: the prompts of batches in flight are drawn
-again after a resume (their rollouts are discarded).
+again after a resume (their rollouts are discarded). Nothing is submitted past the run's last iteration.
+
+With K >= 2 a weight broadcast waits behind the batches already queued at each worker (a worker takes its messages
+in order), so it overlaps no more than K = 1 and each wait counts against `rollout_timeout_s` (docs/async-rollouts.md).
 """
 from __future__ import annotations
 
@@ -24,11 +27,14 @@ class RolloutsAhead:
     """Iterations of rollout batches in flight on the workers; `take(iteration)` gives one iteration's, as
     `PPOTrainer.rollout_phase` would have generated them."""
 
+    strict_on_resume = True  # takes the checkpointer's strict flag (--resume_force remaps the data position)
+
     def __init__(self, backend: Any, cursor: Any, dataset: Any, batch_cfg: Any, sampling: Any, pad_token_id: int,
-                 max_staleness: int):
+                 max_staleness: int, iterations: int):
         self.backend, self.cursor, self.dataset = backend, cursor, dataset
         self.batch_cfg, self.sampling, self.pad = batch_cfg, sampling, pad_token_id
-        self.max_staleness = max_staleness
+        self.max_staleness, self.iterations = max_staleness, iterations
+        self.next_iteration = 0  # the iteration the next submission is for
         self.pending: collections.deque = collections.deque()  # per iteration: (data position before it, batches)
         self.staleness: list = []  # of the last taken iteration's batches
         self.dropped = 0
@@ -49,12 +55,14 @@ class RolloutsAhead:
         position = self.cursor.state_dict()
         batches = [(self.backend.submit(ids, mask, self.sampling), ids, mask, rows) for ids, mask, rows in self._draw()]
         self.pending.append((position, batches))
+        self.next_iteration += 1
 
     def take(self, iteration: int) -> list:
         """The iteration's Generated batches (rows attached); then the current weights go out and the next
         iterations are submitted. Collective on the trainer's ranks."""
-        if not self.pending:
+        if not self.pending:  # the first iteration, or the first after a resume
             self.backend.sync_weights()
+            self.next_iteration = iteration
             self._submit()
         _, batches = self.pending.popleft()
         version = self.backend.actor_version
@@ -67,7 +75,7 @@ class RolloutsAhead:
             self.staleness.append(version - gen.policy_version)
             gens.append(dataclasses.replace(gen, rollout=gen.rollout.with_rows(rows)))
         self.backend.sync_weights()  # the weights of this iteration's update are the next batches' policy
-        while len(self.pending) < self.max_staleness:
+        while len(self.pending) < self.max_staleness and self.next_iteration < self.iterations:
             self._submit()
         return gens
 

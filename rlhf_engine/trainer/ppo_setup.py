@@ -80,15 +80,16 @@ def episode_runner(plan: RunPlan, engine):
                          on_error=env.env_errors, device=engine.device)
 
 
-def rollouts_ahead(plan: RunPlan, engine, cursor):
-    """Rollout batches generated ahead of training by the workers (`max_staleness >= 1`), or None."""
+def rollouts_ahead(plan: RunPlan, engine, cursor, iterations: int):
+    """Rollout batches generated ahead of training by the workers (`max_staleness >= 1`; none past the run's
+    `iterations`), or None."""
     r = plan.cfg.rollout
     if not (r.on and r.max_staleness >= 1):
         return None
     from .ahead import RolloutsAhead
 
     return RolloutsAhead(engine.generator, cursor, plan.prompts, plan.cfg.batch, engine.sampling, engine.pad_token_id,
-                         r.max_staleness)
+                         r.max_staleness, iterations)
 
 
 def evaluator(plan: RunPlan, engine) -> Optional[Evaluator]:

@@ -85,7 +85,7 @@ class PPOTrainer:
         self.sampler = plan.sampler
         self._batches = DataCursor(self.sampler)  # (epoch, k, indices) like sampler.iter_from, with a position
         # max_staleness >= 1: the workers generate the next iterations while this one trains (trainer/ahead.py)
-        self.ahead = setup.rollouts_ahead(plan, engine, self._batches)
+        self.ahead = setup.rollouts_ahead(plan, engine, self._batches, plan.iterations)
         self.kl_ctl = setup.kl_controller(cfg.ppo)
         self.metrics = metrics or MetricsWriter(cfg.run.output_dir, enabled=dist.is_main)
         self.total_iterations = plan.iterations
@@ -266,8 +266,9 @@ class PPOTrainer:
         return rec
 
     def _save_before(self, start: dict) -> None:
-        """A rollout worker was lost during this iteration's generation (before its update): the checkpoint of the
-        completed iterations, with the data position and random generators of this iteration's start."""
+        """A rollout worker was lost during this iteration's generation (before its update), or during the final
+        evaluation: the checkpoint of the completed iterations, with the data position and random generators of
+        the iteration's start (`start`: provider name -> its state then)."""
         if self.iteration in (0, self.checkpointer.last_saved):
             return  # nothing completed, or already saved: the last checkpoint stays as it is
         for name, state in start.items():
@@ -312,7 +313,12 @@ class PPOTrainer:
                 with self.clock.timed("checkpoint"):
                     self.checkpointer.after_iteration(self.iteration, last=self.iteration == self.total_iterations)
             if self.evaluator and self.iteration == self.total_iterations:  # "after": one record of eval/* keys only
-                rec = {"iteration": self.iteration, **self.evaluate()}
+                try:
+                    evaluated = self.evaluate()
+                except RolloutWorkerLost:
+                    self._save_before({})  # every iteration is done: their checkpoint, then the named error
+                    raise
+                rec = {"iteration": self.iteration, **evaluated}
                 self.metrics.write(rec)
                 records.append(rec)
             self.checkpointer.finish(self.iteration)  # the final checkpoint and the export (export_final)

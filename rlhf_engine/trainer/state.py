@@ -29,7 +29,6 @@ import numpy as np
 import torch
 
 from ..comm import all_gather_object, barrier, broadcast_object, run_on_main
-from ..data.sampler import DataCursor
 from ..errors import ConfigError, Problem
 from ..hooks import TestHooks
 from ..outputs import checkpoint as ckpt
@@ -324,7 +323,7 @@ class Checkpointer:
         for name, provider in providers.items():
             if name in skip:
                 continue
-            if isinstance(provider, DataCursor):
+            if getattr(provider, "strict_on_resume", False):  # data positions: --resume_force remaps them
                 provider.load_state_dict(saved[name], strict=not force)
             else:
                 provider.load_state_dict(saved[name])

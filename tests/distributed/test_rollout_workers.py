@@ -10,12 +10,12 @@ import os
 import re
 import subprocess
 import sys
-import threading
 import time
 
 import pytest
 
-from _support import ROOT, SCRIPTS, VOLATILE, check, clean_env, launch, ppo_args, run_harness
+from _support import ROOT, SCRIPTS, VOLATILE, RolloutWorkers, check, clean_env, free_address, launch, ppo_args, \
+    run_harness
 
 ATOL = 1e-5
 BASE = dict(do_sample="false", max_steps=3, seed=3, actor_learning_rate=1e-3, per_device_generation_batch_size=4,
@@ -29,50 +29,12 @@ AHEAD = dict(BASE, do_sample="true", max_steps=4, max_staleness=1, critic_learni
              eval_interval=2)
 
 
-class Workers:
-    """One rollout worker process per address, started `delay` seconds from now (after the trainer: a worker that
-    comes late joins); `wait()` gives their exit codes."""
-
-    def __init__(self, tmp: str, addresses: list, delay: float = 3.0):
-        self.tmp, self.addresses, self.procs, self.logs = tmp, addresses, [], []
-        self.thread = threading.Thread(target=self._start, args=(delay,))
-        self.thread.start()
-
-    def _start(self, delay: float) -> None:
-        time.sleep(delay)
-        for i, address in enumerate(self.addresses):
-            log = open(os.path.join(self.tmp, f"worker_{i}.log"), "w")
-            self.logs.append(log)
-            self.procs.append(subprocess.Popen([sys.executable, os.path.join(ROOT, "launch", "rollout_worker.py"),
-                                                "--rollout_address", address, "--rollout_timeout_s", "600"],
-                                               cwd=ROOT, env=clean_env(), stdout=log, stderr=subprocess.STDOUT))
-
-    def wait(self) -> list:
-        self.thread.join()
-        codes = []
-        for w in self.procs:
-            try:
-                codes.append(w.wait(timeout=60))
-            except subprocess.TimeoutExpired:
-                w.kill()
-                codes.append("hung")
-        for log in self.logs:
-            log.close()
-        return codes
-
-
-def _address() -> str:
-    from rlhf_engine.engine.distributed import free_port
-
-    return f"127.0.0.1:{free_port()}"
-
-
 @pytest.fixture(scope="module")
 def runs(tiny, tmp_path_factory):
     tmp = str(tmp_path_factory.mktemp("rollout_workers"))
     spec, addresses = [], []
     for name, flags in CASES.items():
-        addresses.append(_address())
+        addresses.append(free_address())
         run = {**BASE, **flags}
         # greedy GRPO groups: member k keeps all but its last k tokens (the harness's group_spread), so they differ
         hooks = {"group_spread": True} if "grpo" in name else {}
@@ -81,17 +43,17 @@ def runs(tiny, tmp_path_factory):
         spec.append({"name": f"{name}_workers", "hooks": hooks,
                      "args": ppo_args(tiny, os.path.join(tmp, f"{name}_workers"), **run, rollout_workers=1,
                                       rollout_address=addresses[-1])})
-    addresses.append(_address())
+    addresses.append(free_address())
     spec.append({"name": "lr0_workers", "args": ppo_args(tiny, os.path.join(tmp, "lr0_workers"), **LR0,
                                                          rollout_workers=1, rollout_address=addresses[-1])})
     # K = 1: straight, and stopped after 2 iterations then resumed by the requeued command (--resume auto)
     part = os.path.join(tmp, "ahead_part")
     for name, out, extra in (("ahead", os.path.join(tmp, "ahead"), {}), ("ahead_part", part, {"max_steps": 2}),
                              ("ahead_resumed", part, {"resume": "auto"})):
-        addresses.append(_address())
+        addresses.append(free_address())
         spec.append({"name": name, "args": ppo_args(tiny, out, **{**AHEAD, **extra}, rollout_workers=1,
                                                     rollout_address=addresses[-1])})
-    workers = Workers(tmp, addresses)
+    workers = RolloutWorkers(tmp, addresses)
     try:
         result = run_harness(tmp, "rollout_workers", spec, 2, "deepspeed")
     finally:
@@ -103,8 +65,8 @@ def runs(tiny, tmp_path_factory):
 @pytest.fixture(scope="module")
 def weights(tiny, tmp_path_factory):
     tmp = str(tmp_path_factory.mktemp("rollout_weights"))
-    addresses = [_address(), _address()]
-    workers = Workers(tmp, addresses, delay=1.0)
+    addresses = [free_address(), free_address()]
+    workers = RolloutWorkers(tmp, addresses, delay=1.0)
     out = os.path.join(tmp, "out.json")
     try:
         check(launch(os.path.join(SCRIPTS, "rollout_worker_checks.py"),
@@ -201,14 +163,14 @@ def test_a_killed_worker_stops_the_run_naming_it_after_a_checkpoint(tiny, tmp_pa
     from rlhf_engine.engine.distributed import free_port
     from rlhf_engine.outputs.checkpoint import latest_complete
 
-    address, out = _address(), str(tmp_path / "run")
+    address, out = free_address(), str(tmp_path / "run")
     args = ppo_args(tiny, out, **{**BASE, "max_steps": 200, "save_interval": 5, "critic_learning_rate": 1e-3},
                     rollout_workers=1, rollout_address=address, rollout_timeout_s=8)
     bindir = os.path.dirname(sys.executable)
     trainer = subprocess.Popen([os.path.join(bindir, "deepspeed"), "--num_gpus", "2", "--master_port",
                                 str(free_port()), os.path.join(ROOT, "launch", "train_ppo.py"), *args], cwd=ROOT,
                                env=clean_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    workers = Workers(str(tmp_path), [address], delay=0.0)
+    workers = RolloutWorkers(str(tmp_path), [address], delay=0.0)
     metrics = os.path.join(out, "metrics.jsonl")
     deadline = time.monotonic() + 240
     while time.monotonic() < deadline and trainer.poll() is None:
@@ -227,3 +189,10 @@ def test_a_killed_worker_stops_the_run_naming_it_after_a_checkpoint(tiny, tmp_pa
     done = sum(1 for _ in open(metrics))
     latest = latest_complete(os.path.join(out, "checkpoints"))
     assert latest is not None and latest.endswith(f"iter_{done:06d}"), (latest, done)
+    # its data position is the start of the lost iteration: exactly the batches of the iterations done were drawn
+    import torch
+
+    from rlhf_engine.outputs.checkpoint import state_file
+
+    state = torch.load(os.path.join(latest, state_file(0)), weights_only=False)
+    assert state["providers"]["data"]["consumed"] == done * 1, state["providers"]["data"]  # 1 generation batch each

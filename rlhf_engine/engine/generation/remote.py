@@ -116,10 +116,14 @@ class RemoteBackend(GenerationBackend):
         self._pushed_version: Optional[int] = None
         self.sync_seconds = self.trainer_wait = self.worker_idle = 0.0
         self.group = self.mail = None
-        if self.dist.is_main:
-            self._connect(ctx)
-        comm.barrier()  # every rank goes on once the workers are set up (or rank 0 raised)
+        # the other ranks wait for rank 0's exchanges with the workers on a gloo group of their own, whose timeout
+        # outlasts rank 0's (every answer of a call, one after another): the default group's collective timeout
+        # would end the job with a generic message before rank 0 can name the worker
+        self.wait_group = comm.new_cpu_group(datetime.timedelta(
+            seconds=self.timeout_s * (2 + self.dist.world_size) + 60))
         comm.at_shutdown(self.close)
+        lost = self._rank0(lambda: self._connect(ctx)) if self.dist.is_main else None
+        self._raise_if_lost(lost)  # every rank goes on once the workers are set up, or stops with rank 0's reason
 
     # ---- rank 0: the workers -------------------------------------------------------------------------------
     def _connect(self, ctx) -> None:
@@ -224,7 +228,7 @@ class RemoteBackend(GenerationBackend):
         """Every trainer rank learns rank 0's outcome and they stop together (collective)."""
         from ...errors import RolloutWorkerLost
 
-        lost = comm.broadcast_object(lost)
+        lost = comm.broadcast_object(lost, group=self.wait_group)
         if lost is not None:
             raise RolloutWorkerLost(lost)
 
@@ -274,7 +278,10 @@ class RemoteBackend(GenerationBackend):
                 self.worker_idle += sum(a.get("idle_s", 0.0) for a in answers)
             except TimeoutError as e:
                 answers = [{"error": str(e)}] * world
-        answer = comm.broadcast_object(answers)[self.dist.rank]
+            failed = next((a for a in answers if "error" in a), None)
+            if failed is not None:  # one rank's batch failed: every rank stops, not only that one
+                answers = [failed] * world
+        answer = comm.broadcast_object(answers, group=self.wait_group)[self.dist.rank]
         self.trainer_wait += time.perf_counter() - t0
         if "error" in answer:
             from ...errors import RolloutWorkerLost

@@ -6,6 +6,7 @@ import gc
 import random
 
 import numpy as np
+import pytest
 import torch
 from transformers import LlamaConfig
 
@@ -45,12 +46,23 @@ def test_the_kv_budget_holds_the_run_s_sequences_in_whole_blocks():
 
 
 def test_shutdown_runs_what_holds_the_group_before_destroying_it(monkeypatch):
+    """Barrier, then the callbacks newest first (each once, all of them even when one raises), then the group."""
+    import torch.distributed as td
+
     order = []
-    # as if not distributed: this process's session group (other tests' dist_single) must stay
-    monkeypatch.setattr(comm, "initialized", lambda: False)
+    monkeypatch.setattr(comm, "_AT_SHUTDOWN", [])
+    monkeypatch.setattr(comm, "initialized", lambda: not order or order[-1] != "destroyed")
+    monkeypatch.setattr(td, "barrier", lambda: order.append("barrier"))
+    monkeypatch.setattr(td, "destroy_process_group", lambda: order.append("destroyed"))
+
+    def broken():
+        order.append("broken")
+        raise RuntimeError("an engine that fails to shut down")
+
     comm.at_shutdown(lambda: order.append("first registered"))
+    comm.at_shutdown(broken)
     comm.at_shutdown(lambda: order.append("last registered"))
-    comm.shutdown(ok=False)  # the callbacks run, newest first
-    assert order == ["last registered", "first registered"]
-    comm.shutdown(ok=False)
-    assert len(order) == 2  # each runs once
+    with pytest.raises(RuntimeError, match="fails to shut down"):
+        comm.shutdown(ok=True)
+    assert order == ["barrier", "last registered", "broken", "first registered", "destroyed"]
+    assert comm._AT_SHUTDOWN == []
