@@ -265,6 +265,35 @@ def vllm_generation(r, res):
     return out
 
 
+@section("## 0d. Rollout workers: synchronous against one version ahead (CPU)", "cpu/async_rollouts.json",
+         "`python bench/async_rollouts.py measure --out bench/results/cpu/async_rollouts.json`")
+def async_rollouts(r, res):
+    runs, ratios, model = r["runs"], r["ratios"], r["model_from_colocated"]
+    out = [f"`{r['command']}` — the GRPO example (SmolLM2-135M-Instruct, fp32, 8 prompts x 4 samples x 32 tokens, the "
+           "top 4 blocks trained), one launch per placement in turn: colocated (one trainer rank generates and "
+           "trains on one core), a rollout worker on the second core with max_staleness 0, and with 1. Medians over "
+           f"the iterations after the first; {machine_line(r['machine'])}.", ""]
+    rows = []
+    for name, run in runs.items():
+        m = run["median"]
+        rows.append([name, fmt(m["time/iteration"]), fmt(m["time/generate"]), fmt(m["time/experience"]),
+                     fmt(m["time/train"]), fmt(m.get("time/weight_sync")), fmt(m.get("time/trainer_wait")),
+                     fmt(m.get("time/worker_idle")), fmt(m.get("async/staleness_max"))])
+    out += table(["placement", "iteration s", "generate s", "experience s", "train s", "weight sync s",
+                  "trainer wait s", "worker idle s", "staleness max"], rows)
+    out += ["", f"K = 1 / K = 0: **{fmt(ratios['k1_over_k0_iteration'])}** of the iteration time; K = 1 / colocated: "
+            f"**{fmt(ratios['k1_over_colocated_iteration'])}** (2 cores bound the overlap: the worker has one core, "
+            "the trainer the other). With K = 1 the trainer waits about nothing for rollouts: generation hides "
+            "behind the experience and the update.", "",
+            "The model (`bench/async_rollouts.py model`), fed the colocated run's generation G, experience + update T "
+            f"and the broadcast S: separate placement synchronous G + S + T = {fmt(model['separate_sync_s'])} s "
+            f"(measured {fmt(runs['workers_k0']['median']['time/iteration'])}), one version ahead max(G, T + S) = "
+            f"{fmt(model['separate_ahead_s'])} s (measured {fmt(runs['workers_k1']['median']['time/iteration'])}). "
+            "Published points beside it (other hardware and models): "
+            + "; ".join(f"{p['who']} ({p['setup']}): x{p['speedup']}" for p in r["published"]) + ".", ""]
+    return out
+
+
 @section("## 1. One PPO iteration, phase by phase (CPU)", "cpu/phases.json", "`bash bench/run_cpu.sh phases`")
 def phases(r, res):
     vs = [v["summary"] for v in summaries(r)]

@@ -218,6 +218,19 @@ class RolloutWorkers:
 
 
 def free_address() -> str:
-    from rlhf_engine.engine.distributed import free_port
+    """A local HOST:PORT for a trainer's rollout workers, from 20000-29999: below Linux's ephemeral range, so no
+    port the system hands out meanwhile (a launcher's free MASTER_PORT, gloo's connections) can take it before the
+    trainer listens there."""
+    import random
+    import socket
 
-    return f"127.0.0.1:{free_port()}"
+    rng = random.Random()
+    for _ in range(200):
+        port = rng.randrange(20000, 30000)
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        return f"127.0.0.1:{port}"
+    raise RuntimeError("no free port in 20000-29999")
