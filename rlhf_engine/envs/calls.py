@@ -34,7 +34,7 @@ class TooManyAbandonedCalls(RuntimeError):
 
 
 class EnvCalls:
-    def __init__(self, workers: int, timeout_s: float, max_abandoned: int = 16):
+    def __init__(self, workers: int, timeout_s: float, max_abandoned: int):  # the default: --env_max_abandoned_calls
         self.timeout_s, self.max_abandoned = float(timeout_s), int(max_abandoned)
         self.abandoned = 0  # calls abandoned so far
         self._stuck: set[threading.Thread] = set()  # abandoned threads still running their call

@@ -9,7 +9,7 @@ from rlhf_engine.envs.calls import EnvCalls, TooManyAbandonedCalls
 
 
 def test_results_errors_and_a_timeout():
-    calls = EnvCalls(workers=2, timeout_s=0.5)
+    calls = EnvCalls(workers=2, timeout_s=0.5, max_abandoned=16)
     release = threading.Event()
 
     def boom():
@@ -30,7 +30,7 @@ def test_results_errors_and_a_timeout():
 
 
 def test_calls_run_in_parallel():
-    calls = EnvCalls(workers=4, timeout_s=5)
+    calls = EnvCalls(workers=4, timeout_s=5, max_abandoned=16)
     t0 = time.monotonic()
     out = calls.run([lambda: time.sleep(0.4) or i for i in range(4)])
     assert [o.error for o in out] == [None] * 4
