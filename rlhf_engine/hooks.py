@@ -8,6 +8,7 @@ Points the loop consults (each returns its argument, or 0, at once when nothing 
 
     hooks.at(phase, iteration)              # rollout / experience / train / checkpoint: kill or stall this rank here
     hooks.wrap_generator(backend)           # generate: a fault point inside every generate call (wraps the object)
+    hooks.wrap_planner(planner, world)      # loss_token_mean="local": each rank's own token counts
     hooks.wrap_update_step(step)            # an actor / critic step whose loss or gradient is made NaN
     hooks.wrap_guard(guard)                 # train_step: the fault point after each guarded step
     hooks.after_step(iteration)             # train_step: after the iteration's first actor optimizer step
@@ -151,6 +152,14 @@ class TestHooks:
 
         backend.generate = generate
         return backend
+
+    def wrap_planner(self, planner: Any, world_size: int) -> Any:
+        """The micro-batch planner (trainer/update.py); with `loss_token_mean="local"` its token counts are this
+        rank's own times the world size instead of the all-reduced ones (the negative control of the global token
+        mean); unchanged otherwise."""
+        if self.loss_token_mean == "local":
+            planner.reduce_counts = lambda local: local * world_size
+        return planner
 
     def wrap_update_step(self, step: Any) -> Any:
         """An actor or critic step (trainer/update.py) whose loss and gradient carry the non-finite injections of

@@ -37,10 +37,7 @@ def micro_batch_planner(engine, batch: Any, hooks) -> MicroBatchPlanner:
     """Micro-batches of `per_device_training_batch_size` rows or of the token budget; the counts' reduction (the
     all-reduce, or a test's negative control: each rank's own counts times the world size)."""
     planner = MicroBatchPlanner(engine, batch.per_device_training_batch_size, bool(batch.max_tokens_per_micro_batch))
-    if hooks.loss_token_mean == "local":  # TEST HOOK, a negative control
-        world = engine.dist.world_size
-        planner.reduce_counts = lambda local: local * world
-    return planner
+    return hooks.wrap_planner(planner, engine.dist.world_size)
 
 
 def actor_step(engine, cfg: Any, guard: StepGuard, ptx: Optional[Any], hooks) -> ActorStep:

@@ -89,3 +89,18 @@ def test_collective_failures_are_recognised():
     assert "--resume auto continues from the newest complete checkpoint" in msg
     assert "lost the connection to another rank" in describe_collective_failure(peer)
     assert describe_collective_failure(RuntimeError("other")) == ""
+
+
+def test_wrap_planner_is_the_local_token_mean_negative_control_only_when_asked():
+    import types
+
+    import torch
+
+    from rlhf_engine.hooks import TestHooks
+
+    def planner():
+        return types.SimpleNamespace(reduce_counts=lambda local: local + 100)  # stands for the all-reduce
+
+    assert TestHooks().wrap_planner(planner(), 2).reduce_counts(torch.tensor(3.0)) == 103.0  # untouched
+    local = TestHooks(loss_token_mean="local").wrap_planner(planner(), 2)
+    assert local.reduce_counts(torch.tensor(3.0)) == 6.0  # this rank's count times the world size
