@@ -324,4 +324,5 @@ class PPOTrainer:
             self.checkpointer.finish(self.iteration)  # the final checkpoint and the export (export_final)
         finally:
             self.metrics.close()  # also when a step fails: what was written stays flushed and the file is closed
+            self.reward_source.close()  # reward worker processes end with the run
         return records

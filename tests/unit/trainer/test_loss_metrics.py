@@ -75,3 +75,18 @@ def test_reward_worker_timeouts_and_restarts_are_in_the_iterations_record(tiny, 
     finally:
         trainer.metrics.close()
         trainer.reward_source.close()
+
+
+def test_the_run_ends_its_reward_worker_processes(tiny, dist_single, tmp_path, monkeypatch):
+    """`train()` closes its reward source: the --reward_workers processes are gone when it returns (negative
+    control: they were alive during the run)."""
+    monkeypatch.syspath_prepend(os.path.dirname(__file__))  # the workers import _hang_reward from here
+    args = train_args(tiny, str(tmp_path / "run"), advantage_estimator="grpo", reward_fn="_hang_reward:ones",
+                      reward_workers=2, reward_timeout_s=30, **{**FLAGS, "max_steps": 2})
+    args = [a for a in args if a not in ("--reward_model_name_or_path", tiny.reward)]
+    trainer = build_trainer(parse_args(args))
+    trainer.step()  # the pool starts with the first scoring
+    processes = [w.process for w in trainer.reward_source.loaded._pool]
+    assert len(processes) == 2 and all(p.is_alive() for p in processes)
+    trainer.train()  # the second iteration, then the end of the run
+    assert not any(p.is_alive() for p in processes)
