@@ -16,10 +16,13 @@ A function that raises answers 500 with the error: the trainer retries 5xx, then
 Requests are served concurrently: a slow or stalled client holds only its own connection. A reward model runs one
 forward at a time; a reward function `--concurrency` calls at a time (default 1: raise it only for a thread-safe
 function, e.g. one that waits on another service). Each connection has --request_timeout_s to deliver each complete
-request (headers and body), or it is closed; a body over --max_request_mb is answered 413. A retry of a request id is
+request (headers and body), or it is closed; a body over --max_request_mb is answered 413. At most
+--max_concurrent_requests requests are served at once (each may hold a body of up to --max_request_mb, parsed): past
+them a request is answered 503 with `Retry-After` at once, which the trainer retries. A retry of a request id is
 answered from the first computation (serve_app.py). --auth_token_env NAME requires `Authorization: Bearer <token>`
-with the token read from that environment variable (never logged or written anywhere); binding an address other
-than loopback without one logs a warning.
+on every route, `GET /health` included, with the token read from that environment variable (never logged or written
+anywhere); binding an address other than loopback without one logs a warning. `GET /health` answers
+{"ok": true, "ready": <a request would be served now>}.
 """
 from __future__ import annotations
 
@@ -93,7 +96,7 @@ class RewardServer:
     `server_port`). `serve_forever()` blocks (in a thread, or in the main one, where Ctrl-C and SIGTERM stop it);
     `shutdown()` stops it from another thread; `server_close()` releases the socket."""
 
-    def __init__(self, app: Any, host: str, port: int, request_timeout_s: float):
+    def __init__(self, app: Any, host: str, port: int, request_timeout_s: float, max_connections: Optional[int] = None):
         uvicorn = require("uvicorn")
         family, kind, proto, _, addr = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM,
                                                           flags=socket.AI_PASSIVE)[0]
@@ -102,8 +105,11 @@ class RewardServer:
         self.socket.bind(addr)
         self.socket.listen(128)
         self.server_port = self.socket.getsockname()[1]
+        # limit_concurrency: uvicorn's own 503 (no Retry-After) past that many connections, a backstop above the
+        # app's request limit so that the app's answer comes first
         config = uvicorn.Config(app, http=deadline_protocol(request_timeout_s), log_config=None, access_log=False,
-                                lifespan="off", timeout_keep_alive=5, timeout_graceful_shutdown=5)
+                                lifespan="off", timeout_keep_alive=5, timeout_graceful_shutdown=5,
+                                limit_concurrency=max_connections)
         self.server = uvicorn.Server(config)
         self._running = threading.Event()
         self._stopped = threading.Event()
@@ -126,7 +132,7 @@ class RewardServer:
 
 def make_server(fn: Callable, host: str = "127.0.0.1", port: int = 0, *, auth_token: Optional[str] = None,
                 max_request_bytes: int = 64 << 20, request_timeout_s: float = 60.0,
-                concurrency: int = 1) -> RewardServer:
+                concurrency: int = 1, max_concurrent_requests: int = 32) -> RewardServer:
     """A server scoring with `fn` (a reward function by the calling rule, or a scorer such as `ModelScorer`), bound;
     call `serve_forever()`."""
     scorer = fn if hasattr(fn, "score") else FunctionScorer(fn, concurrency)
@@ -134,8 +140,9 @@ def make_server(fn: Callable, host: str = "127.0.0.1", port: int = 0, *, auth_to
         log.warning("serving on %s without --auth_token_env: anyone who can reach this port can make it score; set "
                     "--auth_token_env NAME (the token in that variable), or bind 127.0.0.1", host)
     app = build_app(scorer, auth_token=auth_token or None, max_body_bytes=int(max_request_bytes),
-                    threads=max(8, int(concurrency) + 2))
-    return RewardServer(app, host, port, request_timeout_s)
+                    threads=max(8, int(concurrency) + 2), max_concurrent_requests=int(max_concurrent_requests))
+    # room beyond the served requests for idle keep-alive connections and refused ones (each holds a read buffer)
+    return RewardServer(app, host, port, request_timeout_s, max_connections=2 * int(max_concurrent_requests) + 32)
 
 
 def parser() -> argparse.ArgumentParser:
@@ -151,6 +158,9 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--max_request_mb", type=float, default=64.0, help="largest request body; larger ones get 413")
     ap.add_argument("--request_timeout_s", type=float, default=60.0, help="seconds a connection has to deliver each "
                     "complete request (headers and body); a client that stalls is disconnected")
+    ap.add_argument("--max_concurrent_requests", type=int, default=32, help="requests served at once, each holding "
+                    "its body (up to --max_request_mb) and its parsed copy: the bound on the server's memory; past it "
+                    "a request is answered 503 with Retry-After, which the trainer retries (default: %(default)s)")
     ap.add_argument("--concurrency", type=int, default=1, help="reward function calls at once (raise it only for a "
                     "thread-safe function); a reward model runs one forward at a time")
     ap.add_argument("--batch_size", type=int, default=8, help="reward model: sequences per forward")
@@ -173,8 +183,14 @@ def main(argv: Optional[list] = None) -> int:
             print(f"error: --auth_token_env {args.auth_token_env}: that environment variable is not set or is empty; "
                   "export it with the token (the flag takes the variable's name, not the token)", file=sys.stderr)
             return 2
-    if args.max_request_mb <= 0 or args.request_timeout_s <= 0 or args.concurrency < 1:
-        print("error: --max_request_mb and --request_timeout_s must be > 0, --concurrency >= 1", file=sys.stderr)
+    bad = next((f"--{name} {value:g}: must be {rule}" for name, value, ok, rule in (
+        ("max_request_mb", args.max_request_mb, args.max_request_mb > 0, "> 0"),
+        ("request_timeout_s", args.request_timeout_s, args.request_timeout_s > 0, "> 0"),
+        ("concurrency", args.concurrency, args.concurrency >= 1, "at least 1"),
+        ("max_concurrent_requests", args.max_concurrent_requests, args.max_concurrent_requests >= 1, "at least 1"),
+    ) if not ok), None)
+    if bad:  # before a reward model is loaded
+        print(f"error: {bad}", file=sys.stderr)
         return 2
     try:
         require("fastapi"), require("uvicorn")
@@ -182,7 +198,8 @@ def main(argv: Optional[list] = None) -> int:
               ModelScorer(args.reward_model, args.batch_size, args.device, args.dtype, args.use_chat_template))
         server = make_server(fn, args.host, args.port, auth_token=token,
                              max_request_bytes=int(args.max_request_mb * (1 << 20)),
-                             request_timeout_s=args.request_timeout_s, concurrency=args.concurrency)
+                             request_timeout_s=args.request_timeout_s, concurrency=args.concurrency,
+                             max_concurrent_requests=args.max_concurrent_requests)
     except (ValueError, OSError, ImportError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
