@@ -104,3 +104,20 @@ def test_wrap_planner_is_the_local_token_mean_negative_control_only_when_asked()
     assert TestHooks().wrap_planner(planner(), 2).reduce_counts(torch.tensor(3.0)) == 103.0  # untouched
     local = TestHooks(loss_token_mean="local").wrap_planner(planner(), 2)
     assert local.reduce_counts(torch.tensor(3.0)) == 6.0  # this rank's count times the world size
+
+
+def test_the_generate_point_acts_in_rollouts_only_not_in_the_evaluation_before_them(monkeypatch):
+    """The evaluation's generate calls come after the previous iteration's last point and before this iteration's
+    rollout point: a `generate` fault meant for the rollouts of iteration 2 must not fire in them (nor one of
+    iteration 1 after its training)."""
+    fired = []
+    monkeypatch.setattr(faults, "fault_point", lambda phase, it, rank: fired.append((phase, it, rank)))
+    backend = type("Backend", (), {"generate": lambda self, *a: "tokens"})()
+    hooks = TestHooks(faults_on=True).attach(1, actor_steps=lambda: 0)
+    wrapped = hooks.wrap_generator(backend)
+    hooks.at("train", 1)
+    assert wrapped.generate("evaluation prompts") == "tokens"
+    assert [f for f in fired if f[0] == "generate"] == []
+    hooks.at("rollout", 2)
+    assert wrapped.generate("rollout prompts") == "tokens"
+    assert [f for f in fired if f[0] == "generate"] == [("generate", 2, 1)]

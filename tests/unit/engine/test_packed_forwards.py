@@ -158,6 +158,25 @@ def test_the_window_read_from_the_config_is_the_one_the_model_uses(kind, window)
     assert (past > 10 * PROBE_ATOL) if window else (past <= FP32_ATOL), (kind, past)
 
 
+def test_the_probe_is_capped_for_its_start_up_memory_and_the_cap_still_catches_a_window():
+    """A run whose longest sequence is 8k tokens probes at PROBE_MAX_TOKENS (its full-vocabulary logits, [2, n, V],
+    are allocated at start-up); below the cap it probes at the run's length, and the model's positions bound it."""
+    from transformers import MistralConfig
+
+    from rlhf_engine.engine.packed_forward import PROBE_MAX_TOKENS, PROBE_ATOL, packing_gap, probe_lengths
+
+    size = dict(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4,
+                num_key_value_heads=2)
+    long_model = tiny_lm(MistralConfig(sliding_window=None, max_position_embeddings=16384, **size))
+    assert PROBE_MAX_TOKENS == 512 and probe_lengths(long_model, longest=8192) == (512, 128)
+    assert probe_lengths(long_model, longest=100) == (100, 25)
+    short = tiny_lm(MistralConfig(sliding_window=None, max_position_embeddings=300, **size))
+    assert probe_lengths(short, longest=8192) == (300, 75)
+    # a window under the cap is still seen (refused: past PROBE_ATOL) at the capped length; one past it is not
+    windowed = tiny_lm(MistralConfig(sliding_window=256, max_position_embeddings=16384, **size))
+    assert packing_gap(windowed, longest=8192) > PROBE_ATOL
+
+
 @pytest.mark.parametrize("kind", ["mistral", "qwen2"])
 def test_packed_rows_differ_from_padded_past_the_window_and_the_window_is_why(kind):
     """What the refusal prevents, computed without the probe: a 2W-token sequence and a 5-token one (left-padded),
