@@ -136,9 +136,9 @@ class TrainConfig:
         if self.rollout.on and self.rollout.max_staleness >= 1 and self.env.on:
             p.add("max_staleness", self.rollout.max_staleness, "episodes (an environment's turns) are generated "
                   "synchronously so far: use 0 with an environment")
-        if self.rollout.on and self.engine.requested_backend[0] != "lean":
-            p.add("generation_backend", self.engine.requested_backend[0], "rollout workers generate with lean so "
-                  "far (vllm and hf on workers are not built yet)")
+        if self.rollout.on and self.engine.requested_backend[0] not in ("lean", "vllm"):
+            p.add("generation_backend", self.engine.requested_backend[0], "rollout workers generate with lean or "
+                  "vllm (hf and hybrid run only on the trainer's ranks)")
         check_choice(p, "", self, "dtype", DTYPES)
         check_positive(p, "", self, "max_steps")
         check_positive(p, "", self, "eval_interval", allow_zero=True)

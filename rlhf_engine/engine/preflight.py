@@ -368,10 +368,8 @@ def plan_generation(cfg: TrainConfig, configs: dict, p: Problems) -> tuple[str, 
                   "--generation_backend hf, or hybrid_engine_fallback true to generate with Hugging Face instead "
                   "(logged as a warning)")
         fallback_reasons = reasons
-    elif backend == "vllm" and "actor" in configs:
-        from .generation.vllm_engine import unavailable_reasons
-
-        for reason in unavailable_reasons(configs["actor"]):
+    elif "actor" in configs and not cfg.rollout.on:  # rollout workers: each asks its own environment at setup
+        for reason in BACKENDS[backend].unavailable(configs["actor"]):
             p.add(backend_field, backend, reason)
     if backend in BACKENDS and cfg.ppo.rollout_correction != "none" and not BACKENDS[backend].gives_logprobs:
         p.add("rollout_correction", cfg.ppo.rollout_correction, f"needs the generation-time log-probs, and the "

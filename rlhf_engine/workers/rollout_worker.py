@@ -1,24 +1,29 @@
 """A rollout worker: a process of its own that generates for a trainer (`python launch/rollout_worker.py
 --rollout_address HOST:PORT`, docs/async-rollouts.md). The protocol is rlhf_engine/engine/generation/remote.py's.
 
-It needs nothing but the address: the trainer sends the actor's config, dtype and generation backend (the worker
-builds a plain copy of the policy with random weights and the same backend class the colocated path uses), then the
-weights after every optimizer step, then batches. It answers each batch with the response tokens, their
-generation-time log-probs and the policy version that made them, and stops when the trainer says so. Reward
-functions, reward servers and environments stay on the trainer: they need the rows' data and the trainer's ranks.
+It needs nothing but the address: the trainer sends the run's config, the actor's model config and dtype and the
+generation backend, then the weights after every optimizer step, then batches. The worker runs the same backend
+class the colocated path runs: `lean` on a plain copy of the policy (random weights until the first broadcast),
+`vllm` with its engine (the only copy of the weights: the plain model is built on the meta device, for the names
+and shapes of what arrives, and the broadcast streams into the engine block by block). It answers each batch with
+the response tokens, their generation-time log-probs and the policy version that made them, and stops when the
+trainer says so. Reward functions, reward servers and environments stay on the trainer: they need the rows' data
+and the trainer's ranks.
 """
 from __future__ import annotations
 
 import datetime
+import hashlib
 import logging
+import os
+import tempfile
 import time
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Iterator, Optional
 
 import torch
 
 from .. import comm
-from ..config import TrainConfig
 from ..config.rollout import parse_address
 from ..engine.generation import BACKENDS, GenerationContext
 from ..engine.generation.remote import Mailbox, answer_key, inbox
@@ -38,24 +43,59 @@ class PlainPolicy:
 
 
 def build_policy(setup: dict, device: torch.device) -> torch.nn.Module:
-    """A plain causal LM of the trainer's config and dtype, random weights (the broadcast replaces every one)."""
-    from transformers import AutoConfig, AutoModelForCausalLM
+    """A plain causal LM of the trainer's config and dtype, random weights (the broadcast replaces every one); on the
+    meta device it holds no memory (names, shapes and dtypes only)."""
+    from transformers import AutoModelForCausalLM
+
+    with torch.device(device):
+        model = AutoModelForCausalLM.from_config(model_config(setup), dtype=_DTYPES[setup["dtype"]])
+    return model.eval().requires_grad_(False)
+
+
+def model_config(setup: dict) -> Any:
+    from transformers import AutoConfig
 
     config = dict(setup["config"])
-    config_obj = AutoConfig.for_model(config.pop("model_type"), **config)
-    model = AutoModelForCausalLM.from_config(config_obj, dtype=_DTYPES[setup["dtype"]])
-    return model.to(device).eval().requires_grad_(False)
+    return AutoConfig.for_model(config.pop("model_type"), **config)
 
 
-def receive_weights(group: comm.PeerGroup, model: torch.nn.Module) -> None:
-    """The trainer's broadcast, block by block, into the model's parameters (the same blocks in the same order)."""
+def receive_stream(group: comm.PeerGroup, model: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
+    """The trainer's broadcast as (Hugging Face name, tensor), block by block in `weight_groups(model)` order: one
+    flat buffer per block, received when the consumer reaches it (the same blocks the trainer sends)."""
     for _, params in weight_groups(model):
         flat = torch.empty(sum(p.numel() for _, p in params), dtype=params[0][1].dtype)
         group.broadcast_(flat)
         offset = 0
-        for _, p in params:
-            p.data.copy_(flat[offset:offset + p.numel()].view(p.shape))
+        for name, p in params:
+            yield name, flat[offset:offset + p.numel()].view(p.shape)
             offset += p.numel()
+
+
+class Received:
+    """A stream's pairs passed on as they come, their sha256 kept (`policy_weights.weights_sha256`'s order and
+    bytes): what a worker whose engine holds the only copy answers a checksum request with."""
+
+    def __init__(self, stream: Iterator[tuple[str, torch.Tensor]]):
+        self.stream, self.hash, self.count = stream, hashlib.sha256(), 0
+
+    def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
+        for name, value in self.stream:
+            self.hash.update(value.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
+            self.count += 1
+            yield name, value
+
+
+def take_broadcast(group: comm.PeerGroup, model: torch.nn.Module, generator: Any, version: int) -> str:
+    """Receive one broadcast into the backend (`take_weights`); the sha256 of what arrived. The whole stream must be
+    read (it is collective with the trainer): a consumer that stopped early is an error, never a hang."""
+    stream = receive_stream(group, model)
+    received = Received(stream)
+    generator.take_weights(iter(received), version)
+    left = sum(1 for _ in stream)
+    expected = sum(len(g) for _, g in weight_groups(model))
+    if left or received.count != expected:
+        raise RuntimeError(f"the {generator.name} backend took {received.count} of the {expected} weights broadcast")
+    return received.hash.hexdigest()
 
 
 def find_trainer(host: str, port: int, timeout_s: float) -> Any:
@@ -74,29 +114,86 @@ def find_trainer(host: str, port: int, timeout_s: float) -> Any:
             time.sleep(1.0)
 
 
+class Worker:
+    """What one worker holds once set up: its backend, the plain (or meta) model, the policy version."""
+
+    def __init__(self, setup: dict, backend: str, device: torch.device, workdir: str):
+        self.setup = setup
+        cls = BACKENDS[backend or setup["backend"]]
+        reasons = cls.unavailable(model_config(setup))
+        if reasons:  # told to the trainer, before any engine or weight is built here
+            raise RuntimeError(f"the {cls.name} generation backend cannot run here: " + "; ".join(reasons))
+        # an engine of its own holds the only copy of the weights: the plain model only names and shapes them
+        self.model = build_policy(setup, torch.device("meta") if cls.has_engine else device)
+        self.names = [n for _, g in weight_groups(self.model) for n, _ in g]
+        self.policy = PlainPolicy(self.model)
+        model_path = ""
+        if cls.has_engine:  # the engine reads the model's config from a folder, and joins this process's group
+            model_path = os.path.join(workdir, "model")
+            model_config(setup).save_pretrained(model_path)
+            # a world of one, as a launcher would describe it (vLLM's external launcher reads these; LOCAL_RANK
+            # picks its device)
+            for key, value in (("RANK", 0), ("LOCAL_RANK", device.index or 0), ("WORLD_SIZE", 1),
+                               ("MASTER_ADDR", "127.0.0.1"), ("MASTER_PORT", 0)):
+                os.environ.setdefault(key, str(value))
+            if not comm.initialized():
+                torch.distributed.init_process_group("gloo", store=torch.distributed.HashStore(), rank=0,
+                                                     world_size=1)
+        ctx = GenerationContext(self.policy, comm.DistInfo(0, 1, 0, device), 0, setup["cfg"], model_path=model_path,
+                                dtype=setup["dtype"], max_len=int(setup["max_len"]))
+        self.generator = cls(ctx)
+        self.received_sha256: Optional[str] = None
+
+    def take(self, group: comm.PeerGroup, version: int) -> None:
+        self.received_sha256 = take_broadcast(group, self.model, self.generator, version)
+        self.policy.global_steps = version
+
+    def checksum(self) -> str:
+        """sha256 of the weights decoded with: the plain model's own, or (an engine's only copy) what it received."""
+        if self.generator.has_engine:
+            return self.received_sha256
+        return weights_sha256(p for _, g in weight_groups(self.model) for p in g)
+
+    def generate(self, msg: dict) -> dict:
+        if self.received_sha256 is None:
+            raise RuntimeError("a batch came before any weights")
+        if msg.get("seed") is not None:  # the trainer's draw: a rerun samples the same
+            torch.manual_seed(msg["seed"])
+        gen = self.generator.generate(msg["ids"], msg["mask"], msg["params"])
+        return {"tokens": gen.rollout.responses.cpu(), "logprobs": gen.logprobs.cpu(),
+                "version": self.policy.global_steps}
+
+
 def serve(address: str, backend: str = "", timeout_s: float = 300.0, idle_timeout_s: float = 86400.0,
           device: str = "cpu") -> int:
     """Join the trainer at `address` and serve it until it says stop; returns the exit code. `backend` '' = the
     trainer's generation backend."""
     host, port = parse_address(address)
-    timeout = datetime.timedelta(seconds=timeout_s)
     store = find_trainer(host, port, timeout_s)
     index = int(store.add("joined", 1)) - 1
     size = int(store.get("size"))
     if index >= size:
         log.error("rollout worker: the trainer at %s asked for %d workers and %d have joined", address, size, index)
         return 2
-    group = comm.PeerGroup(store, index + 1, size + 1, timeout)
+    group = comm.PeerGroup(store, index + 1, size + 1, datetime.timedelta(seconds=timeout_s))
     mail = Mailbox(store, timeout_s, address)
-    box = inbox(index)
-    dev = torch.device(device)
-    model = generator = policy = None
     log.info("rollout worker %d of %d: joined the trainer at %s", index, size, address)
+    with tempfile.TemporaryDirectory(prefix="rollout_worker_") as workdir:
+        try:
+            return _loop(index, mail, group, backend, torch.device(device), workdir, idle_timeout_s)
+        finally:
+            comm.shutdown(ok=True)  # an engine shuts down first (comm.at_shutdown), then its group
+
+
+def _loop(index: int, mail: Mailbox, group: comm.PeerGroup, backend: str, device: torch.device, workdir: str,
+          idle_timeout_s: float) -> int:
+    worker: Optional[Worker] = None
+    box = inbox(index)
     idle = 0.0  # seconds spent waiting for the trainer since the last answered batch (reported with the next)
     while True:
         t0 = time.perf_counter()
         msg = mail.receive(box, f"the trainer (worker {index}'s inbox)", timeout_s=idle_timeout_s)
-        if generator is not None:  # not the wait for the first setup
+        if worker is not None:  # not the wait for the first setup
             idle += time.perf_counter() - t0
         kind = msg["kind"]
         if kind == "stop":
@@ -104,35 +201,23 @@ def serve(address: str, backend: str = "", timeout_s: float = 300.0, idle_timeou
             return 0
         if kind == "setup":
             try:
-                model = build_policy(msg, dev)
-                names = [n for _, g in weight_groups(model) for n, _ in g]
-                policy = PlainPolicy(model)
-                ctx = GenerationContext(policy, comm.DistInfo(0, 1, 0, dev), 0, TrainConfig())
-                generator = BACKENDS[backend or msg["backend"]](ctx)
-                mail.put(answer_key(index, "setup"), {"names": names})
+                worker = Worker(msg, backend, device, workdir)
+                mail.put(answer_key(index, "setup"), {"names": worker.names})
             except Exception as e:  # noqa: BLE001  (told to the trainer, which stops naming this worker)
                 mail.put(answer_key(index, "setup"), {"names": None, "error": f"{type(e).__name__}: {e}"})
                 raise
         elif kind == "weights":
-            receive_weights(group, model)
-            policy.global_steps = int(msg["version"])
-            mail.put(answer_key(index, f"ack/{policy.global_steps}"), {"version": policy.global_steps})
+            worker.take(group, int(msg["version"]))
+            mail.put(answer_key(index, f"ack/{worker.policy.global_steps}"), {"version": worker.policy.global_steps})
         elif kind == "checksum":
-            mail.put(answer_key(index, f"sum/{msg['n']}"),
-                     {"sha256": weights_sha256(p for _, g in weight_groups(model) for p in g)})
+            mail.put(answer_key(index, f"sum/{msg['n']}"), {"sha256": worker.checksum()})
         elif kind == "generate":
+            key = answer_key(index, f"batch/{msg['ticket']}/{msg['rank']}")
             try:
-                if msg.get("seed") is not None:  # the trainer's draw: a rerun samples the same
-                    torch.manual_seed(msg["seed"])
-                gen = generator.generate(msg["ids"], msg["mask"], msg["params"])
-                mail.put(answer_key(index, f"batch/{msg['ticket']}/{msg['rank']}"),
-                         {"tokens": gen.rollout.responses.cpu(), "logprobs": gen.logprobs.cpu(),
-                          "version": policy.global_steps, "idle_s": idle})
+                mail.put(key, {**worker.generate(msg), "idle_s": idle})
             except Exception as e:  # noqa: BLE001
-                mail.put(answer_key(index, f"batch/{msg['ticket']}/{msg['rank']}"),
-                         {"error": f"worker {index}: {type(e).__name__}: {e}"})
+                mail.put(key, {"error": f"worker {index}: {type(e).__name__}: {e}"})
                 raise
+            idle = 0.0
         else:
             raise RuntimeError(f"rollout worker {index}: unknown message {kind!r}")
-        if kind == "generate":
-            idle = 0.0

@@ -220,3 +220,15 @@ def test_explicit_flags_and_config_file_keys_win_over_the_family_defaults(tmp_pa
     cfg_file.write_text("kl_loss_coef: 0.0\n")
     ppo = parse_args(base + ["--config", str(cfg_file)]).ppo
     assert (ppo.kl_coef, ppo.kl_loss_coef) == (0.0, 0.0)
+
+
+@pytest.mark.parametrize("backend, refused", [("lean", False), ("vllm", False), ("hf", True), ("hybrid", True)])
+def test_rollout_workers_generate_with_lean_or_vllm_only(backend, refused):
+    cfg = valid()
+    cfg.rollout.rollout_workers, cfg.rollout.rollout_address = 1, "127.0.0.1:29611"
+    cfg.engine.generation_backend = backend
+    if refused:
+        p = problems(cfg)["generation_backend"]
+        assert p.value == backend and "rollout workers generate with lean or vllm" in p.fix
+    else:
+        cfg.validate()

@@ -7,7 +7,7 @@ import contextlib
 import dataclasses
 from dataclasses import dataclass
 import logging
-from typing import Any, Iterator, Optional
+from typing import Any, Iterable, Iterator, Optional
 
 import torch
 from transformers import GenerationConfig
@@ -86,6 +86,9 @@ class GenerationBackend:
 
     name = ""
     gives_logprobs = True  # `Generated.logprobs` is filled (a rollout correction needs them; the plan checks)
+    # an inference engine of its own (vllm): it holds its own copy of the weights (`take_weights` loads them), joins
+    # the process's default group, and a rollout worker keeps no weights of its own beside it
+    has_engine = False
 
     def __init__(self, ctx: GenerationContext):
         self.ctx = ctx
@@ -95,6 +98,12 @@ class GenerationBackend:
         self._replica_error: Optional[str] = None  # the replica could not be built: gathered in place instead
         self._logged_modes: set = set()
         warn_unused_sampling_fields(self.actor.module, self.dist.is_main)
+
+    @classmethod
+    def unavailable(cls, model_config: Any) -> list:
+        """Why this backend cannot generate for a model of `model_config` here (empty: it can); asked before any
+        engine or weight is built."""
+        return []
 
     @classmethod
     def actor_ds_overrides(cls, cfg: Any) -> Optional[dict]:
@@ -107,6 +116,14 @@ class GenerationBackend:
 
     def generate(self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, params: SamplingParams) -> Generated:
         raise NotImplementedError
+
+    @torch.no_grad()
+    def take_weights(self, weights: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
+        """Weights from elsewhere (a rollout worker's copy of the trainer's broadcast), (Hugging Face name, tensor)
+        in `policy_weights.weight_groups` order, consumed whole: copied into the plain model decoded with."""
+        params = dict(self.actor.module.named_parameters())
+        for name, value in weights:
+            params[name].data.copy_(value)
 
     def release(self) -> None:
         """Called after an iteration's rollouts: a backend with an engine of its own may free its memory for the

@@ -8,8 +8,9 @@ the protocol both sides speak. The worker's loop is rlhf_engine/workers/rollout_
 * Messages: pickled objects under `w<i>/in/<seq>` (to worker i, read in order) and one key per answer
   (`answer_key`: a batch's by its ticket), each taken once and deleted; every wait has `rollout_timeout_s` and names
   the worker it waited for.
-* Setup: the worker gets the actor's Hugging Face config, dtype, generation backend and the weight names it must hold;
-  it builds a plain copy of the policy (random weights) and answers with its own names, checked against ours.
+* Setup: the worker gets the run's config, the actor's Hugging Face config, dtype, generation backend, the longest
+  sequence and the weight names it must hold; it builds the backend (a plain copy of the policy, random weights, or
+  an engine of its own) and answers with its own names, checked against ours, or with why it cannot.
 * Weights: after every optimizer step, before the next generate call, the actor's weights are broadcast block by
   block (engine/policy_weights.stream_blocks: gathered under ZeRO-3, LoRA merged; each block flattened into one
   buffer), versioned by the actor's step count; each worker acknowledges the version it now holds.
@@ -145,11 +146,13 @@ class RemoteBackend(GenerationBackend):
         names = plain_names(self.actor.module)
         hf = getattr(self.actor.module, "get_base_model", lambda: self.actor.module)()
         setup = {"kind": "setup", "config": hf.config.to_dict(), "dtype": ctx.dtype, "backend": self.worker_backend,
-                 "names": names}
+                 "names": names, "cfg": ctx.cfg, "max_len": ctx.max_len}
         for i in range(self.workers):
             self.mail.send(inbox(i), setup)
         for i in range(self.workers):
             answer = self.mail.take(answer_key(i, "setup"), self._who(i))
+            if answer.get("error"):
+                raise RuntimeError(f"{self._who(i)} could not set up: {answer['error']}")
             if answer.get("names") != names:
                 raise RuntimeError(f"{self._who(i)}: its copy of the policy holds other weights than the actor "
                                    f"({answer.get('error') or 'names differ'})")

@@ -130,6 +130,11 @@ def unavailable_reasons(actor_config: Any) -> list[str]:
 
 class VLLMBackend(GenerationBackend):
     name = "vllm"
+    has_engine = True
+
+    @classmethod
+    def unavailable(cls, model_config: Any) -> list:
+        return unavailable_reasons(model_config)
 
     def __init__(self, ctx):
         super().__init__(ctx)
@@ -201,19 +206,25 @@ class VLLMBackend(GenerationBackend):
                 self._pushed_version = None
         if self._pushed_version == self.actor_version:
             return False
-        t0 = time.perf_counter()
-        self.load_weights()
-        self.reset_prefix_cache()
-        self._pushed_version = self.actor_version
-        self.sync_seconds += time.perf_counter() - t0
-        self.pushes += 1
+        self.take_weights(stream_weights(self.actor.module), self.actor_version)
         return True
 
-    def load_weights(self) -> None:
-        """The actor's current weights into the engine, one block at a time (one `reload_weights` call over the
-        stream: a block is gathered, merged and handed over before the next is read)."""
+    def take_weights(self, weights, version: int) -> None:
+        """`weights` ((Hugging Face name, tensor), block by block) into the engine in one `reload_weights` call over
+        the stream (a block is gathered, merged or received and handed over before the next is read), then the
+        prefix cache reset; the engine now holds `version`."""
+        t0 = time.perf_counter()
+        self.load_weights(weights)
+        self.reset_prefix_cache()
+        self._pushed_version = version
+        self.sync_seconds += time.perf_counter() - t0
+        self.pushes += 1
+
+    def load_weights(self, weights=None) -> None:
+        """`weights` (None: the actor's own stream) into the engine's model, without the prefix cache reset."""
         with contained():
-            self.runner.reload_weights(weights_iterator=stream_weights(self.actor.module))
+            self.runner.reload_weights(weights_iterator=stream_weights(self.actor.module) if weights is None
+                                       else weights)
 
     def reset_prefix_cache(self) -> None:
         if not self.llm.reset_prefix_cache():
