@@ -21,7 +21,7 @@ import torch
 
 from ..packing import Packed, pack_rows, sliding_window
 from .models import ScalarHeadModel, unwrap_peft
-from .preflight import _max_positions
+from ..hf_fields import max_positions
 
 PROBE_ATOL = 1e-3  # packed vs padded logits of the probe in the model's dtype (fp32 agrees to ~1e-6)
 PROBE_TOKENS = 64  # the probe's longer sequence when the caller does not give the run's longest
@@ -111,7 +111,7 @@ def probe_lengths(module: Any, longest: Optional[int] = None) -> tuple[int, int]
     n = int(longest) if longest else min(PROBE_TOKENS, sliding_window(config) or PROBE_TOKENS)
     # capped, for its memory at start-up: a declared window shorter than the run's sequences is refused from the
     # config (preflight), whatever its length; the probe catches what a config does not declare, up to this length
-    n = max(2, min(n, PROBE_MAX_TOKENS, _max_positions(config) or n))
+    n = max(2, min(n, PROBE_MAX_TOKENS, max_positions(config) or n))
     return n, min(n - 1, max(3, n // 4))
 
 

@@ -14,6 +14,7 @@ from typing import Any, Mapping, Optional
 
 from ..config import ROLES, RoleConfig, TrainConfig
 from ..errors import Problems
+from ..hf_fields import max_positions
 from .ds_config import load_user_config
 from .models import prepare_tokenizer
 
@@ -91,14 +92,6 @@ def resolve_stage(cfg: TrainConfig, role: str) -> int:
     if partner is None:
         return 0
     return 3 if (getattr(cfg, partner).zero_stage or 0) == 3 else 0
-
-
-def _max_positions(config) -> int | None:
-    for name in ("max_position_embeddings", "n_positions", "max_seq_len", "seq_length"):
-        v = getattr(config, name, None)
-        if isinstance(v, int) and v > 0:
-            return v
-    return None
 
 
 WEIGHT_FILES = ("model.safetensors", "pytorch_model.bin", "model.safetensors.index.json",
@@ -296,7 +289,7 @@ def check_positions(cfg: TrainConfig, paths: dict, configs: dict, p: Problems) -
             need = cfg.generation.max_prompt_seq_len + cfg.generation_positions
             extra = (" (+ max_answer_seq_len - 1: the hf backend feeds a row at its budget until its batch-mates "
                      "end their turn; generation_backend lean does not)")
-        limit = _max_positions(config)
+        limit = max_positions(config)
         if limit is not None and need > limit and (paths[role], need) not in seen:
             seen.add((paths[role], need))
             p.add(what, need, f"exceeds the {role} model's maximum positions ({limit}){extra}; lower "
@@ -498,7 +491,7 @@ def plan_model(rc: RoleConfig, need_positions: int, name: str = "model") -> tupl
             if len(tok) > config.vocab_size:
                 p.add("tokenizer_name_or_path", tok_path, f"tokenizer has {len(tok)} tokens but the model's "
                       f"vocabulary has {config.vocab_size}; use the model's own tokenizer")
-        limit = _max_positions(config)
+        limit = max_positions(config)
         if limit is not None and need_positions > limit:
             p.add("max_prompt_seq_len + max_answer_seq_len", need_positions, f"exceeds the model's maximum positions "
                   f"({limit}); lower max_prompt_seq_len or max_answer_seq_len")

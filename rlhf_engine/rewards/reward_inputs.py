@@ -18,7 +18,6 @@ import hashlib
 import json
 from typing import Any, Optional, Sequence
 
-POSITION_FIELDS = ("max_position_embeddings", "n_positions", "max_seq_len", "seq_length")
 
 
 def vocab_fingerprint(tokenizer: Any) -> str:
@@ -34,15 +33,6 @@ def vocab_fingerprint(tokenizer: Any) -> str:
     except AttributeError:
         pass
     return digest
-
-
-def max_positions(config: Any) -> Optional[int]:
-    """The longest sequence a model config allows (None: not stated)."""
-    for name in POSITION_FIELDS:
-        v = getattr(config, name, None)
-        if isinstance(v, int) and v > 0:
-            return v
-    return None
 
 
 def pad_id_of(tokenizer: Any) -> int:

@@ -12,8 +12,9 @@ from __future__ import annotations
 import threading
 from typing import Any, Callable
 
+from ..hf_fields import max_positions
 from .loader import call_reward_fn, reward_signature
-from .reward_inputs import (encode_conversations, encode_texts, max_positions, pad_id_of, reward_model_rollout,
+from .reward_inputs import (encode_conversations, encode_texts, pad_id_of, reward_model_rollout,
                             vocab_fingerprint)
 
 

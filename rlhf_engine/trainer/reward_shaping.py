@@ -38,7 +38,8 @@ from typing import Any, Optional
 import torch
 
 from ..comm import all_reduce
-from ..rewards.reward_inputs import encode_conversations, encode_texts, max_positions, pad_id_of, reward_model_rollout
+from ..hf_fields import max_positions
+from ..rewards.reward_inputs import encode_conversations, encode_texts, pad_id_of, reward_model_rollout
 from ..rollout import Rollout
 from .experience import decode_rollout
 

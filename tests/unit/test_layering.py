@@ -18,18 +18,19 @@ ALLOWED = {
     "config": {"errors", "ppo_math", "estimators", "policy_losses"},  # (lazily: the registered names)
     "rollout": {"ppo_math"},
     "packing": set(),
+    "hf_fields": set(),
     "pretrained": {"errors"},
     "assets": {"pretrained"},
     "faults": set(),
     "signals": set(),
     "hooks": {"faults"},
     "plugins": set(),
-    "rewards": {"errors", "plugins", "rollout", "engine"},  # engine: only the served reward model (scorers.py, lazily)
+    "rewards": {"errors", "hf_fields", "plugins", "rollout", "engine"},  # engine: only the served reward model (scorers.py, lazily)
     "envs": {"comm", "plugins", "rollout", "rewards"},
     "outputs": {"errors"},
     "data": {"comm", "config", "errors", "rollout", "pretrained"},
-    "engine": {"comm", "config", "errors", "hooks", "packing", "ppo_math", "rollout"},
-    "trainer": {"comm", "config", "data", "engine", "envs", "errors", "estimators", "outputs", "policy_losses",
+    "engine": {"comm", "config", "errors", "hf_fields", "hooks", "packing", "ppo_math", "rollout"},
+    "trainer": {"comm", "config", "data", "engine", "envs", "errors", "estimators", "hf_fields", "outputs", "policy_losses",
                 "ppo_math", "pretrained",
                 "rewards", "rollout", "faults", "hooks", "signals"},
     "cli": {"comm", "config", "engine", "errors", "rewards", "signals"},
