@@ -3,8 +3,10 @@
 Each kind names the flags that choose it; the run's source is the one kind whose flags are set, or the reward model
 when none is. Two kinds chosen at once is one problem naming exactly the flags that were set. The implementations
 (built once per run from the plan, each `score(rollout) -> [B] scores`) live in rlhf_engine/trainer/reward_sources/,
-one file per kind: a new kind is that file plus one line in `REWARD_SOURCES` below. Pure attribute reads of a
-TrainConfig here: the config's validation asks, and the trainer builds what the choice names.
+one file per kind, and its registry there maps each kind's name to its class (a test holds the two key sets equal):
+a new kind is that file, one line in `REWARD_SOURCES` below and one in `trainer.reward_sources.SOURCE_CLASSES`. This
+layer names kinds only; pure attribute reads of a TrainConfig: the config's validation asks, and the trainer builds
+what the choice names.
 """
 from __future__ import annotations
 
@@ -17,7 +19,6 @@ class SourceKind:
     name: str
     what: str  # how messages and docs name it
     chosen_by: Callable[[Any], dict]  # a TrainConfig -> the flags choosing this kind that are set ({}: not chosen)
-    impl: str  # "module:Class" in rlhf_engine.trainer.reward_sources
 
 
 def _set(**flags: Any) -> dict:
@@ -36,12 +37,11 @@ def _workers(cfg: Any) -> dict:
 
 DEFAULT = "reward_model"
 REWARD_SOURCES = {k.name: k for k in (
-    SourceKind("environment", "the environment's step rewards", lambda c: _set(environment=c.env.environment),
-               "environment:EnvironmentReturns"),
-    SourceKind("server", "a reward server", lambda c: _set(reward_url=c.scoring.reward_url), "server:ServerSource"),
-    SourceKind("workers", "a reward function in worker processes", _workers, "workers:WorkerSource"),
-    SourceKind("function", "a reward function", _function, "function:FunctionSource"),
-    SourceKind(DEFAULT, "the reward model", lambda c: {}, "model:RewardModelSource"),
+    SourceKind("environment", "the environment's step rewards", lambda c: _set(environment=c.env.environment)),
+    SourceKind("server", "a reward server", lambda c: _set(reward_url=c.scoring.reward_url)),
+    SourceKind("workers", "a reward function in worker processes", _workers),
+    SourceKind("function", "a reward function", _function),
+    SourceKind(DEFAULT, "the reward model", lambda c: {}),
 )}
 
 

@@ -5,12 +5,20 @@ and checked before any weight), built once by the trainer's setup, and called as
 """
 from __future__ import annotations
 
-import importlib
 from dataclasses import dataclass
 from typing import Any
 
 from ...config.reward_source import SourceKind
 from .base import RewardFnSource, RewardSource
+from .environment import EnvironmentReturns
+from .function import FunctionSource
+from .model import RewardModelSource
+from .server import ServerSource
+from .workers import WorkerSource
+
+# kind name (config/reward_source.REWARD_SOURCES) -> its class; the same keys there and here (a test checks)
+SOURCE_CLASSES = {"environment": EnvironmentReturns, "server": ServerSource, "workers": WorkerSource,
+                  "function": FunctionSource, "reward_model": RewardModelSource}
 
 
 @dataclass(frozen=True)
@@ -22,12 +30,11 @@ class LoadedSource:
 
 
 def source_class(kind: SourceKind) -> type:
-    module, name = kind.impl.split(":")
-    return getattr(importlib.import_module(f"{__name__}.{module}"), name)
+    return SOURCE_CLASSES[kind.name]
 
 
 def build_reward_source(loaded: LoadedSource, engine: Any, cfg: Any) -> RewardSource:
     return source_class(loaded.kind)(loaded.loaded, engine, cfg)
 
 
-__all__ = ["LoadedSource", "RewardFnSource", "RewardSource", "build_reward_source", "source_class"]
+__all__ = ["LoadedSource", "RewardFnSource", "RewardSource", "SOURCE_CLASSES", "build_reward_source", "source_class"]

@@ -88,18 +88,19 @@ def test_bad_reward_flags_are_named(flags, field, message):
 
 
 def test_every_registered_source_kind_is_built_by_its_class_and_chosen_by_its_flags():
-    """The registry (config/reward_source.py): each kind's class exists and is a RewardSource; a config setting
+    """The registry (config/reward_source.py names the kinds, trainer/reward_sources maps them to classes by real
+    imports, so the layering test sees the dependency and a typo fails at import): each kind's class exists and is a RewardSource; a config setting
     only a kind's flags chooses that kind, and the reward model is chosen when no flag is set (the config's
     scored_without_model agrees)."""
     from rlhf_engine.cli import parse_args
     from rlhf_engine.config.reward_source import REWARD_SOURCES, reward_source_kind
-    from rlhf_engine.trainer.reward_sources import RewardSource, source_class
+    from rlhf_engine.trainer.reward_sources import SOURCE_CLASSES, RewardSource, source_class
 
     base = ["--actor_model_name_or_path", "/x", "--data_path", "/x.jsonl"]
     flags = {"environment": ["--environment", "m:f"], "server": ["--reward_url", "http://x:1/"],
              "workers": ["--reward_fn", "m:f", "--reward_workers", "2"], "function": ["--reward_fn", "m:f"],
              "reward_model": []}
-    assert set(flags) == set(REWARD_SOURCES)
+    assert set(flags) == set(REWARD_SOURCES) == set(SOURCE_CLASSES)  # the config's kinds are the trainer's classes
     for name, kind in REWARD_SOURCES.items():
         assert issubclass(source_class(kind), RewardSource), name
         cfg = parse_args(base + flags[name])
