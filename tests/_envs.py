@@ -137,3 +137,22 @@ class RankSplit(Counting):
 
 def rank_split(row):
     return RankSplit(row)
+
+
+class Recording(Counting):
+    """Two turns, as Counting, and every response it is sent kept in SENT[prompt] (the tests read what the
+    environment saw); its stop strings come from the row's `stop` column when the row has one."""
+
+    SENT: dict = {}
+
+    def __init__(self, row):
+        super().__init__(row)
+        self.stop_strings = tuple(row.get("stop") or ())
+
+    def step(self, response):
+        self.SENT.setdefault(self.row["prompt"], []).append(response)
+        return super().step(response)
+
+
+def recording(row):
+    return Recording(row)

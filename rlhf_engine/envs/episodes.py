@@ -5,7 +5,9 @@ Each turn is one generation call over the unfinished rows, their whole context (
 prompt: the backend prefills it again (docs/environments.md has the measurement against continuing from the cache).
 Every row of a call may write max_answer_seq_len tokens, or its own episode's room when that is less
 (`SamplingParams.row_limits`): a row's turn never depends on its batch-mates or on the world size. A turn cut by its
-episode's room is truncated: the environment does not see the fragment, the episode ends there and the turn scores 0.
+episode's room goes to the environment like any other turn (as a response cut at max_answer_seq_len is scored) and
+the episode is truncated: it ends there. One rule for a turn at a cap without a stop: the environment sees it; the
+episode is truncated only where the episode's room, not the per-turn cap, cut it.
 A turn is also cut at the environment's stop strings, on the sampled ids (a prefix of a sample is a sample). Under
 ZeRO-3 on several ranks every generate call is collective, so the ranks agree each turn (one all-reduce) whether any
 still plays, and a rank whose episodes are all over generates a throw-away token from a bare prompt while another
@@ -206,24 +208,25 @@ class EpisodeRunner:
             stop_strings = getattr(e.env, "stop_strings", ()) or ()
             keep = cut_at_stop_strings(self.tokenizer, resp, stop_strings)
             closed_by = resp[keep - 1] if keep and resp[keep - 1] in self.stops else None
-            # the row's limit was its room and it used all of it without ending its turn: the budget cut it
-            cut_by_budget = (limits[j] < self.params.max_new_tokens and keep == len(resp) == limits[j]
-                             and closed_by is None and not contains_stop_string(self.tokenizer, resp, stop_strings))
+            ended = closed_by is not None or contains_stop_string(self.tokenizer, resp, stop_strings)
             resp = resp[:keep]
             e.tokens += resp
             e.actions += [1] * len(resp)
             e.logprobs += (lps[j][:keep] if lps is not None else [0.0] * keep)
             e.rewards += [0.0] * len(resp)
             e.ended_with_eos = closed_by is not None
-            e.truncated = cut_by_budget
+            # the turn filled the episode's room without ending itself: the budget cut the episode (a turn at the
+            # per-turn cap with room left is not truncated: the episode goes on)
+            e.truncated = len(e.tokens) >= self.budget and not ended
             texts.append(self.tokenizer.decode(resp, skip_special_tokens=True))
-        # a fragment cut by the budget is not a turn: its environment never sees it
-        playing = [(e, t) for e, t in zip(live, texts) if e.env is not None and not e.truncated]
+        # every turn goes to its environment, however it ended (a stop token, a stop string, the per-turn cap or the
+        # episode's room), as a single-turn response cut at max_answer_seq_len is scored
+        playing = [(e, t) for e, t in zip(live, texts) if e.env is not None]
         outcomes = iter(self.calls.run([lambda e=e, t=t: as_step(e.env.step(t)) for e, t in playing]))
         index = {id(e): i for i, e in enumerate(episodes)}
         for e in live:
             stats.turn_counts[turn] += 1
-            if e.env is None or e.truncated:  # a failed reset (score_zero), or a turn cut by the budget
+            if e.env is None:  # a failed reset (score_zero)
                 e.turn_rewards.append(0.0)
                 e.over = True
                 continue

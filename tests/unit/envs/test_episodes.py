@@ -158,8 +158,8 @@ def _play(t, prompts):
 
 def test_a_rows_episode_is_the_same_alone_as_beside_others(tiny, dist_single, tmp_path):
     """Rows with a long first observation have 3 tokens of room for turn 2; their batch-mates a whole turn. Each row
-    plays to its own room: alone or beside the others, the same episode (greedy), and the cut turns are truncated,
-    never scored by the environment. (Before the fix every row's turn 2 was cut to the smallest room.)"""
+    plays to its own room: alone or beside the others, the same episode (greedy), and the cut turns are truncated.
+    (Before the fix every row's turn 2 was cut to the smallest room.)"""
     import json
 
     from _envs import RoomHungry
@@ -182,10 +182,10 @@ def test_a_rows_episode_is_the_same_alone_as_beside_others(tiny, dist_single, tm
         assert alone[0] == ids and alone[1] == actions and alone[3] == rewards, batch[i]
         assert torch.allclose(alone[2], lps, atol=1e-5, rtol=0), batch[i]
         second = len(actions) - actions.index(0) - obs_tokens[i]  # turn 2's tokens, after the observation
-        if i % 2:  # a whole turn beside rows with 3 tokens of room, and scored by the environment
-            assert second == turn and sum(rewards) == pytest.approx(0.25 + 0.1 * (len(tok_text(t, ids[-turn:])) % 7))
-        else:  # cut at its own room: truncated, the fragment not sent to the environment (turn 2 scores 0)
-            assert second == 3 and sum(rewards) == pytest.approx(0.25)
+        # every turn 2 is scored by the environment: a whole one beside rows with 3 tokens of room, and one cut
+        # at its own room (truncated)
+        assert second == (turn if i % 2 else 3)
+        assert sum(rewards) == pytest.approx(0.25 + 0.1 * (len(tok_text(t, ids[-second:])) % 7))
     assert stats.truncated == 2 and rollout.ended_with_eos.tolist() == [False] * 4
 
 
@@ -232,3 +232,107 @@ def test_the_hf_backend_needs_a_turn_of_positions_past_the_budget(tiny, dist_sin
     with pytest.raises(ConfigError, match=r"max_prompt_seq_len \+ max_episode_tokens = 263.*the hf backend feeds"):
         trainer_for(tiny, tmp_path / "hf", generation_backend="hf", **flags)
     assert trainer_for(tiny, tmp_path / "lean", **flags).iteration == 0  # the control: lean fits exactly
+
+
+# ---- a turn at its cap: one rule, whichever cap (docs/environments.md, "How a batch is played") ----------------------
+def _record(t, prompt, stop=()):
+    """Play one prompt with the `recording` environment: (its turns' action ids, what the environment was sent, the
+    rollout, the stats)."""
+    from _envs import Recording
+    from rlhf_engine.rollout import PromptRow, pad_prompts
+
+    Recording.SENT.clear()
+    torch.manual_seed(1234)  # the same draws in every call: a sampled turn is a prefix of the freer one's
+    tok = t.engine.tokenizer
+    ids, mask = pad_prompts([tok(prompt, add_special_tokens=False)["input_ids"]], t.engine.pad_token_id)
+    rollout, _, stats, failure = t.episodes.run(ids, mask, [PromptRow(prompt, {"stop": list(stop)})])
+    assert failure is None
+    real, act = rollout.response_attention[0].bool(), rollout.action_mask[0].bool()
+    resp, acts = rollout.responses[0][real].tolist(), rollout.action_mask[0][real].tolist()
+    turns, cur = [], []
+    for tok_id, a in zip(resp, acts):
+        if a:
+            cur.append(tok_id)
+        elif cur:
+            turns, cur = turns + [cur], []
+    turns += [cur] if cur else []
+    return turns, Recording.SENT.get(prompt, []), rollout, stats
+
+
+def _prompt(tiny):
+    import json
+
+    with open(tiny.prompts) as f:
+        return json.loads(f.readline())["prompt"]
+
+
+def _observation_tokens(t):
+    from rlhf_engine.envs.turns import TurnFormat
+
+    return len(TurnFormat(t.engine.tokenizer, False).context(" ok", None))
+
+
+def test_a_turn_at_either_cap_goes_to_the_environment_and_only_the_episodes_room_truncates(tiny, dist_single,
+                                                                                            tmp_path):
+    """Greedy, no stop tokens, 8 tokens per turn. With room to spare both turns end at the per-turn cap: sent, not
+    truncated. With 3 tokens of room for turn 2: its 3 tokens are sent and scored, and the episode is truncated. With
+    exactly 8 tokens of room (the room equals the per-turn cap): sent, scored, truncated (the room filled). Before,
+    the 3-token turn was withheld from the environment and the 8-token one not marked truncated."""
+    prompt, flags = _prompt(tiny), dict(environment="_envs:recording", max_turns=2, max_answer_seq_len=8,
+                                        do_sample="false", stop_token_ids=[], max_steps=1)
+    t = trainer_for(tiny, tmp_path / "ample", max_episode_tokens=64, **flags)
+    obs = _observation_tokens(t)
+    decode = lambda ids: t.engine.tokenizer.decode(ids, skip_special_tokens=True)  # noqa: E731
+    turns, sent, rollout, stats = _record(t, prompt)
+    assert [len(x) for x in turns] == [8, 8] and sent == [decode(x) for x in turns]
+    assert stats.truncated == 0 and not bool(rollout.ended_with_eos[0])
+    free = turns
+    for room in (3, 8):
+        t = trainer_for(tiny, tmp_path / f"room{room}", max_episode_tokens=8 + obs + room, **flags)
+        turns, sent, rollout, stats = _record(t, prompt)
+        assert turns == [free[0], free[1][:room]] and sent == [decode(x) for x in turns], room
+        reward = 1.0 + 0.1 * (len(sent[1]) % 7)  # the environment's score of turn 2, on its last action
+        assert float(rollout.turn_rewards[0].sum()) == pytest.approx(0.25 + reward), room
+        assert stats.truncated == 1, room
+
+
+@pytest.mark.parametrize("how", ["stop token", "stop string"])
+def test_a_turn_that_ends_itself_exactly_at_its_room_is_not_truncated(tiny, dist_single, tmp_path, how):
+    """Turn 2 (sampled, the same draws every time) ends on a stop token, or a stop string, at its k-th token, and the
+    episode's room is exactly k tokens: the model ended its turn, so it is sent, scored and not truncated (the environment ends the episode).
+    Control: the same room without the stop, the turn is cut there and the episode truncated."""
+    import json
+
+    flags = dict(environment="_envs:recording", max_turns=2, max_answer_seq_len=8, do_sample="true", max_steps=1)
+    t = trainer_for(tiny, tmp_path / "free", max_episode_tokens=64, stop_token_ids=[], **flags)
+    obs, tok = _observation_tokens(t), t.engine.tokenizer
+    text = lambda ids: tok.decode(ids, skip_special_tokens=True)  # noqa: E731
+
+    def stop_at(first, second):
+        """(k, stop token ids, stop strings) ending turn 2 at its k-th token and nothing before it, or None."""
+        for k in range(2, 8):
+            if how == "stop token" and second[k - 1] not in first + second[:k - 1]:
+                return k, [second[k - 1]], ()
+            s = text(second[k - 1:k]).strip()
+            if how == "stop string" and s and s not in text(first) and s not in text(second[:k - 1]):
+                return k, [], (s,)
+        return None
+
+    with open(tiny.prompts) as f:  # the first prompt whose free turn 2 has such a token
+        prompts = [json.loads(line)["prompt"] for line in f][:16]
+    found = None
+    for prompt in prompts:
+        (first, second), _, _, _ = _record(t, prompt)
+        if (found := stop_at(first, second)) is not None:
+            break
+    assert found is not None, ("no prompt of the tiny set has a fresh token in turn 2", first, second)
+    k, stop_ids, stop = found
+    budget = 8 + obs + k
+    t = trainer_for(tiny, tmp_path / "stopped", max_episode_tokens=budget, stop_token_ids=stop_ids or [], **flags)
+    turns, sent, rollout, stats = _record(t, prompt, stop)
+    assert turns == [first, second[:k]] and sent == [text(first), text(second[:k])]
+    assert stats.truncated == 0 and bool(rollout.ended_with_eos[0]) == (how == "stop token")
+    assert float(rollout.turn_rewards[0].sum()) == pytest.approx(1.25 + 0.1 * (len(sent[1]) % 7))
+    t = trainer_for(tiny, tmp_path / "control", max_episode_tokens=budget, stop_token_ids=[], **flags)
+    turns, sent, _, stats = _record(t, prompt)
+    assert turns == [first, second[:k]] and stats.truncated == 1
