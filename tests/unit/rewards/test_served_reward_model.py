@@ -1,6 +1,7 @@
 """The reference server's reward model scores the same rollouts as the in-process reward engine, within 1e-5: on the
 actor's own ids (the server `python -m rlhf_engine.rewards.serve --reward_model` builds, here in-process), for a
-reward model with its own vocabulary (the text re-encoded) and through its chat template. Both sides are the
+reward model with its own vocabulary (the text re-encoded) and through its chat template, where both are also checked
+against inputs built in the test by the tokenizer's own calls (both sides share reward_inputs). Both sides are the
 trainer's real paths: `experience.score_rollout` with the reward engine (or the re-tokenizing scorer) against the same
 function with `--reward_url`'s client. Rows end at EOS (== pad), at another stop token, or are cut at the length
 limit."""
@@ -126,3 +127,40 @@ def test_a_reward_model_with_its_own_vocabulary_or_chat_template_is_served_as_th
             server.server_close()
         assert (served - in_process).abs().max() < 1e-5, (chat_template, served, in_process)
         assert in_process.max() - in_process.min() > 1e-2
+        # both sides build their inputs with reward_inputs: check them against inputs built here, by the tokenizers'
+        # own __call__ / apply_chat_template and a forward of one unpadded sequence per row
+        by_hand = _scores_by_hand(folder, rollout, engine.tokenizer, chat_template)
+        assert (in_process - by_hand).abs().max() < 1e-5, (chat_template, in_process, by_hand)
+
+
+def _scores_by_hand(folder, rollout, actor_tok, chat_template):
+    """What the docs say a reward model with its own tokenizer scores (docs/rewards.md), built without
+    rlhf_engine: the prompt decoded without special tokens and encoded with the reward tokenizer's own, the response
+    text encoded without, the reward tokenizer's EOS where the response ended at a stop token; or [user: the row's text, assistant: the
+    response] through the chat template. The score: the head at the last token of the unpadded sequence."""
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+    rtok = AutoTokenizer.from_pretrained(folder)
+    model = AutoModelForSequenceClassification.from_pretrained(folder).eval()
+    P, out = rollout.prompt_length, []
+    for i in range(rollout.sequences.shape[0]):
+        real = rollout.attention_mask[i].bool()
+        prompt_ids = rollout.sequences[i, :P][real[:P]].tolist()
+        n = int(rollout.response_lengths[i])
+        ended = bool(rollout.ended_with_eos[i])
+        # the response as reward functions read it: every token decoded, special ones skipped (an EOS goes, a stop
+        # token that is an ordinary token stays as text)
+        response = actor_tok.decode(rollout.sequences[i, P:P + n].tolist(), skip_special_tokens=True)
+        if chat_template:
+            ids = rtok.apply_chat_template([{"role": "user", "content": rollout.rows[i].text},
+                                            {"role": "assistant", "content": response}], tokenize=True,
+                                           return_dict=False)
+        else:
+            prompt = actor_tok.decode(prompt_ids, skip_special_tokens=True)
+            ids = (rtok(prompt)["input_ids"] + rtok(response, add_special_tokens=False)["input_ids"]
+                   + ([rtok.eos_token_id] if ended else []))
+        assert len(ids) <= model.config.n_positions  # no truncation rule involved
+        with torch.no_grad():
+            hidden = model.transformer(torch.tensor([ids])).last_hidden_state
+            out.append(float(model.score(hidden)[0, -1, 0]))
+    return torch.tensor(out)
