@@ -123,14 +123,16 @@ def test_lr0_ratio_one_and_kl_zero_across_turns(two_rank, name):
 
 @pytest.mark.distributed
 def test_ranks_play_different_numbers_of_turns_in_lockstep(two_rank):
-    """Under ZeRO-3 every generate call is collective (per-layer fetching, or the replica's refresh); the runs above
-    finishing says the turn protocol kept the ranks together. Here: in some generation batch the two ranks' longest
-    episodes had different numbers of turns (so one rank made throw-away calls while the other played)."""
-    batch = LR0["per_device_generation_batch_size"]
+    """Under ZeRO-3 every generate call is collective (per-layer fetching, or the replica's refresh). What the
+    episode runner did, call by call on each rank: both ranks made the same number of generate calls, and a rank
+    whose episodes were over kept its peer company with throw-away calls (one row, one token) while the other still
+    played (rank 0 plays 1-2 turns, rank 1 three)."""
     for name in ("lr0_z3_lean", "lr0_z3_hf", "lr0_z3_replica"):
-        turns = [rank["experience"]["turns"] for rank in two_rank[name]["ranks"]]
-        longest = [[max(t[i:i + batch]) for i in range(0, len(t), batch)] for t in turns]
-        assert any(a != b for a, b in zip(*longest)), (name, longest)
+        calls = [rank["generate_calls"] for rank in two_rank[name]["ranks"]]
+        assert len(calls[0]) == len(calls[1]) > 0, (name, calls)
+        company = [(a, b) for a, b in zip(*calls) if a[0] == 1 and a[2] == [1] and b[2] != [1]]
+        assert company, (name, calls)  # rank 0 waited on rank 1 in some turn
+        assert not any(b[0] == 1 and b[2] == [1] for _, b in zip(*calls)), (name, calls)  # rank 1 always played
 
 
 @pytest.mark.distributed
@@ -153,12 +155,18 @@ def test_a_rank_at_its_budget_keeps_its_peer_company_from_a_bare_prompt(two_rank
     """Rank 0's contexts end exactly at the actor's last position while rank 1 plays a third turn: rank 0's
     throw-away turn starts from a bare prompt (before the fix it continued a full context past the checked
     positions: an index error on rank 0 while rank 1 waited in a collective)."""
-    _, room = budget_setup(tiny, str(tmp_path))
-    assert room >= 2  # the old throw-away turn would have generated 2 tokens past a full context
+    flags, _ = budget_setup(tiny, str(tmp_path))
     run = two_rank["budget_z3"]
     turns = [rank["experience"]["turns"] for rank in run["ranks"]]
     assert set(turns[0]) == {2} and set(turns[1]) == {3}, turns
     assert run["records"][0]["env/truncated_rate"] > 0
+    # the runner's calls: in turn 3 rank 1 writes its room (at least 2 tokens) while rank 0's one call is one row,
+    # one token, from a prompt no wider than a bare prompt (never a context at its budget)
+    calls = [rank["generate_calls"] for rank in run["ranks"]]
+    assert len(calls[0]) == len(calls[1]) == 3, calls
+    (rows, width, limits), theirs = calls[0][2], calls[1][2]
+    assert rows == 1 and limits == [1] and width <= flags["max_prompt_seq_len"], calls
+    assert min(theirs[2]) >= 2, calls
 
 
 @pytest.mark.distributed

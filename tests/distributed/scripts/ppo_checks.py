@@ -148,6 +148,15 @@ def run_one(spec: dict) -> dict | None:
         return gens
 
     trainer.rollout_phase = rollout_phase
+    generate_calls = []  # an episode runner's generate calls on this rank: (rows, prompt width, row limits)
+    if trainer.episodes is not None:
+        orig_episode_sample = trainer.episodes.sample
+
+        def episode_sample(ids, mask, params):
+            generate_calls.append((int(ids.shape[0]), int(ids.shape[1]), list(params.row_limits)))
+            return orig_episode_sample(ids, mask, params)
+
+        trainer.episodes.sample = episode_sample
     minibatch_tokens = []
     orig_train_phase = trainer.train_phase
 
@@ -164,6 +173,7 @@ def run_one(spec: dict) -> dict | None:
     mine = {
         "rollouts": rollouts,
         "minibatch_tokens": minibatch_tokens,
+        "generate_calls": generate_calls,
         "experience": {"response_lengths": exp.rollout.response_lengths.tolist(),
                        "prompt_length": exp.rollout.prompt_length,
                        "scores": exp.scores.tolist(),
