@@ -1,7 +1,8 @@
-"""Resume on another world size with the same global batch (CPU, gloo, the deepspeed launcher): a checkpoint of 2
-ranks resumes on 1 and 1 on 2 with PPO-ptx on (the default suite; other stages and dtypes slow), ZeRO's partitioned
-optimizer state going through DeepSpeed's universal checkpoints: converted ahead by launch/convert_checkpoint.py in
-one test, by rank 0 during the resume, slower than the collective timeout, in the other. Right after the load,
+"""Resume on another world size with the same global batch (CPU, gloo, the deepspeed launcher), ZeRO's partitioned
+optimizer state going through DeepSpeed's universal checkpoints. In the default suite: 2 ranks resume on 1 with
+PPO-ptx on, converted ahead by launch/convert_checkpoint.py (nothing converted again by the resume), and 1 rank
+resumes on 2, converted by rank 0 during the resume while rank 1 waits. Slow (release checks): the 1 -> 2 resume with
+ptx and a conversion made slower than the collective timeout, and other stages and dtypes. Right after the load,
 every trained role's gathered fp32 weights and Adam moments equal the saved ones exactly (a conversion that resumes
 as if untrained would fail here), the ptx data position is the saved one, and training continues."""
 import os
@@ -40,6 +41,7 @@ def _elastic(tiny, tmp_path, first: int, second: int, stage: int, dtype: str = "
     check(launch(HARNESS, ["--out", saved, "--after", "--", *ppo_args(tiny, out, max_steps=2, **zero, **RUN,
                                                                       **PER_WORLD[first])], nproc=first))
     done = os.path.join(out, "checkpoints", "iter_000002", "universal", "actor.done")
+    assert not os.path.exists(done)  # nothing converted yet: the offline command or the resume does it
     if offline:  # converted ahead of the resume by the offline command: the resume converts nothing again
         conv = subprocess.run([sys.executable, CONVERT, out], env=clean_env(), capture_output=True, text=True,
                               timeout=300)
@@ -68,6 +70,15 @@ def _elastic(tiny, tmp_path, first: int, second: int, stage: int, dtype: str = "
 @pytest.mark.distributed
 def test_two_ranks_resume_on_one_at_zero2_with_ptx(tiny, tmp_path):
     out = _elastic(tiny, tmp_path, 2, 1, stage=2, ptx=True, offline=True)
+    assert os.path.isfile(os.path.join(out, "checkpoints", "iter_000002", "universal", "actor.done"))
+    assert os.path.isfile(os.path.join(out, "checkpoints", "iter_000003", "COMPLETE"))
+
+
+@pytest.mark.distributed
+def test_one_rank_resumes_on_two_at_zero2_converting_during_the_resume(tiny, tmp_path):
+    """The world grows: a 1-rank checkpoint resumes on 2 ranks, rank 0 converting it during the resume while rank 1
+    waits on the conversion's own group (the slow form below makes that wait longer than the collective timeout)."""
+    out = _elastic(tiny, tmp_path, 1, 2, stage=2)
     assert os.path.isfile(os.path.join(out, "checkpoints", "iter_000002", "universal", "actor.done"))
     assert os.path.isfile(os.path.join(out, "checkpoints", "iter_000003", "COMPLETE"))
 

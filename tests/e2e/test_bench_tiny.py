@@ -1,6 +1,8 @@
-"""CI smoke test of the prepared GPU benchmark: `bash bench/gpu.sh --tiny` runs the same script and code path on CPU
-with tiny OPT shapes (environment check, model folders, ZeRO-2 and ZeRO-3 PPO iterations, the Hybrid Engine step
-skipped with its reason plus the greedy self-check of the harness), and bench/make_readme.py renders its JSON."""
+"""bench/ on the tiny shape. In the default suite: one `bench/ppo_iteration.py` command (the script every CPU table
+comes from) on cpu-tiny, its JSON checked against numbers computed by hand from its own setup. Slow (a release
+check): `bash bench/gpu.sh --tiny` runs the prepared GPU benchmark's script and code path on CPU with tiny OPT shapes
+(environment check, model folders, ZeRO-2 and ZeRO-3 PPO iterations, the Hybrid Engine step skipped with its reason
+plus the greedy self-check of the harness), and bench/make_readme.py renders its JSON."""
 import json
 import os
 import subprocess
@@ -9,6 +11,41 @@ import sys
 import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def test_the_ppo_iteration_benchmark_runs_on_the_tiny_shape_and_its_counts_add_up(tmp_path):
+    """One rank, cpu-tiny (8 prompts of 16 tokens, exactly 16 new tokens, one PPO epoch of one mini-batch of two
+    micro-batches of 4), two variants interleaved (ZeRO 0 and 2), one warm-up and two measured iterations each."""
+    out = tmp_path / "r.json"
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(k, None)
+    p = subprocess.run([sys.executable, os.path.join(ROOT, "bench", "ppo_iteration.py"), "--preset", "cpu-tiny",
+                        "--iterations", "2", "--warmup", "1", "--variant", "z0:zero=0", "--variant", "z2:zero=2",
+                        "--work-dir", str(tmp_path / "work"), "--out", str(out)],
+                       cwd=ROOT, env=env, capture_output=True, text=True, timeout=240)
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    r = json.loads(out.read_text())
+    s = r["setup"]
+    assert (s["global_batch"], s["prompt_len"], s["answer_len"], s["fixed_length"]) == (8, 16, 16, True)
+    assert [v["name"] for v in r["variants"]] == ["z0", "z2"]
+    for v in r["variants"]:
+        its = [e for e in v["iterations"] if not e["warmup"]]
+        assert len(its) == 2 and len(v["iterations"]) == 3
+        for e in its:
+            # fixed length: 8 rollouts of exactly 16 tokens, no padding; one sample call; micro-batches of 4 out of 8
+            assert (e["samples"], e["generated_tokens"], e["padding_fraction"]) == (8, 8 * 16, 0.0)
+            assert e["shape"] == {"B_per_rank": 8, "P": 16, "R": 16}
+            assert e["calls"]["sample"] == 1  # DeepSpeed's step is called per micro-batch (accumulation inside)
+            assert all(e["calls"][f"{k}/{role}"] == 2 for k in ("backward", "step") for role in ("actor", "critic"))
+            ph = e["phases_s"]
+            assert 0.5 * e["wall_s"] < ph["generation"] + ph["experience"] + ph["training"] <= e["wall_s"] * 1.001
+            # the FLOP formula (benchlib.FLOP_FORMULA) by hand: generation = 2 * N_actor * B * (P + R)
+            assert e["flops_per_rank"]["generation"] == 2 * r["matmul_params"]["actor"] * 8 * 32
+        m = v["summary"]
+        assert m["samples_per_s"] == pytest.approx(8 / m["iteration_s_mean"], rel=1e-6)
+        assert m["generated_tokens_per_s"] == pytest.approx(16 * m["samples_per_s"], rel=1e-6)
+        assert m["peak_mem_mib_per_rank"][0] > 0
 
 
 @pytest.mark.slow  # a release check of bench/gpu.sh (70 s on 2 cores)
