@@ -12,6 +12,7 @@ and the trainer's ranks.
 """
 from __future__ import annotations
 
+import copy
 import datetime
 import hashlib
 import logging
@@ -72,30 +73,37 @@ def receive_stream(group: comm.PeerGroup, model: torch.nn.Module) -> Iterator[tu
 
 
 class Received:
-    """A stream's pairs passed on as they come, their sha256 kept (`policy_weights.weights_sha256`'s order and
-    bytes): what a worker whose engine holds the only copy answers a checksum request with."""
+    """A stream's pairs passed on as they come, counted, and (`hashed`) their sha256 kept
+    (`policy_weights.weights_sha256`'s order and bytes): what a worker whose engine holds the only copy answers a
+    checksum request with. Hashing reads every byte again (about 1 GB/s): only when the trainer asks for it."""
 
-    def __init__(self, stream: Iterator[tuple[str, torch.Tensor]]):
-        self.stream, self.hash, self.count = stream, hashlib.sha256(), 0
+    def __init__(self, stream: Iterator[tuple[str, torch.Tensor]], hashed: bool = True):
+        self.stream, self.count = stream, 0
+        self.hash = hashlib.sha256() if hashed else None
 
     def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
         for name, value in self.stream:
-            self.hash.update(value.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
+            if self.hash is not None:
+                self.hash.update(value.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
             self.count += 1
             yield name, value
 
 
-def take_broadcast(group: comm.PeerGroup, model: torch.nn.Module, generator: Any, version: int) -> str:
-    """Receive one broadcast into the backend (`take_weights`); the sha256 of what arrived. The whole stream must be
-    read (it is collective with the trainer): a consumer that stopped early is an error, never a hang."""
+def take_broadcast(group: comm.PeerGroup, model: torch.nn.Module, generator: Any, version: int,
+                   hashed: bool = True) -> Optional[str]:
+    """Receive one broadcast into the backend (`take_weights`); the sha256 of what arrived (None: not `hashed`).
+    The whole stream is read whatever the backend does (it is collective with the trainer): a backend that stops
+    early or raises mid-stream is an error here, and the trainer's broadcast still completes."""
     stream = receive_stream(group, model)
-    received = Received(stream)
-    generator.take_weights(iter(received), version)
-    left = sum(1 for _ in stream)
+    received = Received(stream, hashed)
+    try:
+        generator.take_weights(iter(received), version)
+    finally:
+        left = sum(1 for _ in stream)  # the rest of the broadcast, dropped
     expected = sum(len(g) for _, g in weight_groups(model))
     if left or received.count != expected:
         raise RuntimeError(f"the {generator.name} backend took {received.count} of the {expected} weights broadcast")
-    return received.hash.hexdigest()
+    return received.hash.hexdigest() if received.hash is not None else None
 
 
 def find_trainer(host: str, port: int, timeout_s: float) -> Any:
@@ -119,7 +127,11 @@ class Worker:
 
     def __init__(self, setup: dict, backend: str, device: torch.device, workdir: str):
         self.setup = setup
-        cls = BACKENDS[backend or setup["backend"]]
+        if backend and backend != setup["backend"]:  # the trainer planned its correction and checks for its own
+            raise RuntimeError(f"this worker was started with --generation_backend {backend} and the trainer "
+                               f"generates with {setup['backend']}: start the worker without the flag, or the trainer "
+                               f"with --generation_backend {backend}")
+        cls = BACKENDS[setup["backend"]]
         reasons = cls.unavailable(model_config(setup))
         if reasons:  # told to the trainer, before any engine or weight is built here
             raise RuntimeError(f"the {cls.name} generation backend cannot run here: " + "; ".join(reasons))
@@ -132,30 +144,42 @@ class Worker:
             model_path = os.path.join(workdir, "model")
             model_config(setup).save_pretrained(model_path)
             # a world of one, as a launcher would describe it (vLLM's external launcher reads these; LOCAL_RANK
-            # picks its device)
+            # picks its device): set, not defaulted, since a worker started under a launcher or a scheduler inherits
+            # values describing another world
             for key, value in (("RANK", 0), ("LOCAL_RANK", device.index or 0), ("WORLD_SIZE", 1),
-                               ("MASTER_ADDR", "127.0.0.1"), ("MASTER_PORT", 0)):
-                os.environ.setdefault(key, str(value))
+                               ("LOCAL_WORLD_SIZE", 1), ("MASTER_ADDR", "127.0.0.1"), ("MASTER_PORT", 0)):
+                os.environ[key] = str(value)
             if not comm.initialized():
                 torch.distributed.init_process_group("gloo", store=torch.distributed.HashStore(), rank=0,
                                                      world_size=1)
-        ctx = GenerationContext(self.policy, comm.DistInfo(0, 1, 0, device), 0, setup["cfg"], model_path=model_path,
+        cfg = copy.deepcopy(setup["cfg"])
+        # the engine never sleeps here: a wake-up that discarded its weights would push them from the meta model;
+        # a worker's device holds nothing else to make room for
+        cfg.engine.vllm_sleep_level = 0
+        ctx = GenerationContext(self.policy, comm.DistInfo(0, 1, 0, device), 0, cfg, model_path=model_path,
                                 dtype=setup["dtype"], max_len=int(setup["max_len"]))
         self.generator = cls(ctx)
         self.received_sha256: Optional[str] = None
+        self.versions_taken = 0
 
-    def take(self, group: comm.PeerGroup, version: int) -> None:
-        self.received_sha256 = take_broadcast(group, self.model, self.generator, version)
+    def take(self, group: comm.PeerGroup, version: int, hashed: bool) -> None:
+        # an engine's only copy is hashed as it arrives, when the trainer will ask; a plain model is hashed on request
+        self.received_sha256 = take_broadcast(group, self.model, self.generator, version,
+                                              hashed and self.generator.has_engine)
         self.policy.global_steps = version
+        self.versions_taken += 1
 
     def checksum(self) -> str:
         """sha256 of the weights decoded with: the plain model's own, or (an engine's only copy) what it received."""
-        if self.generator.has_engine:
-            return self.received_sha256
-        return weights_sha256(p for _, g in weight_groups(self.model) for p in g)
+        if not self.generator.has_engine:
+            return weights_sha256(p for _, g in weight_groups(self.model) for p in g)
+        if self.received_sha256 is None:
+            raise RuntimeError("the last broadcast was not hashed on arrival (the trainer did not ask: "
+                               "RemoteBackend.hash_broadcasts)")
+        return self.received_sha256
 
     def generate(self, msg: dict) -> dict:
-        if self.received_sha256 is None:
+        if not self.versions_taken:
             raise RuntimeError("a batch came before any weights")
         if msg.get("seed") is not None:  # the trainer's draw: a rerun samples the same
             torch.manual_seed(msg["seed"])
@@ -202,15 +226,24 @@ def _loop(index: int, mail: Mailbox, group: comm.PeerGroup, backend: str, device
         if kind == "setup":
             try:
                 worker = Worker(msg, backend, device, workdir)
-                mail.put(answer_key(index, "setup"), {"names": worker.names})
+                mail.put(answer_key(index, "setup"), {"names": worker.names, "backend": worker.generator.name})
             except Exception as e:  # noqa: BLE001  (told to the trainer, which stops naming this worker)
                 mail.put(answer_key(index, "setup"), {"names": None, "error": f"{type(e).__name__}: {e}"})
                 raise
         elif kind == "weights":
-            worker.take(group, int(msg["version"]))
-            mail.put(answer_key(index, f"ack/{worker.policy.global_steps}"), {"version": worker.policy.global_steps})
+            version = int(msg["version"])
+            try:
+                worker.take(group, version, bool(msg.get("sha256")))
+            except Exception as e:  # noqa: BLE001  (told to the trainer, which stops naming this worker and why)
+                mail.put(answer_key(index, f"ack/{version}"), {"version": None, "error": f"{type(e).__name__}: {e}"})
+                raise
+            mail.put(answer_key(index, f"ack/{version}"), {"version": worker.policy.global_steps})
         elif kind == "checksum":
-            mail.put(answer_key(index, f"sum/{msg['n']}"), {"sha256": worker.checksum()})
+            try:
+                answer = {"sha256": worker.checksum()}
+            except RuntimeError as e:
+                answer = {"error": str(e)}
+            mail.put(answer_key(index, f"sum/{msg['n']}"), answer)
         elif kind == "generate":
             key = answer_key(index, f"batch/{msg['ticket']}/{msg['rank']}")
             try:

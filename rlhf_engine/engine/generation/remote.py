@@ -112,6 +112,9 @@ class RemoteBackend(GenerationBackend):
         self.workers, self.address, self.timeout_s = int(r.rollout_workers), r.rollout_address, float(r.rollout_timeout_s)
         self.worker_backend = worker_backend
         self.calls = self.checksums = 0  # batches submitted, checksum requests made
+        # workers whose engine holds the only copy hash each broadcast as it arrives, for `worker_checksums`: off by
+        # default (it reads every byte again); tests that compare checksums turn it on
+        self.hash_broadcasts = False
         self._seen_steps: Optional[int] = None  # the actor's optimizer steps when the version was last read
         self._version = 0
         self._pushed_version: Optional[int] = None
@@ -153,9 +156,12 @@ class RemoteBackend(GenerationBackend):
             answer = self.mail.take(answer_key(i, "setup"), self._who(i))
             if answer.get("error"):
                 raise RuntimeError(f"{self._who(i)} could not set up: {answer['error']}")
+            if answer.get("backend") != self.worker_backend:
+                raise RuntimeError(f"{self._who(i)} generates with {answer.get('backend')}, not with "
+                                   f"{self.worker_backend}")
             if answer.get("names") != names:
                 raise RuntimeError(f"{self._who(i)}: its copy of the policy holds other weights than the actor "
-                                   f"({answer.get('error') or 'names differ'})")
+                                   "(names differ)")
         log.info("rollout workers: %d joined at %s in %.1f s (%s backend)", self.workers, self.address,
                  time.perf_counter() - t0, self.worker_backend)
 
@@ -198,7 +204,7 @@ class RemoteBackend(GenerationBackend):
         lost = None  # rank 0: what went wrong with a worker (the stream goes on: under ZeRO-3 it is collective)
         if self.mail is not None:
             for i in range(self.workers):
-                self.mail.send(inbox(i), {"kind": "weights", "version": version})
+                self.mail.send(inbox(i), {"kind": "weights", "version": version, "sha256": self.hash_broadcasts})
         for _, values in stream_blocks(self.actor.module):
             if self.group is not None and lost is None:
                 try:
@@ -215,6 +221,8 @@ class RemoteBackend(GenerationBackend):
 
     def _ack(self, i: int, version: int) -> None:
         ack = self.mail.take(answer_key(i, f"ack/{version}"), self._who(i))
+        if ack.get("error"):
+            raise RuntimeError(f"{self._who(i)} failed to take the weights of version {version}: {ack['error']}")
         if ack.get("version") != version:
             raise RuntimeError(f"{self._who(i)} holds version {ack.get('version')} after the broadcast of {version}")
 
@@ -246,7 +254,10 @@ class RemoteBackend(GenerationBackend):
         for i in range(self.workers):
             self.mail.send(inbox(i), {"kind": "checksum", "n": self.checksums})
         for i in range(self.workers):
-            out.append(self.mail.take(answer_key(i, f"sum/{self.checksums}"), self._who(i))["sha256"])
+            answer = self.mail.take(answer_key(i, f"sum/{self.checksums}"), self._who(i))
+            if answer.get("error"):
+                raise RuntimeError(f"{self._who(i)}: no checksum: {answer['error']}")
+            out.append(answer["sha256"])
         return out
 
     # ---- generation ----------------------------------------------------------------------------------------

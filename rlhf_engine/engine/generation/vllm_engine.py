@@ -206,6 +206,9 @@ class VLLMBackend(GenerationBackend):
                 self._pushed_version = None
         if self._pushed_version == self.actor_version:
             return False
+        if any(p.is_meta for p in self.actor.module.parameters()):  # a rollout worker's names-only model
+            raise RuntimeError("generation_backend vllm: the engine needs weights and its model holds none here (a "
+                               "rollout worker's engine is loaded by take_weights, from the trainer's broadcast)")
         self.take_weights(stream_weights(self.actor.module), self.actor_version)
         return True
 

@@ -108,3 +108,55 @@ def test_a_backend_that_cannot_run_here_is_refused_at_setup_before_anything_is_b
         Worker(setup, "", torch.device("cpu"), str(tmp_path))
     assert "not installed" in str(e.value) or "head size is 16" in str(e.value)
     assert not os.listdir(tmp_path)  # no model folder written, no engine started
+
+
+class _Raises:
+    """A backend whose engine fails after taking `n` weights."""
+
+    name = "raising"
+
+    def __init__(self, n):
+        self.n = n
+
+    def take_weights(self, weights, version):
+        for i, _ in enumerate(weights):
+            if i + 1 == self.n:
+                raise RuntimeError("the engine fell over")
+
+
+def test_a_backend_that_raises_mid_stream_is_an_error_and_the_trainer_s_broadcast_still_completes(tiny):
+    setup, source = _setup(tiny)
+    (trainer, worker_group), _ = _pair()
+    model = build_policy(setup, torch.device("meta"))
+    sender = threading.Thread(target=_broadcast, args=(trainer, source))
+    sender.start()
+    with pytest.raises(RuntimeError, match="the engine fell over"):
+        take_broadcast(worker_group, model, _Raises(2), 1)
+    sender.join(timeout=30)
+    assert not sender.is_alive()
+
+
+def test_a_worker_started_for_another_backend_than_the_trainer_s_refuses_at_setup(tiny, tmp_path):
+    """The trainer plans the rollout correction and its checks for its own backend: a worker's flag cannot swap it."""
+    setup, _ = _setup(tiny, backend="lean")
+    with pytest.raises(RuntimeError, match="started with --generation_backend vllm and the trainer generates with "
+                                           "lean"):
+        Worker(setup, "vllm", torch.device("cpu"), str(tmp_path))
+    worker = Worker(setup, "lean", torch.device("cpu"), str(tmp_path))  # naming the trainer's own is fine
+    assert worker.generator.name == "lean"
+
+
+def test_an_unhashed_broadcast_is_not_answered_with_a_checksum_of_nothing(tiny, tmp_path):
+    """A lean worker hashes its own model on request; the hash of an engine's only copy exists only when the trainer
+    asked for it with the broadcast."""
+    setup, source = _setup(tiny)
+    worker = Worker(setup, "", torch.device("cpu"), str(tmp_path))
+    (trainer, worker_group), _ = _pair()
+    sender = threading.Thread(target=_broadcast, args=(trainer, source))
+    sender.start()
+    worker.take(worker_group, 1, hashed=False)
+    sender.join()
+    assert worker.checksum() == weights_sha256((n, p) for n, p in source.named_parameters())
+    worker.generator.has_engine = True  # as an engine backend would be
+    with pytest.raises(RuntimeError, match="not hashed on arrival"):
+        worker.checksum()
