@@ -50,12 +50,13 @@ def train_tiny_tokenizer(out_dir: str, vocab_size: int = 512, pad_is_eos: bool =
 
 def build_tiny_model(out_dir: str, tokenizer_dir: str, arch: str = "gpt2", head: str = "causal_lm", n_layer: int = 2,
                      hidden: int = 64, n_head: int = 4, max_positions: int = 256, dropout: float = 0.1,
-                     seed: int = 0) -> str:
+                     seed: int = 0, tie_embeddings: bool = False) -> str:
     """Save a random-weight model (safetensors) plus its tokenizer into `out_dir`; return `out_dir`.
 
     arch "gpt2" (absolute position embeddings), "llama" (rotary) or "opt" (learned positions, offset 2); head "causal_lm" or "score" (a sequence
     classification model with one label: a reward model / critic). The weights depend on `seed` only, and the
-    caller's global torch RNG is left untouched.
+    caller's global torch RNG is left untouched. `tie_embeddings` (llama): the LM head is the embedding, as in
+    SmolLM2 (gpt2 always ties; opt never here).
     """
     import torch
     from transformers import (AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer, GPT2Config,
@@ -77,7 +78,7 @@ def build_tiny_model(out_dir: str, tokenizer_dir: str, arch: str = "gpt2", head:
         config = LlamaConfig(num_hidden_layers=n_layer, hidden_size=hidden, intermediate_size=2 * hidden,
                              num_attention_heads=n_head, num_key_value_heads=n_head,
                              max_position_embeddings=max_positions, attention_dropout=dropout,
-                             tie_word_embeddings=False, **common)
+                             tie_word_embeddings=tie_embeddings, **common)
     auto = AutoModelForCausalLM if head == "causal_lm" else AutoModelForSequenceClassification
     with torch.random.fork_rng(devices=[]):  # seed the init without disturbing the caller's RNG stream
         torch.manual_seed(seed)

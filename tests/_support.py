@@ -27,14 +27,17 @@ class TinySetup:
 
 
 def make_tiny_setup(root: str, arch: str = "gpt2", pad_is_eos: bool = True, n_prompts: int = 32,
-                    dropout: float = 0.1, vocab_size: int = 512, n_head: int = 4) -> TinySetup:
+                    dropout: float = 0.1, vocab_size: int = 512, n_head: int = 4,
+                    tie_embeddings: bool = False) -> TinySetup:
     """A tokenizer, a tiny actor, a tiny reward model (score head) and a prompts.jsonl under `root` (hidden size 64:
-    `n_head` 2 gives the head size 32 that vLLM's CPU attention takes)."""
+    `n_head` 2 gives the head size 32 that vLLM's CPU attention takes; `tie_embeddings`: a llama actor whose LM head
+    is its embedding)."""
     from rlhf_engine.assets import build_tiny_model, tiny_prompts, train_tiny_tokenizer
 
     os.makedirs(root, exist_ok=True)
     tok = train_tiny_tokenizer(os.path.join(root, "tok"), vocab_size=vocab_size, pad_is_eos=pad_is_eos)
-    actor = build_tiny_model(os.path.join(root, "actor"), tok, arch=arch, dropout=dropout, seed=0, n_head=n_head)
+    actor = build_tiny_model(os.path.join(root, "actor"), tok, arch=arch, dropout=dropout, seed=0, n_head=n_head,
+                             tie_embeddings=tie_embeddings)
     reward = build_tiny_model(os.path.join(root, "reward"), tok, arch=arch, head="score", dropout=dropout, seed=1,
                               n_head=n_head)
     prompts = os.path.join(root, "prompts.jsonl")

@@ -44,3 +44,11 @@ def tiny_vllm(tmp_path_factory):
     """Tiny Llama actor + reward model with the head size vLLM's CPU attention takes (32), no dropout."""
     return make_tiny_setup(str(tmp_path_factory.mktemp("tiny_vllm")), arch="llama", pad_is_eos=False, n_head=2,
                            dropout=0.0)
+
+
+@pytest.fixture(scope="session")
+def tiny_vllm_tied(tmp_path_factory):
+    """As tiny_vllm, the actor's LM head tied to its embedding (SmolLM2's layout; vLLM on CPU packs a tied head once,
+    which a push must repack: engine/generation/vllm_engine.repack_tied_head)."""
+    return make_tiny_setup(str(tmp_path_factory.mktemp("tiny_vllm_tied")), arch="llama", pad_is_eos=False, n_head=2,
+                           dropout=0.0, tie_embeddings=True)

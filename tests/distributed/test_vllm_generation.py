@@ -21,7 +21,10 @@ TOL = 1e-4  # fp32 on both sides: measured 5e-7 to 1e-6; a missed push or a stal
 
 
 @pytest.fixture(scope="module")
-def checks(tiny_vllm, tmp_path_factory):
+def checks(tiny_vllm_tied, tmp_path_factory):
+    """The push harness on an actor whose LM head is its embedding (the layout of SmolLM2 and other small models;
+    the PPO runs of test_vllm_training use an untied one)."""
+    tiny_vllm = tiny_vllm_tied
     work = str(tmp_path_factory.mktemp("vllm_checks"))
     out = os.path.join(work, "out.json")
     check(launch(os.path.join(SCRIPTS, "vllm_checks.py"), ["--actor", tiny_vllm.actor, "--prompts", tiny_vllm.prompts,
@@ -58,6 +61,15 @@ def test_negative_controls_a_skipped_push_and_a_stale_prefix_cache_are_caught(ch
         # the prompts' blocks were cached before the push: served with the old weights' keys and values
         assert rank["no_cache_reset"]["logprob_diff"] > 100 * TOL, rank["no_cache_reset"]
         assert rank["after_reset"]["logprob_diff"] < TOL, rank["after_reset"]
+
+
+def test_a_tied_head_is_repacked_after_every_push_and_without_it_the_engine_is_stale(checks):
+    """vLLM on CPU packs the LM head's weight for its GEMM; a reload repacks only layers it loaded, and a tied head
+    loads none: without repack_tied_head the logits come from the previous embedding (SmolLM2 sampled garbage)."""
+    for rank in checks:
+        assert rank["tied_head"] is True  # the harness's actor ties its head: the case is exercised
+        assert rank["no_head_repack"]["logprob_diff"] > 100 * TOL, rank["no_head_repack"]
+        assert rank["after_repack"]["logprob_diff"] < TOL, rank["after_repack"]
 
 
 def test_the_engine_leaves_the_process_as_it_found_it(checks):

@@ -128,6 +128,24 @@ def unavailable_reasons(actor_config: Any) -> list[str]:
     return reasons
 
 
+def repack_tied_head(model: Any) -> bool:
+    """After a reload: an LM head tied to the embedding gets its GEMM packed again from the embedding's new values.
+    On CPU vLLM packs a head's weight into a kernel of its own (a copy) when the model is processed; a reload
+    processes only the layers it loaded weights into, and a tied head has none of its own (its weight is the
+    embedding's), so it kept computing logits with the first weights, the engine's dummy ones: garbage tokens from a
+    tied model such as SmolLM2, right embedding and layers notwithstanding. Returns whether it packed (GPU: no
+    packing, nothing to do)."""
+    head = getattr(model, "lm_head", None)
+    embed = getattr(getattr(model, "model", None), "embed_tokens", None)
+    method = getattr(head, "quant_method", None)
+    if head is None or embed is None or method is None or not hasattr(head, "cpu_linear"):
+        return False
+    if head.weight.data_ptr() != embed.weight.data_ptr():  # untied: the reload processed it with its own weight
+        return False
+    method.process_weights_after_loading(head)
+    return True
+
+
 class VLLMBackend(GenerationBackend):
     name = "vllm"
     has_engine = True
@@ -228,6 +246,7 @@ class VLLMBackend(GenerationBackend):
         with contained():
             self.runner.reload_weights(weights_iterator=stream_weights(self.actor.module) if weights is None
                                        else weights)
+            repack_tied_head(self.runner.get_model())
 
     def reset_prefix_cache(self) -> None:
         if not self.llm.reset_prefix_cache():

@@ -9,8 +9,9 @@ Per rank, in order:
   * per actor variant (z0, z2, z3, and z2 with LoRA; each a DeepSpeed engine of the actor trained a few steps at a high
     learning rate, so its weights are far from the folder's): after a push, the engine's greedy tokens and log-probs
     against the actor's own forward on prompts longer than one KV block;
-  * negative controls on the z2 actor: a push skipped (the engine keeps old weights) and a push without the prefix
-    cache reset (prompts cached before the push are served with old keys and values);
+  * negative controls on the z2 actor: a push skipped (the engine keeps old weights), a push without the prefix
+    cache reset (prompts cached before the push are served with old keys and values), and (the actor's LM head tied
+    to its embedding) a push without the head's repack (on CPU its packed GEMM keeps the previous embedding);
   * sampling: the same torch seed gives the same sampled tokens.
 """
 from __future__ import annotations
@@ -159,6 +160,20 @@ def main() -> int:
     out["no_cache_reset"] = compare(backend, z2, ids, mask, greedy)
     backend.reset_prefix_cache()
     out["after_reset"] = compare(backend, z2, ids, mask, greedy)
+    # negative control 3 (a tied LM head, as the test's actor has): the actor steps and is pushed, but the head's
+    # packed GEMM is not rebuilt from the new embedding (vLLM's reload alone)
+    import rlhf_engine.engine.generation.vllm_engine as vllm_engine
+
+    out["tied_head"] = vllm_engine.repack_tied_head(backend.runner.get_model())
+    z2.backward(z2(input_ids=x, labels=x).loss)
+    z2.step()
+    real_repack, vllm_engine.repack_tied_head = vllm_engine.repack_tied_head, lambda model: False
+    try:
+        out["no_head_repack"] = compare(backend, z2, ids, mask, greedy)
+    finally:
+        vllm_engine.repack_tied_head = real_repack
+    backend._pushed_version = None
+    out["after_repack"] = compare(backend, z2, ids, mask, greedy)
 
     # sampling: the same torch seed, the same samples
     sampled = SamplingParams(max_new_tokens=MAX_NEW, do_sample=True, temperature=1.0, pad_token_id=pad)
