@@ -44,7 +44,7 @@ setup(
         "matplotlib>=3.7",  # the end-of-run PNG plot
         "pyyaml",  # --config FILE.yaml
     ],
-    extras_require={"dev": ["pytest>=8", "pytest-timeout>=2", "tensorboard>=2.14", "math-verify>=0.9,<1",
+    extras_require={"dev": ["pytest>=8", "pytest-timeout>=2", "pytest-xdist>=3", "tensorboard>=2.14", "math-verify>=0.9,<1",
                             "fastapi>=0.110,<1", "uvicorn>=0.30,<0.55"],  # the reward server's tests
                     "tensorboard": ["tensorboard>=2.14"],  # --tensorboard (torch.utils.tensorboard needs it)
                     "math": ["math-verify>=0.9,<1"],  # rlhf_engine.rewards.math_answer:verified_answer

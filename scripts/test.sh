@@ -3,6 +3,8 @@
 # (everything not marked slow or gpu; the vllm tests skip, saying why, in this environment). `--slow` runs the slow
 # tests instead; `--vllm` installs the vLLM environment (.venv-vllm) and runs the vllm tests in it. Other arguments
 # go to pytest, e.g. `bash scripts/test.sh tests/unit -q`; the selection below applies unless they give their own -m.
+# Without a path, the default suite runs in two pytest calls: tests/unit on two processes (pytest-xdist), then
+# tests/distributed and tests/e2e.
 set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 mode=default
@@ -16,7 +18,19 @@ esac
 export OMP_NUM_THREADS=1 HF_HUB_OFFLINE=1 WANDB_MODE=offline DS_ACCELERATOR=cpu TOKENIZERS_PARALLELISM=false
 export TORCH_EXTENSIONS_DIR=${TORCH_EXTENSIONS_DIR:-$venv/torch_extensions}  # per venv: never rebuild shared ops
 cd "$root"
-given_m=0
-for a in "$@"; do [ "$a" = "-m" ] && given_m=1; done
+given_m=0 given_path=0
+for a in "$@"; do
+  [ "$a" = "-m" ] && given_m=1
+  case $a in -*) ;; *) [ -e "${a%%::*}" ] && given_path=1 ;; esac
+done
 if [ "$given_m" = 0 ]; then set -- -m "$select" "$@"; fi
+if [ "$mode" = default ] && [ "$given_path" = 0 ] && "$venv/bin/python" -c "import xdist" 2>/dev/null; then
+  # The whole default suite: the unit tests in two processes (a unit test keeps one core busy; the second would sit
+  # idle), whole files per process; then the multi-rank and e2e tests one at a time (each launch already has its
+  # ranks on both cores).
+  rc=0
+  "$venv/bin/python" -m pytest -n 2 --dist loadfile tests/unit "$@" || rc=$?
+  "$venv/bin/python" -m pytest tests/distributed tests/e2e "$@" || rc=$?
+  exit $rc
+fi
 exec "$venv/bin/python" -m pytest "$@"
