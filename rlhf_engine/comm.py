@@ -157,16 +157,31 @@ def run_on_main(fn: Callable[[], Any], what: str, timeout: datetime.timedelta = 
 class PeerGroup:
     """A process group of its own over a TCP store (`open_store`), outside the default group and outside any
     launcher: the trainer's rank 0 and its rollout workers (a worker's default group, if any, belongs to its own
-    engine: vLLM's external launcher takes it). gloo: tensors travel as CPU tensors (a GPU tensor is copied to the
-    CPU and back by the caller)."""
+    engine: vLLM's external launcher takes it). `backend` gloo: tensors travel as CPU tensors; nccl: as tensors on
+    this member's GPU (`device`), GPU to GPU. `self.device` is where a collective's tensors must live."""
 
-    def __init__(self, store: Any, rank: int, size: int, timeout: datetime.timedelta, prefix: str = "peers"):
-        self.rank, self.size = rank, size
-        self.pg = torch.distributed.ProcessGroupGloo(torch.distributed.PrefixStore(prefix, store), rank, size,
-                                                     timeout)
+    def __init__(self, store: Any, rank: int, size: int, timeout: datetime.timedelta, prefix: str = "peers",
+                 backend: str = "gloo", device: Optional[torch.device] = None):
+        self.rank, self.size, self.backend = rank, size, backend
+        if backend == "gloo":
+            self.device = torch.device("cpu")
+            self.pg = torch.distributed.ProcessGroupGloo(torch.distributed.PrefixStore(prefix, store), rank, size,
+                                                         timeout)
+        elif backend == "nccl":
+            nccl = getattr(torch.distributed, "ProcessGroupNCCL", None)
+            if device is None or device.type != "cuda" or nccl is None:
+                raise ValueError(f"an nccl group needs a GPU and a torch with NCCL (here: device {device}, NCCL "
+                                 f"{'built' if nccl is not None else 'missing'}); use gloo (--rollout_group_backend)")
+            torch.cuda.set_device(device)
+            opts = nccl.Options()
+            opts._timeout = timeout
+            self.device = device
+            self.pg = nccl(torch.distributed.PrefixStore(prefix, store), rank, size, opts)
+        else:
+            raise ValueError(f"group backend {backend!r}: gloo or nccl")
 
     def broadcast_(self, tensor: torch.Tensor, root: int = 0) -> torch.Tensor:
-        """`tensor` (CPU, contiguous) filled with the root's on every member. Collective over the group."""
+        """`tensor` (contiguous, on `self.device`) filled with the root's on every member. Collective."""
         opts = torch.distributed.BroadcastOptions()
         opts.rootRank = root
         self.pg.broadcast([tensor], opts).wait()

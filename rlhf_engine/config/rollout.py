@@ -4,7 +4,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..errors import Problems
-from .fields import check_positive, is_number, opt
+from .fields import check_choice, check_positive, is_number, opt
+
+GROUP_BACKENDS = ("auto", "gloo", "nccl")
 
 
 @dataclass
@@ -24,6 +26,10 @@ class RolloutConfig:
                              "trains, and rollout_correction defaults to token_truncate.")
     rollout_timeout_s: float = opt(300.0, "Seconds the trainer waits for its workers (to join, to answer a batch, "
                                    "to take the weights) before it stops naming the worker.")
+    rollout_group_backend: str = opt("auto", "The process group that carries the weights from the trainer to its "
+                                     "workers: gloo (through CPU memory), nccl (GPU to GPU: the trainer and every "
+                                     "worker on a GPU), auto (nccl when the trainer runs on a GPU and this torch has "
+                                     "NCCL, else gloo). The workers take the trainer's choice.")
 
     @property
     def on(self) -> bool:
@@ -32,6 +38,7 @@ class RolloutConfig:
     def validate(self, p: Problems, prefix: str = "") -> None:
         check_positive(p, prefix, self, "rollout_workers", "max_staleness", allow_zero=True)
         check_positive(p, prefix, self, "rollout_timeout_s")
+        check_choice(p, prefix, self, "rollout_group_backend", GROUP_BACKENDS)
         if is_number(self.rollout_workers) and not isinstance(self.rollout_workers, int):
             p.add(prefix + "rollout_workers", self.rollout_workers, "must be a whole number")
         if self.on and not _host_port(self.rollout_address):
@@ -53,3 +60,10 @@ def parse_address(address: str) -> tuple:
     if hp is None:
         raise ValueError(f"rollout_address {address!r}: give HOST:PORT")
     return hp
+
+
+def group_backend(choice: str, device_type: str, nccl_available: bool) -> str:
+    """The weight group's backend for a trainer on `device_type` ('cuda', 'cpu'): `choice` unless it is auto."""
+    if choice != "auto":
+        return choice
+    return "nccl" if device_type == "cuda" and nccl_available else "gloo"

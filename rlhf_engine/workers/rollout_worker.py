@@ -64,7 +64,7 @@ def receive_stream(group: comm.PeerGroup, model: torch.nn.Module) -> Iterator[tu
     """The trainer's broadcast as (Hugging Face name, tensor), block by block in `weight_groups(model)` order: one
     flat buffer per block, received when the consumer reaches it (the same blocks the trainer sends)."""
     for _, params in weight_groups(model):
-        flat = torch.empty(sum(p.numel() for _, p in params), dtype=params[0][1].dtype)
+        flat = torch.empty(sum(p.numel() for _, p in params), dtype=params[0][1].dtype, device=group.device)
         group.broadcast_(flat)
         offset = 0
         for name, p in params:
@@ -84,7 +84,7 @@ class Received:
     def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
         for name, value in self.stream:
             if self.hash is not None:
-                self.hash.update(value.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
+                self.hash.update(value.contiguous().reshape(-1).view(torch.uint8).cpu().numpy().tobytes())
             self.count += 1
             yield name, value
 
@@ -199,7 +199,15 @@ def serve(address: str, backend: str = "", timeout_s: float = 300.0, idle_timeou
     if index >= size:
         log.error("rollout worker: the trainer at %s asked for %d workers and %d have joined", address, size, index)
         return 2
-    group = comm.PeerGroup(store, index + 1, size + 1, datetime.timedelta(seconds=timeout_s))
+    group_kind = store.get("group_backend").decode()  # the weight group's (gloo / nccl), the trainer's choice
+    if group_kind == "nccl" and torch.device(device).type != "cuda":  # said in the store: the trainer names it
+        reason = (f"rollout worker {index}: the trainer's weight group is nccl and this worker runs on {device}: start "
+                  "it on a GPU (--device cuda), or the trainer with --rollout_group_backend gloo")
+        store.set(f"refused/{index}", reason)
+        log.error(reason)
+        return 2
+    group = comm.PeerGroup(store, index + 1, size + 1, datetime.timedelta(seconds=timeout_s), backend=group_kind,
+                           device=torch.device(device))
     mail = Mailbox(store, timeout_s, address)
     log.info("rollout worker %d of %d: joined the trainer at %s", index, size, address)
     with tempfile.TemporaryDirectory(prefix="rollout_worker_") as workdir:

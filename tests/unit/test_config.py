@@ -232,3 +232,10 @@ def test_rollout_workers_generate_with_lean_or_vllm_only(backend, refused):
         assert p.value == backend and "rollout workers generate with lean or vllm" in p.fix
     else:
         cfg.validate()
+
+
+def test_the_rollout_group_backend_is_one_of_the_choices():
+    cfg = valid()
+    cfg.rollout.rollout_group_backend = "mpi"
+    p = problems(cfg)["rollout_group_backend"]
+    assert p.value == "mpi" and "gloo" in p.fix and "nccl" in p.fix

@@ -96,9 +96,15 @@ def plain_names(module: torch.nn.Module) -> list:
     return out
 
 
-def flatten(values: list) -> torch.Tensor:
-    """One contiguous CPU buffer of a block's tensors (all of one dtype), in order."""
-    return torch.cat([v.detach().reshape(-1).cpu() for v in values])
+def flatten(values: list, device: torch.device) -> torch.Tensor:
+    """One contiguous buffer on `device` (the weight group's) of a block's tensors (all of one dtype), in order."""
+    return torch.cat([v.detach().reshape(-1).to(device) for v in values])
+
+
+def refusals(store: Any, workers: int) -> list:
+    """What the workers that refused to join said (a worker that cannot join the weight group says why in the
+    store before it exits)."""
+    return [store.get(f"refused/{i}").decode() for i in range(workers) if store.check([f"refused/{i}"])]
 
 
 class RemoteBackend(GenerationBackend):
@@ -131,21 +137,25 @@ class RemoteBackend(GenerationBackend):
 
     # ---- rank 0: the workers -------------------------------------------------------------------------------
     def _connect(self, ctx) -> None:
-        from ...config.rollout import parse_address
+        from ...config.rollout import group_backend, parse_address
 
         host, port = parse_address(self.address)
         timeout = datetime.timedelta(seconds=self.timeout_s)
+        backend = group_backend(ctx.cfg.rollout.rollout_group_backend, self.device.type,
+                                torch.distributed.is_nccl_available())
         store = comm.open_store(host, port, True, timeout)
+        store.set("group_backend", backend)  # before "size": a worker that reads the size finds the backend set
         store.set("size", str(self.workers))
         self.store, self.mail = store, Mailbox(store, self.timeout_s, self.address)
         t0 = time.perf_counter()
         try:
-            self.group = comm.PeerGroup(store, 0, self.workers + 1, timeout)
+            self.group = comm.PeerGroup(store, 0, self.workers + 1, timeout, backend=backend, device=self.device)
         except Exception as e:  # noqa: BLE001
             joined = int(store.add("joined", 0))
+            said = "; ".join(refusals(store, self.workers))
             raise RuntimeError(f"rollout workers: {joined} of {self.workers} joined at {self.address} within "
                                f"{self.timeout_s:.0f} s; start each with `{WORKER_COMMAND.format(address=self.address)}` "
-                               f"({type(e).__name__})") from e
+                               f"({said or type(e).__name__})") from e
         names = plain_names(self.actor.module)
         hf = getattr(self.actor.module, "get_base_model", lambda: self.actor.module)()
         setup = {"kind": "setup", "config": hf.config.to_dict(), "dtype": ctx.dtype, "backend": self.worker_backend,
@@ -162,8 +172,8 @@ class RemoteBackend(GenerationBackend):
             if answer.get("names") != names:
                 raise RuntimeError(f"{self._who(i)}: its copy of the policy holds other weights than the actor "
                                    "(names differ)")
-        log.info("rollout workers: %d joined at %s in %.1f s (%s backend)", self.workers, self.address,
-                 time.perf_counter() - t0, self.worker_backend)
+        log.info("rollout workers: %d joined at %s in %.1f s (%s backend, weights over %s)", self.workers,
+                 self.address, time.perf_counter() - t0, self.worker_backend, backend)
 
     def _who(self, i: int) -> str:
         return f"rollout worker {i} (of {self.workers}, at {self.address})"
@@ -208,7 +218,7 @@ class RemoteBackend(GenerationBackend):
         for _, values in stream_blocks(self.actor.module):
             if self.group is not None and lost is None:
                 try:
-                    self.group.broadcast_(flatten([v for _, v in values]))
+                    self.group.broadcast_(flatten([v for _, v in values], self.group.device))
                 except Exception as e:  # noqa: BLE001  (gloo: a closed connection or its timeout)
                     lost = (f"a rollout worker (of {self.workers}, at {self.address}) is gone: the weight broadcast "
                             f"failed ({str(e).splitlines()[0][:300]})")

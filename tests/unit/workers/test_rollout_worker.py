@@ -160,3 +160,30 @@ def test_an_unhashed_broadcast_is_not_answered_with_a_checksum_of_nothing(tiny, 
     worker.generator.has_engine = True  # as an engine backend would be
     with pytest.raises(RuntimeError, match="not hashed on arrival"):
         worker.checksum()
+
+
+def test_the_weight_group_backend_follows_the_trainer_s_device_unless_chosen():
+    from rlhf_engine.config.rollout import group_backend
+
+    assert group_backend("auto", "cuda", True) == "nccl"
+    assert group_backend("auto", "cuda", False) == "gloo" and group_backend("auto", "cpu", True) == "gloo"
+    assert group_backend("gloo", "cuda", True) == "gloo" and group_backend("nccl", "cpu", False) == "nccl"
+    with pytest.raises(ValueError, match="an nccl group needs a GPU.*--rollout_group_backend"):
+        comm.PeerGroup(None, 0, 2, datetime.timedelta(seconds=5), backend="nccl", device=torch.device("cpu"))
+
+
+def test_a_cpu_worker_refuses_an_nccl_trainer_and_the_trainer_can_say_why():
+    """The worker reads the trainer's weight-group backend from the store before joining the group: on a CPU it
+    cannot join an nccl group, so it says why in the store (where the trainer's join error reads it) and exits 2."""
+    from rlhf_engine.engine.generation.remote import refusals
+    from rlhf_engine.workers.rollout_worker import serve
+
+    address = free_address()
+    host, port = parse_address(address)
+    store = comm.open_store(host, port, True, datetime.timedelta(seconds=30))
+    store.set("group_backend", "nccl")
+    store.set("size", "1")
+    assert serve(address, timeout_s=10, device="cpu") == 2
+    said = refusals(store, 1)
+    assert len(said) == 1 and "weight group is nccl and this worker runs on cpu" in said[0]
+    assert "--rollout_group_backend gloo" in said[0]
