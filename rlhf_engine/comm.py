@@ -188,6 +188,13 @@ class PeerGroup:
         return tensor
 
 
+def gpu_identity(device: torch.device) -> str:
+    """Which physical GPU `device` is (its UUID; '' off a GPU): two members of an NCCL group cannot share one."""
+    if device.type != "cuda":
+        return ""
+    return str(getattr(torch.cuda.get_device_properties(device), "uuid", device))
+
+
 def open_store(host: str, port: int, is_master: bool, timeout: datetime.timedelta) -> Any:
     """The TCP store of a `PeerGroup`: served by the master (it listens on host:port), joined by the others."""
     return torch.distributed.TCPStore(host, port, is_master=is_master, wait_for_workers=False, timeout=timeout)

@@ -200,9 +200,9 @@ def serve(address: str, backend: str = "", timeout_s: float = 300.0, idle_timeou
         log.error("rollout worker: the trainer at %s asked for %d workers and %d have joined", address, size, index)
         return 2
     group_kind = store.get("group_backend").decode()  # the weight group's (gloo / nccl), the trainer's choice
-    if group_kind == "nccl" and torch.device(device).type != "cuda":  # said in the store: the trainer names it
-        reason = (f"rollout worker {index}: the trainer's weight group is nccl and this worker runs on {device}: start "
-                  "it on a GPU (--device cuda), or the trainer with --rollout_group_backend gloo")
+    reason = nccl_refusal(group_kind, torch.device(device), store.get("trainer_gpu").decode())
+    if reason:  # said in the store: the trainer's join error quotes it
+        reason = f"rollout worker {index}: {reason}"
         store.set(f"refused/{index}", reason)
         log.error(reason)
         return 2
@@ -215,6 +215,19 @@ def serve(address: str, backend: str = "", timeout_s: float = 300.0, idle_timeou
             return _loop(index, mail, group, backend, torch.device(device), workdir, idle_timeout_s)
         finally:
             comm.shutdown(ok=True)  # an engine shuts down first (comm.at_shutdown), then its group
+
+
+def nccl_refusal(group_kind: str, device: torch.device, trainer_gpu: str) -> str:
+    """Why this worker cannot join an NCCL weight group ('' : it can, or the group is gloo)."""
+    if group_kind != "nccl":
+        return ""
+    if device.type != "cuda":
+        return (f"the trainer's weight group is nccl and this worker runs on {device}: start it on a GPU (--device "
+                "cuda), or the trainer with --rollout_group_backend gloo")
+    if comm.gpu_identity(device) == trainer_gpu:
+        return (f"this worker's {device} is the trainer's rank-0 GPU, and NCCL cannot join two processes on one GPU: "
+                "give the worker a GPU of its own, or start the trainer with --rollout_group_backend gloo")
+    return ""
 
 
 def _loop(index: int, mail: Mailbox, group: comm.PeerGroup, backend: str, device: torch.device, workdir: str,

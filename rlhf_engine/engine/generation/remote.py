@@ -145,6 +145,7 @@ class RemoteBackend(GenerationBackend):
                                 torch.distributed.is_nccl_available())
         store = comm.open_store(host, port, True, timeout)
         store.set("group_backend", backend)  # before "size": a worker that reads the size finds the backend set
+        store.set("trainer_gpu", comm.gpu_identity(self.device))
         store.set("size", str(self.workers))
         self.store, self.mail = store, Mailbox(store, self.timeout_s, self.address)
         t0 = time.perf_counter()

@@ -182,8 +182,19 @@ def test_a_cpu_worker_refuses_an_nccl_trainer_and_the_trainer_can_say_why():
     host, port = parse_address(address)
     store = comm.open_store(host, port, True, datetime.timedelta(seconds=30))
     store.set("group_backend", "nccl")
+    store.set("trainer_gpu", "")
     store.set("size", "1")
     assert serve(address, timeout_s=10, device="cpu") == 2
     said = refusals(store, 1)
     assert len(said) == 1 and "weight group is nccl and this worker runs on cpu" in said[0]
     assert "--rollout_group_backend gloo" in said[0]
+
+
+def test_nccl_refusals_name_the_cause():
+    from rlhf_engine.workers.rollout_worker import nccl_refusal
+
+    assert nccl_refusal("gloo", torch.device("cpu"), "") == ""
+    assert "runs on cpu" in nccl_refusal("nccl", torch.device("cpu"), "")
+    if torch.cuda.is_available():  # a GPU machine: the trainer's own GPU is refused, by its identity
+        gpu = torch.device("cuda", 0)
+        assert "NCCL cannot join two processes on one GPU" in nccl_refusal("nccl", gpu, comm.gpu_identity(gpu))
