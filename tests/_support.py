@@ -175,6 +175,36 @@ def compare_runs(run: dict, ref: dict) -> tuple[dict, dict]:
     return metric, params
 
 
+def assert_generated_alike(remote: dict, colocated: dict, atol: float) -> None:
+    """Rollout workers against the colocated run (harness results): every numeric logged metric within `atol`
+    (volatile keys aside), the policy moved (later rollouts needed the broadcasts), and every rank's rollouts
+    equal token for token."""
+    worst = {}
+    for a, b in zip(remote["records"], colocated["records"]):
+        for k, v in b.items():
+            if not k.startswith(VOLATILE) and isinstance(v, (int, float)) and not isinstance(v, bool):
+                worst[k] = max(worst.get(k, 0.0), abs(a[k] - v))
+    assert max(worst.values()) <= atol, sorted(worst.items(), key=lambda kv: -kv[1])[:5]
+    assert remote["max_param_change"]["actor"] > 1e-4
+    for ra, rb in zip(remote["ranks"], colocated["ranks"]):
+        assert ra["rollouts"] == rb["rollouts"]
+
+
+def closed_within(sock, seconds: float) -> bool:
+    """Whether the server closes `sock` within `seconds` (reads until EOF); the socket is closed after."""
+    import socket
+
+    sock.settimeout(seconds)
+    try:
+        while sock.recv(4096):
+            pass
+        return True
+    except socket.timeout:
+        return False
+    finally:
+        sock.close()
+
+
 def run_example(config: str, out: str, *extra: str, timeout: int = 1500) -> list[dict]:
     """`launch/train_ppo.py --config <config> --output_dir <out> <extra>` on every core, offline (the slow
     learning tests); its metrics records."""

@@ -12,7 +12,7 @@ import os
 
 import pytest
 
-from _support import VOLATILE, RolloutWorkers, free_address, ppo_args, run_harness
+from _support import RolloutWorkers, assert_generated_alike, free_address, ppo_args, run_harness
 
 pytestmark = [pytest.mark.distributed, pytest.mark.vllm,
               pytest.mark.skipif(importlib.util.find_spec("vllm") is None,
@@ -51,15 +51,7 @@ def _train(run):
 def test_synchronous_vllm_workers_equal_the_colocated_vllm_run(runs):
     colocated, remote = runs["colocated"], runs["workers"]
     assert len(_train(remote)) == len(_train(colocated)) == 3
-    worst = {}
-    for a, b in zip(remote["records"], colocated["records"]):
-        for k, v in b.items():
-            if not k.startswith(VOLATILE) and isinstance(v, (int, float)) and not isinstance(v, bool):
-                worst[k] = max(worst.get(k, 0.0), abs(a[k] - v))
-    assert max(worst.values()) <= ATOL, sorted(worst.items(), key=lambda kv: -kv[1])[:5]
-    assert remote["max_param_change"]["actor"] > 1e-4  # the policy moved: later rollouts needed the broadcasts
-    for ra, rb in zip(remote["ranks"], colocated["ranks"]):
-        assert ra["rollouts"] == rb["rollouts"]  # every rank's rollouts, token for token
+    assert_generated_alike(remote, colocated, ATOL)
     # the engine's log-probs are the trainer's recompute to kernel rounding, on the worker as on the trainer's ranks
     assert max(r["rollout/logprob_diff_max"] for r in _train(remote)) < 1e-4
 

@@ -15,7 +15,7 @@ import pytest
 from rlhf_engine.rewards import RemoteReward, RewardFunctionError, remote
 from rlhf_engine.rewards.serve import make_server
 
-from _support import ROOT, clean_env
+from _support import ROOT, clean_env, closed_within
 
 TOKEN = "serve-bearer-Rk3ZpQ81xW"
 
@@ -39,19 +39,6 @@ def raw_socket(port, data: bytes) -> socket.socket:
     s = socket.create_connection(("127.0.0.1", port), timeout=10)
     s.sendall(data)
     return s
-
-
-def closed_within(sock: socket.socket, seconds: float) -> bool:
-    """Whether the server closes `sock` within `seconds` (reads until EOF)."""
-    sock.settimeout(seconds)
-    try:
-        while sock.recv(4096):
-            pass
-        return True
-    except socket.timeout:
-        return False
-    finally:
-        sock.close()
 
 
 @pytest.fixture(autouse=True)

@@ -11,6 +11,8 @@ import pytest
 from rlhf_engine.rewards import RemoteReward, remote
 from rlhf_engine.rewards.serve import make_server
 
+from _support import closed_within
+
 TOKEN = "limits-bearer-9fQw2LmZ"
 
 
@@ -179,15 +181,6 @@ def test_a_keep_alive_request_is_not_closed_by_the_deadline_of_an_earlier_one():
     finally:
         stop(server)
 
-
-def closed_within(sock: socket.socket, seconds: float) -> bool:
-    sock.settimeout(seconds)
-    try:
-        while sock.recv(4096):
-            pass
-        return True
-    except socket.timeout:
-        return False
 
 
 def test_the_retried_answers_are_bounded_by_keep_answers():
