@@ -177,6 +177,11 @@ class PeerGroup:
             opts._timeout = timeout
             self.device = device
             self.pg = nccl(torch.distributed.PrefixStore(prefix, store), rank, size, opts)
+            # NCCL connects lazily, at the first collective: connect now, so that a member that never comes is an
+            # error of the join (with its reason), not of the first weight broadcast
+            connect = getattr(self.pg, "eager_connect_single_device", None)
+            if connect is not None:
+                connect(device)
         else:
             raise ValueError(f"group backend {backend!r}: gloo or nccl")
 

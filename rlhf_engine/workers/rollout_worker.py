@@ -199,20 +199,23 @@ def serve(address: str, backend: str = "", timeout_s: float = 300.0, idle_timeou
     if index >= size:
         log.error("rollout worker: the trainer at %s asked for %d workers and %d have joined", address, size, index)
         return 2
+    dev = torch.device(device)
+    if dev.type == "cuda" and dev.index is None:  # a GPU by index: NCCL and set_device need one
+        dev = torch.device("cuda", torch.cuda.current_device())
     group_kind = store.get("group_backend").decode()  # the weight group's (gloo / nccl), the trainer's choice
-    reason = nccl_refusal(group_kind, torch.device(device), store.get("trainer_gpu").decode())
+    reason = nccl_refusal(group_kind, dev, store.get("trainer_gpu").decode())
     if reason:  # said in the store: the trainer's join error quotes it
         reason = f"rollout worker {index}: {reason}"
         store.set(f"refused/{index}", reason)
         log.error(reason)
         return 2
     group = comm.PeerGroup(store, index + 1, size + 1, datetime.timedelta(seconds=timeout_s), backend=group_kind,
-                           device=torch.device(device))
+                           device=dev)
     mail = Mailbox(store, timeout_s, address)
     log.info("rollout worker %d of %d: joined the trainer at %s", index, size, address)
     with tempfile.TemporaryDirectory(prefix="rollout_worker_") as workdir:
         try:
-            return _loop(index, mail, group, backend, torch.device(device), workdir, idle_timeout_s)
+            return _loop(index, mail, group, backend, dev, workdir, idle_timeout_s)
         finally:
             comm.shutdown(ok=True)  # an engine shuts down first (comm.at_shutdown), then its group
 

@@ -129,21 +129,28 @@ def unavailable_reasons(actor_config: Any) -> list[str]:
 
 
 def repack_tied_head(model: Any) -> bool:
-    """After a reload: an LM head tied to the embedding gets its GEMM packed again from the embedding's new values.
-    On CPU vLLM packs a head's weight into a kernel of its own (a copy) when the model is processed; a reload
-    processes only the layers it loaded weights into, and a tied head has none of its own (its weight is the
-    embedding's), so it kept computing logits with the first weights, the engine's dummy ones: garbage tokens from a
-    tied model such as SmolLM2, right embedding and layers notwithstanding. Returns whether it packed (GPU: no
+    """After a reload: every packed layer whose weight is another module's (an LM head tied to the embedding,
+    whatever the architecture names them: Llama's model.embed_tokens, GPT-2's transformer.wte, OPT's
+    model.decoder.embed_tokens, ...) gets its GEMM packed again from the new values. On CPU vLLM packs a layer's
+    weight into a kernel of its own (a copy) when the model is processed; a reload processes only the layers it
+    loaded weights into, and a tied head has none of its own, so it kept computing logits with the first weights,
+    the engine's dummy ones: garbage tokens from a tied model such as SmolLM2. Returns whether it packed any (GPU: no
     packing, nothing to do)."""
-    head = getattr(model, "lm_head", None)
-    embed = getattr(getattr(model, "model", None), "embed_tokens", None)
-    method = getattr(head, "quant_method", None)
-    if head is None or embed is None or method is None or not hasattr(head, "cpu_linear"):
-        return False
-    if head.weight.data_ptr() != embed.weight.data_ptr():  # untied: the reload processed it with its own weight
-        return False
-    method.process_weights_after_loading(head)
-    return True
+    owners: dict = {}
+    for name, module in model.named_modules():
+        weight = getattr(module, "_parameters", {}).get("weight")
+        if weight is not None:
+            owners.setdefault(id(weight), []).append(module)
+    packed = False
+    for modules in owners.values():
+        if len(modules) < 2:  # not shared: the reload processed it with its own weight
+            continue
+        for module in modules:
+            method = getattr(module, "quant_method", None)
+            if hasattr(module, "cpu_linear") and method is not None:
+                method.process_weights_after_loading(module)
+                packed = True
+    return packed
 
 
 class VLLMBackend(GenerationBackend):

@@ -66,3 +66,44 @@ def test_shutdown_runs_what_holds_the_group_before_destroying_it(monkeypatch):
         comm.shutdown(ok=True)
     assert order == ["barrier", "last registered", "broken", "first registered", "destroyed"]
     assert comm._AT_SHUTDOWN == []
+
+
+def test_every_packed_layer_sharing_its_weight_is_repacked_whatever_its_name():
+    """repack_tied_head finds tied layers by identity, not by name (Llama, GPT-2 and OPT name their embeddings
+    differently): a layer with a packed GEMM (`cpu_linear`) whose weight is another module's is processed again;
+    an untied one, or a model without packing (GPU), is left alone."""
+    import torch
+
+    from rlhf_engine.engine.generation.vllm_engine import repack_tied_head
+
+    class Method:
+        def __init__(self):
+            self.calls = []
+
+        def process_weights_after_loading(self, layer):
+            self.calls.append(layer)
+
+    def layer(weight=None, packed=True):
+        m = torch.nn.Module()
+        m.weight = weight if weight is not None else torch.nn.Parameter(torch.zeros(4, 2))
+        m.quant_method = Method()
+        if packed:
+            m.cpu_linear = lambda x, w, b: x
+        return m
+
+    for names in (("model", "embed_tokens"), ("transformer", "wte"), ("decoder", "embed_tokens")):
+        model = torch.nn.Module()
+        inner = torch.nn.Module()
+        setattr(inner, names[1], layer())
+        setattr(model, names[0], inner)
+        model.lm_head = layer(getattr(inner, names[1]).weight)  # tied
+        model.other = layer()  # packed, untied
+        assert repack_tied_head(model) is True
+        assert model.lm_head.quant_method.calls == [model.lm_head] and model.other.quant_method.calls == []
+    untied = torch.nn.Module()
+    untied.embed, untied.lm_head = layer(), layer()
+    assert repack_tied_head(untied) is False and untied.lm_head.quant_method.calls == []
+    gpu = torch.nn.Module()  # nothing packed
+    gpu.embed = layer(packed=False)
+    gpu.lm_head = layer(gpu.embed.weight, packed=False)
+    assert repack_tied_head(gpu) is False

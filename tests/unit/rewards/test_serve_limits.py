@@ -17,9 +17,25 @@ TOKEN = "limits-bearer-9fQw2LmZ"
 
 
 def start(fn, **kw):
+    """A server serving (its /health answered, with the token when it has one) before the test talks to it."""
     server = make_server(fn, **kw)
     threading.Thread(target=server.serve_forever, daemon=True).start()
-    return server
+    deadline = time.monotonic() + 20
+    while True:
+        try:
+            if request(server.server_port, "GET", "/health", token=kw.get("auth_token"), timeout=2)[0] == 200:
+                return server
+        except OSError:
+            pass
+        assert time.monotonic() < deadline, "the server did not come up"
+        time.sleep(0.05)
+
+
+def wait_until(cond, seconds: float = 20.0) -> None:
+    deadline = time.monotonic() + seconds
+    while not cond():
+        assert time.monotonic() < deadline, "timed out waiting"
+        time.sleep(0.02)
 
 
 def stop(server):
@@ -129,23 +145,25 @@ def test_the_trainer_s_client_retries_a_503_until_a_slot_frees():
     server = start(blocked, max_concurrent_requests=1)
     url = f"http://127.0.0.1:{server.server_port}/score"
     try:
+        slots = server.server.config.app.state.slots
         holder = threading.Thread(target=RemoteReward(url, timeout_s=30, retries=0), args=(["hold"], ["a"]))
         holder.start()
-        time.sleep(0.3)
-        threading.Timer(0.4, release.set).start()  # the slot frees while the client backs off
+        wait_until(lambda: slots.active == 1)  # the one slot is taken
+        # the slot frees once the client has been refused, while it backs off
+        threading.Thread(target=lambda: (wait_until(lambda: slots.refused >= 1), release.set()), daemon=True).start()
         assert RemoteReward(url, timeout_s=10, retries=6)(["p"], ["xyz"]) == [3.0]
         holder.join(10)
-        assert server.server.config.app.state.slots.refused >= 1  # it was refused at least once before
+        assert slots.refused >= 1
     finally:
         release.set()
         stop(server)
 
 
 def test_a_keep_alive_request_is_not_closed_by_the_deadline_of_an_earlier_one():
-    """Deadline 1 s. On one keep-alive connection: A answered at once (its deadline armed then, about t=1.0), B at
-    t=0.5 (armed again, about t=1.5), C starts at t=0.8 and finishes its body at t=1.3: within its own deadline,
-    though past A's. The stale timer of A must not close C's connection."""
-    server = start(lambda prompts, responses: [float(len(r)) for r in responses], request_timeout_s=1.0)
+    """Deadline 3 s, times from A's answer (t=0, A's deadline armed then: t=3). On one keep-alive connection B is
+    answered at t=1 (armed again: t=4); C starts at t=1.5 and finishes its body at t=3.5: within its own deadline,
+    though past A's. The stale timer of A must not close C's connection (half a second of margin each side)."""
+    server = start(lambda prompts, responses: [float(len(r)) for r in responses], request_timeout_s=3.0)
 
     def req(body: bytes) -> bytes:
         return (b"POST /score HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
@@ -162,22 +180,25 @@ def test_a_keep_alive_request_is_not_closed_by_the_deadline_of_an_earlier_one():
     body = json.dumps({"prompts": ["p"], "responses": ["abc"]}).encode()
     try:
         with socket.create_connection(("127.0.0.1", server.server_port), timeout=10) as s:
+            s.sendall(req(body))
+            assert b" 200 " in answer(s)
             t0 = time.monotonic()
+            until = lambda t: time.sleep(max(0.0, t - (time.monotonic() - t0)))  # noqa: E731
+            until(1.0)
             s.sendall(req(body))
             assert b" 200 " in answer(s)
-            time.sleep(0.5 - (time.monotonic() - t0))
-            s.sendall(req(body))
-            assert b" 200 " in answer(s)
-            time.sleep(0.8 - (time.monotonic() - t0))
+            b_answered = time.monotonic() - t0
+            until(1.5)
             whole = req(body)
             s.sendall(whole[:-5])
-            time.sleep(1.3 - (time.monotonic() - t0))
+            until(3.5)
+            assert time.monotonic() - t0 < b_answered + 3.0  # still within C's own deadline
             s.sendall(whole[-5:])
             raw = answer(s)
             assert b" 200 " in raw and raw.endswith(b'{"scores":[3.0]}')
             # control: a request that stalls past its own deadline is closed
             s.sendall(whole[:-5])
-            assert closed_within(s, 2.0)
+            assert closed_within(s, 5.0)
     finally:
         stop(server)
 
