@@ -160,7 +160,8 @@ def parser() -> argparse.ArgumentParser:
                     "complete request (headers and body); a client that stalls is disconnected")
     ap.add_argument("--max_concurrent_requests", type=int, default=32, help="requests served at once, each holding "
                     "its body (up to --max_request_mb) and its parsed copy: the bound on the server's memory; past it "
-                    "a request is answered 503 with Retry-After, which the trainer retries (default: %(default)s)")
+                    "a request is answered 503 with Retry-After, which the trainer retries (--reward_retries times): "
+                    "give at least the number of trainer ranks sharing this server (default: %(default)s)")
     ap.add_argument("--concurrency", type=int, default=1, help="reward function calls at once (raise it only for a "
                     "thread-safe function); a reward model runs one forward at a time")
     ap.add_argument("--batch_size", type=int, default=8, help="reward model: sequences per forward")
