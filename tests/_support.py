@@ -218,6 +218,18 @@ def run_example(config: str, out: str, *extra: str, timeout: int = 1500) -> list
         return [json.loads(line) for line in f]
 
 
+def run_harness_with_workers(tmp: str, name: str, spec: list, addresses: list) -> dict:
+    """`run_harness` of `spec` on 2 ranks (deepspeed launcher) with one rollout worker per address started after the
+    trainer; the result carries the workers' exit codes (`worker_exit_codes`), waited for whatever the launch did."""
+    workers = RolloutWorkers(tmp, addresses)
+    try:
+        result = run_harness(tmp, name, spec, 2, "deepspeed")
+    finally:
+        codes = workers.wait()
+    result["worker_exit_codes"] = codes
+    return result
+
+
 class RolloutWorkers:
     """One rollout worker process per address (launch/rollout_worker.py, this interpreter), started `delay` seconds
     from now (after the trainer: a worker that comes late joins); `wait()` gives their exit codes."""

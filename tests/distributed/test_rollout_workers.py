@@ -15,7 +15,7 @@ import time
 import pytest
 
 from _support import ROOT, SCRIPTS, RolloutWorkers, assert_generated_alike, check, clean_env, free_address, launch, \
-    ppo_args, run_harness
+    ppo_args, run_harness_with_workers
 
 ATOL = 1e-5
 BASE = dict(do_sample="false", max_steps=3, seed=3, actor_learning_rate=1e-3, per_device_generation_batch_size=4,
@@ -53,13 +53,7 @@ def runs(tiny, tmp_path_factory):
         addresses.append(free_address())
         spec.append({"name": name, "args": ppo_args(tiny, out, **{**AHEAD, **extra}, rollout_workers=1,
                                                     rollout_address=addresses[-1])})
-    workers = RolloutWorkers(tmp, addresses)
-    try:
-        result = run_harness(tmp, "rollout_workers", spec, 2, "deepspeed")
-    finally:
-        codes = workers.wait()
-    result["worker_exit_codes"] = codes
-    return result
+    return run_harness_with_workers(tmp, "rollout_workers", spec, addresses)
 
 
 @pytest.fixture(scope="module")

@@ -12,7 +12,7 @@ import os
 
 import pytest
 
-from _support import RolloutWorkers, assert_generated_alike, free_address, ppo_args, run_harness
+from _support import assert_generated_alike, free_address, ppo_args, run_harness_with_workers
 
 pytestmark = [pytest.mark.distributed, pytest.mark.vllm,
               pytest.mark.skipif(importlib.util.find_spec("vllm") is None,
@@ -35,13 +35,7 @@ def runs(tiny_vllm, tmp_path_factory):
                                                  rollout_address=addresses[0])},
             {"name": "ahead", "args": ppo_args(tiny_vllm, os.path.join(tmp, "ahead"), **AHEAD, rollout_workers=1,
                                                rollout_address=addresses[1])}]
-    workers = RolloutWorkers(tmp, addresses)
-    try:
-        result = run_harness(tmp, "vllm_rollout_workers", spec, 2, "deepspeed")
-    finally:
-        codes = workers.wait()
-    result["worker_exit_codes"] = codes
-    return result
+    return run_harness_with_workers(tmp, "vllm_rollout_workers", spec, addresses)
 
 
 def _train(run):

@@ -137,7 +137,7 @@ def repack_tied_head(model: Any) -> bool:
     the engine's dummy ones: garbage tokens from a tied model such as SmolLM2. Returns whether it packed any (GPU: no
     packing, nothing to do)."""
     owners: dict = {}
-    for name, module in model.named_modules():
+    for module in model.modules():
         weight = getattr(module, "_parameters", {}).get("weight")
         if weight is not None:
             owners.setdefault(id(weight), []).append(module)
