@@ -224,6 +224,9 @@ def run_harness_with_workers(tmp: str, name: str, spec: list, addresses: list) -
     workers = RolloutWorkers(tmp, addresses)
     try:
         result = run_harness(tmp, name, spec, 2, "deepspeed")
+    except BaseException:
+        workers.wait(timeout=0)  # the runs after a failed one never come for their workers
+        raise
     finally:
         codes = workers.wait()
     result["worker_exit_codes"] = codes
@@ -248,12 +251,12 @@ class RolloutWorkers:
                                                 "--rollout_address", address, "--rollout_timeout_s", "600"],
                                                cwd=ROOT, env=clean_env(), stdout=log, stderr=subprocess.STDOUT))
 
-    def wait(self) -> list:
+    def wait(self, timeout: float = 60) -> list:
         self.thread.join()
         codes = []
         for w in self.procs:
             try:
-                codes.append(w.wait(timeout=60))
+                codes.append(w.wait(timeout=timeout))
             except subprocess.TimeoutExpired:
                 w.kill()
                 codes.append("hung")

@@ -133,9 +133,6 @@ class TrainConfig:
         self._validate_environment(p)
         self.run.validate(p)
         self.rollout.validate(p)
-        if self.rollout.on and self.rollout.max_staleness >= 1 and self.env.on:
-            p.add("max_staleness", self.rollout.max_staleness, "episodes (an environment's turns) are generated "
-                  "synchronously so far: use 0 with an environment")
         if self.rollout.on and self.engine.requested_backend[0] not in ("lean", "vllm"):
             p.add("generation_backend", self.engine.requested_backend[0], "rollout workers generate with lean or "
                   "vllm (hf and hybrid run only on the trainer's ranks)")

@@ -83,6 +83,18 @@ class EpisodeRunner:
         self.calls, self.on_error, self.device = calls, on_error, device or torch.device("cpu")
         self.tokenizer = turns.tokenizer
 
+    @classmethod
+    def for_run(cls, cfg: Any, factory: Callable, tokenizer: Any, sample: Callable[..., Any],
+                collective: Callable[[], bool], params: Any, calls: EnvCalls,
+                device: Optional[torch.device] = None) -> "EpisodeRunner":
+        """The runner of a run's config (`cfg`: TrainConfig) wherever episodes are played: on the trainer's ranks,
+        or on a rollout worker (workers/rollout_worker.py), which builds it from the config the trainer sent."""
+        env, g = cfg.env, cfg.generation
+        return cls(factory, TurnFormat(tokenizer, bool(cfg.data.use_chat_template)), sample, collective, params,
+                   max_turns=env.max_turns, max_episode_tokens=cfg.response_budget, max_prompt_len=g.max_prompt_seq_len,
+                   stop_token_ids=params.stop_token_ids, pad_token_id=params.pad_token_id, calls=calls,
+                   on_error=env.env_errors, device=device)
+
     # ---- one batch ---------------------------------------------------------------------------------------------
     def run(self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, rows: Sequence[PromptRow]
             ) -> tuple[Optional[Rollout], Optional[torch.Tensor], EpisodeStats, Optional[EnvironmentFailure]]:

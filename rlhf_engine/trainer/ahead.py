@@ -6,7 +6,8 @@ trains on it. A batch's staleness is the trainer's policy version when it trains
 it: at most K by construction (a batch past K would be dropped and generated again, counted in
 `async/dropped_batches`). The PPO objective is decoupled, as AReaL's: the proximal policy is the trainer's own
 recompute at the start of the update (the old log-probs), the behaviour policy the workers' log-probs, corrected by
-`--rollout_correction` (token_truncate by default with K >= 1).
+`--rollout_correction` (token_truncate by default with K >= 1). With an environment each batch goes with its data
+rows and the worker plays its episodes ahead in the same way (every turn of an episode on one version's weights).
 
 The data position a checkpoint saves is the first prompt not trained on: the prompts of batches in flight are drawn
 again after a resume (their rollouts are discarded). Nothing is submitted past the run's last iteration.
@@ -30,8 +31,9 @@ class RolloutsAhead:
     strict_on_resume = True  # takes the checkpointer's strict flag (--resume_force remaps the data position)
 
     def __init__(self, backend: Any, cursor: Any, dataset: Any, batch_cfg: Any, sampling: Any, pad_token_id: int,
-                 max_staleness: int, iterations: int):
+                 max_staleness: int, iterations: int, episodes: bool = False):
         self.backend, self.cursor, self.dataset = backend, cursor, dataset
+        self.episodes = episodes  # an environment: the workers play each batch's episodes (its rows go along)
         self.batch_cfg, self.sampling, self.pad = batch_cfg, sampling, pad_token_id
         self.max_staleness, self.iterations = max_staleness, iterations
         self.next_iteration = 0  # the iteration the next submission is for
@@ -53,7 +55,8 @@ class RolloutsAhead:
 
     def _submit(self) -> None:
         position = self.cursor.state_dict()
-        batches = [(self.backend.submit(ids, mask, self.sampling), ids, mask, rows) for ids, mask, rows in self._draw()]
+        batches = [(self.backend.submit(ids, mask, self.sampling, self._rows(rows)), ids, mask, rows)
+                   for ids, mask, rows in self._draw()]
         self.pending.append((position, batches))
         self.next_iteration += 1
 
@@ -71,13 +74,18 @@ class RolloutsAhead:
             gen = self.backend.result(ticket, ids, mask, self.sampling)
             if version - gen.policy_version > self.max_staleness:  # cannot happen in this pipeline: guarded anyway
                 self.dropped += 1
-                gen = self.backend.generate(ids, mask, self.sampling)
+                gen = self.backend.generate(ids, mask, self.sampling, self._rows(rows))
             self.staleness.append(version - gen.policy_version)
-            gens.append(dataclasses.replace(gen, rollout=gen.rollout.with_rows(rows)))
+            if gen.rollout is not None:  # None: an environment failed (gen.failure; the trainer stops with it)
+                gen = dataclasses.replace(gen, rollout=gen.rollout.with_rows(rows))
+            gens.append(gen)
         self.backend.sync_weights()  # the weights of this iteration's update are the next batches' policy
         while len(self.pending) < self.max_staleness and self.next_iteration < self.iterations:
             self._submit()
         return gens
+
+    def _rows(self, rows: list):
+        return list(rows) if self.episodes else None
 
     def take_counts(self) -> dict:
         out = {"async/dropped_batches": self.dropped}

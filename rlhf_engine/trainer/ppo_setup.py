@@ -61,20 +61,22 @@ def reward_source(plan: RunPlan, engine):
 
 
 def episode_runner(plan: RunPlan, engine):
-    """Multi-turn rollouts (rlhf_engine/envs), or None without an environment."""
+    """Multi-turn rollouts (rlhf_engine/envs), or None without an environment. With rollout workers the episodes
+    are played on the workers, next to the generation (trainer/remote_episodes.py)."""
     if plan.env_factory is None:
         return None
-    from ..envs import EpisodeRunner, TurnFormat
+    from ..envs import EpisodeRunner
     from ..envs.calls import EnvCalls
 
-    cfg = plan.cfg
-    env, g = cfg.env, cfg.generation
-    return EpisodeRunner(plan.env_factory, TurnFormat(engine.tokenizer, bool(cfg.data.use_chat_template)),
-                         engine.sample, engine.generator.collective_calls, engine.sampling, max_turns=env.max_turns,
-                         max_episode_tokens=cfg.response_budget, max_prompt_len=g.max_prompt_seq_len,
-                         stop_token_ids=engine.sampling.stop_token_ids, pad_token_id=engine.pad_token_id,
-                         calls=EnvCalls(env.env_workers, env.env_timeout_s, env.env_max_abandoned_calls),
-                         on_error=env.env_errors, device=engine.device)
+    if plan.cfg.rollout.on:
+        from .remote_episodes import RemoteEpisodes
+
+        return RemoteEpisodes(engine.generator, engine.sampling)
+    env = plan.cfg.env
+    return EpisodeRunner.for_run(plan.cfg, plan.env_factory, engine.tokenizer, engine.sample,
+                                 engine.generator.collective_calls, engine.sampling,
+                                 EnvCalls(env.env_workers, env.env_timeout_s, env.env_max_abandoned_calls),
+                                 device=engine.device)
 
 
 def rollouts_ahead(plan: RunPlan, engine, cursor, iterations: int):
@@ -86,7 +88,7 @@ def rollouts_ahead(plan: RunPlan, engine, cursor, iterations: int):
     from .ahead import RolloutsAhead
 
     return RolloutsAhead(engine.generator, cursor, plan.prompts, plan.cfg.batch, engine.sampling, engine.pad_token_id,
-                         r.max_staleness, iterations)
+                         r.max_staleness, iterations, episodes=plan.env_factory is not None)
 
 
 def evaluator(plan: RunPlan, engine) -> Optional[Evaluator]:

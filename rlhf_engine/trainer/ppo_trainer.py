@@ -49,6 +49,7 @@ from .metric_sums import MetricSums
 from .objectives import experience_steps
 from .ppo_metrics import add_experience_stats, add_rollout_check, add_value_moments, iteration_record
 from .ptx import build_ptx
+from .remote_episodes import environment_failure
 from . import ppo_setup as setup
 from .update import RATIO_TRACE
 from .plan import RunPlan
@@ -125,7 +126,11 @@ class PPOTrainer:
     def rollout_phase(self):
         self.hooks.at("rollout", self.iteration)
         if self.ahead is not None:
-            return self.ahead.take(self.iteration)
+            gens = self.ahead.take(self.iteration)
+            if self.episodes is not None:  # every rank learns whether an environment failed on any rank
+                self.guard.agree(self.iteration, errors={"environment": environment_failure(next(
+                    (g.failure for g in gens if g.failure is not None), None))})
+            return gens
         n = self.cfg.batch.n_samples_per_prompt
         rollouts = []
         for _ in range(self.cfg.batch.generation_batches):

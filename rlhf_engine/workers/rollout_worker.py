@@ -7,8 +7,10 @@ class the colocated path runs: `lean` on a plain copy of the policy (random weig
 `vllm` with its engine (the only copy of the weights: the plain model is built on the meta device, for the names
 and shapes of what arrives, and the broadcast streams into the engine block by block). It answers each batch with
 the response tokens, their generation-time log-probs and the policy version that made them, and stops when the
-trainer says so. Reward functions, reward servers and environments stay on the trainer: they need the rows' data
-and the trainer's ranks.
+trainer says so. Environments run here: a batch with data rows is played as episodes (envs/EpisodeRunner, built from
+the run's config and the tokenizer the trainer sent), so a turn never waits on the trainer and, with max_staleness
+>= 1, whole episodes are played while the trainer trains. Reward functions and reward servers stay on the trainer:
+they score the finished rollouts beside the reference, critic and reward model forwards.
 """
 from __future__ import annotations
 
@@ -161,6 +163,8 @@ class Worker:
         self.generator = cls(ctx)
         self.received_sha256: Optional[str] = None
         self.versions_taken = 0
+        self.cfg = cfg
+        self.envs = EpisodeParts(cfg, setup["tokenizer"], workdir) if setup.get("tokenizer") is not None else None
 
     def take(self, group: comm.PeerGroup, version: int, hashed: bool) -> None:
         # an engine's only copy is hashed as it arrives, when the trainer will ask; a plain model is hashed on request
@@ -186,6 +190,50 @@ class Worker:
         gen = self.generator.generate(msg["ids"], msg["mask"], msg["params"])
         return {"tokens": gen.rollout.responses.cpu(), "logprobs": gen.logprobs.cpu(),
                 "version": self.policy.global_steps}
+
+    def episodes(self, msg: dict) -> dict:
+        """Play a batch's episodes (its data rows in `msg`) on the weights held now: the rollout, its log-probs,
+        the batch's sums and the environment failure that ended it (a message; None: none)."""
+        if not self.versions_taken:
+            raise RuntimeError("a batch came before any weights")
+        if self.envs is None:
+            raise RuntimeError("episodes asked of a worker set up without an environment")
+        if msg.get("seed") is not None:
+            torch.manual_seed(msg["seed"])
+        runner = self.envs.runner(self.cfg, self.generator, msg["params"])
+        rollout, logprobs, stats, failure = runner.run(msg["ids"], msg["mask"], msg["rows"])
+        return {"rollout": rollout.to(torch.device("cpu")) if rollout is not None else None,
+                "logprobs": logprobs.cpu() if logprobs is not None else None, "stats": stats,
+                "failure": str(failure) if failure is not None else None, "version": self.policy.global_steps}
+
+
+class EpisodeParts:
+    """What a worker plays episodes with: the environment factory (`--environment`, imported here: its module must
+    be importable on the worker), the tokenizer the trainer sent, and one pool of environment calls for the run
+    (its abandoned calls count across batches, as on the trainer)."""
+
+    def __init__(self, cfg: Any, tokenizer_files: dict, workdir: str):
+        from transformers import AutoTokenizer
+
+        from ..envs import load_environment_factory
+        from ..envs.calls import EnvCalls
+
+        folder = os.path.join(workdir, "tokenizer")
+        os.makedirs(folder, exist_ok=True)
+        for name, data in tokenizer_files.items():
+            with open(os.path.join(folder, name), "wb") as f:
+                f.write(data)
+        self.tokenizer = AutoTokenizer.from_pretrained(folder)
+        self.factory = load_environment_factory(cfg.env.environment)
+        env = cfg.env
+        self.calls = EnvCalls(env.env_workers, env.env_timeout_s, env.env_max_abandoned_calls)
+
+    def runner(self, cfg: Any, generator: Any, params: Any) -> Any:
+        from ..envs import EpisodeRunner
+
+        return EpisodeRunner.for_run(cfg, self.factory, self.tokenizer,
+                                     lambda ids, mask, p: generator.generate(ids, mask, p), lambda: False, params,
+                                     self.calls)
 
 
 def serve(address: str, backend: str = "", timeout_s: float = 300.0, idle_timeout_s: float = 86400.0,
@@ -268,10 +316,11 @@ def _loop(index: int, mail: Mailbox, group: comm.PeerGroup, backend: str, device
             except RuntimeError as e:
                 answer = {"error": str(e)}
             mail.put(answer_key(index, f"sum/{msg['n']}"), answer)
-        elif kind == "generate":
+        elif kind in ("generate", "episodes"):
             key = answer_key(index, f"batch/{msg['ticket']}/{msg['rank']}")
             try:
-                mail.put(key, {**worker.generate(msg), "idle_s": idle})
+                answer = worker.generate(msg) if kind == "generate" else worker.episodes(msg)
+                mail.put(key, {**answer, "idle_s": idle})
             except Exception as e:  # noqa: BLE001
                 mail.put(key, {"error": f"worker {index}: {type(e).__name__}: {e}"})
                 raise

@@ -1,7 +1,8 @@
 """Rollout workers of their own (`--rollout_workers 1`, max_staleness 0): 2 trainer ranks under the deepspeed launcher
 and one worker process per run (3 processes), started after the trainer (a worker that comes late joins). With
 greedy decoding every logged metric equals the colocated run's (lean on the trainer's ranks) over 3 iterations at
-lr > 0: GAE at ZeRO 3, GRPO at ZeRO 2, and a 2-turn environment (GAE, ZeRO 2): the proof that the weights the worker holds
+lr > 0: GAE at ZeRO 3, GRPO at ZeRO 2, and a 2-turn environment (GAE, ZeRO 2; its episodes played on the worker):
+the proof that the weights the worker holds
 after each broadcast are the trainer's. One launch of scripts/ppo_checks.py serves every test here."""
 from __future__ import annotations
 
@@ -27,6 +28,9 @@ CASES = {"gae_z3": dict(actor_zero_stage=3, reference_zero_stage=3, critic_zero_
 LR0 = dict(BASE, do_sample="true", actor_learning_rate=0.0, critic_learning_rate=0.0, ppo_epochs=2)
 AHEAD = dict(BASE, do_sample="true", max_steps=4, max_staleness=1, critic_learning_rate=1e-3, eval_split=0.25,
              eval_interval=2)
+# episodes played ahead on the worker (the environment runs there); no evaluation with an environment
+AHEAD_ENV = dict(BASE, do_sample="true", max_steps=3, max_staleness=1, critic_learning_rate=1e-3,
+                 environment="_envs:counting", max_turns=2)
 
 
 @pytest.fixture(scope="module")
@@ -46,12 +50,13 @@ def runs(tiny, tmp_path_factory):
     addresses.append(free_address())
     spec.append({"name": "lr0_workers", "args": ppo_args(tiny, os.path.join(tmp, "lr0_workers"), **LR0,
                                                          rollout_workers=1, rollout_address=addresses[-1])})
-    # K = 1: straight, and stopped after 2 iterations then resumed by the requeued command (--resume auto)
+    # K = 1: straight, and stopped after 2 iterations then resumed by the requeued command (--resume auto); episodes
     part = os.path.join(tmp, "ahead_part")
-    for name, out, extra in (("ahead", os.path.join(tmp, "ahead"), {}), ("ahead_part", part, {"max_steps": 2}),
-                             ("ahead_resumed", part, {"resume": "auto"})):
+    for name, out, run in (("ahead", os.path.join(tmp, "ahead"), AHEAD), ("ahead_part", part, {**AHEAD, "max_steps": 2}),
+                           ("ahead_resumed", part, {**AHEAD, "resume": "auto"}),
+                           ("ahead_env", os.path.join(tmp, "ahead_env"), AHEAD_ENV)):
         addresses.append(free_address())
-        spec.append({"name": name, "args": ppo_args(tiny, out, **{**AHEAD, **extra}, rollout_workers=1,
+        spec.append({"name": name, "args": ppo_args(tiny, out, **run, rollout_workers=1,
                                                     rollout_address=addresses[-1])})
     return run_harness_with_workers(tmp, "rollout_workers", spec, addresses)
 
@@ -83,7 +88,7 @@ def test_synchronous_workers_equal_the_colocated_run(runs, name):
 
 @pytest.mark.distributed
 def test_every_worker_stops_cleanly_when_its_trainer_is_done(runs):
-    assert runs["worker_exit_codes"] == [0] * (len(CASES) + 4)  # the cases, lr 0 and the three K = 1 runs
+    assert runs["worker_exit_codes"] == [0] * (len(CASES) + 5)  # the cases, lr 0 and the four K = 1 runs
 
 
 @pytest.mark.distributed
@@ -123,6 +128,18 @@ def test_k1_generates_one_version_ahead_and_never_staler(runs):
     with open(os.path.join(runs["ahead"]["output_dir"], "config.json")) as f:
         assert json.load(f)["rollout_correction"] == "token_truncate"
     assert runs["ahead"]["max_param_change"]["actor"] > 1e-4
+
+
+@pytest.mark.distributed
+def test_k1_episodes_are_played_ahead_on_the_worker(runs):
+    """An environment with K = 1: the worker plays iteration k + 1's 2-turn episodes while the trainer trains on k
+    (staleness 0, 1, 1); every episode took both turns, turn 1 rewarded as the environment says."""
+    records = _train(runs["ahead_env"])
+    assert [r["async/staleness_max"] for r in records] == [0, 1, 1]
+    for r in records:
+        assert r["env/turns_mean"] == 2.0 and r["env/turn1_reward_mean"] == 0.25 and r["env/errors"] == 0.0, r
+        assert r["env/observation_tokens_mean"] > 0
+    assert runs["ahead_env"]["max_param_change"]["actor"] > 1e-4
 
 
 @pytest.mark.distributed

@@ -34,7 +34,7 @@ ALLOWED = {
                 "ppo_math", "pretrained",
                 "rewards", "rollout", "faults", "hooks", "signals"},
     "cli": {"comm", "config", "engine", "errors", "rewards", "signals"},
-    "workers": {"comm", "config", "engine", "errors"},
+    "workers": {"comm", "config", "engine", "envs", "errors"},
 }
 
 

@@ -18,11 +18,17 @@ the protocol both sides speak. The worker's loop is rlhf_engine/workers/rollout_
   rank r's batch to worker (call x world + r) mod N as it is (so a worker decodes exactly the batch that rank would),
   and hands each rank the tokens, their log-probs and the version that made them; the rollout is laid out from them
   exactly as the lean backend lays out its own.
+* Episodes (an environment): a batch goes with its data rows and the worker plays its episodes there, every turn on
+  the weights of one version (envs/EpisodeRunner, as the trainer's ranks would; the worker builds the environments
+  from `--environment` and the tokenizer the trainer sent at setup); it answers with the episodes' rollout, their
+  log-probs, their sums (env/* metrics) or the environment failure that ended them. Played next to the engine, a turn
+  does not go through the trainer, and with max_staleness >= 1 whole episodes run ahead while the trainer trains.
 """
 from __future__ import annotations
 
 import datetime
 import logging
+import os
 import pickle
 import time
 from typing import Any, Optional
@@ -112,8 +118,9 @@ class RemoteBackend(GenerationBackend):
 
     name = "remote"
 
-    def __init__(self, ctx, worker_backend: str):
+    def __init__(self, ctx, worker_backend: str, tokenizer: Any = None):
         super().__init__(ctx)
+        self.tokenizer = tokenizer  # sent to the workers at setup when they play episodes (an environment)
         r = ctx.cfg.rollout
         self.workers, self.address, self.timeout_s = int(r.rollout_workers), r.rollout_address, float(r.rollout_timeout_s)
         self.worker_backend = worker_backend
@@ -160,7 +167,8 @@ class RemoteBackend(GenerationBackend):
         names = plain_names(self.actor.module)
         hf = getattr(self.actor.module, "get_base_model", lambda: self.actor.module)()
         setup = {"kind": "setup", "config": hf.config.to_dict(), "dtype": ctx.dtype, "backend": self.worker_backend,
-                 "names": names, "cfg": ctx.cfg, "max_len": ctx.max_len}
+                 "names": names, "cfg": ctx.cfg, "max_len": ctx.max_len,
+                 "tokenizer": tokenizer_files(self.tokenizer) if ctx.cfg.env.on else None}
         for i in range(self.workers):
             self.mail.send(inbox(i), setup)
         for i in range(self.workers):
@@ -272,18 +280,20 @@ class RemoteBackend(GenerationBackend):
         return out
 
     # ---- generation ----------------------------------------------------------------------------------------
-    def submit(self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, params: SamplingParams) -> int:
+    def submit(self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, params: SamplingParams,
+               rows: Optional[list] = None) -> int:
         """Hand every rank's batch to a worker with the weights it holds now, without waiting: a ticket for
         `result`. Collective on the trainer's ranks. A sampled batch carries a seed from this rank's stream (the
-        worker seeds its draws with it: a rerun draws the same samples)."""
+        worker seeds its draws with it: a rerun draws the same samples). With `rows` (the batch's data rows) the
+        worker plays the batch's episodes (an environment)."""
         seed = int(torch.randint(0, 2**31 - 1, ())) if params.do_sample else None
-        batches = comm.all_gather_object((prompt_ids.cpu(), prompt_mask.cpu(), params, seed))
+        batches = comm.all_gather_object((prompt_ids.cpu(), prompt_mask.cpu(), params, seed, rows))
         ticket = self.calls
         if self.mail is not None:
-            for r, (ids, mask, p, sd) in enumerate(batches):
+            for r, (ids, mask, p, sd, rw) in enumerate(batches):
                 self.mail.send(inbox(self._worker(ticket, r, len(batches))),
-                               {"kind": "generate", "ticket": ticket, "rank": r, "ids": ids, "mask": mask, "params": p,
-                                "seed": sd})
+                               {"kind": "generate" if rw is None else "episodes", "ticket": ticket, "rank": r,
+                                "ids": ids, "mask": mask, "params": p, "seed": sd, "rows": rw})
         self.calls += 1
         return ticket
 
@@ -313,6 +323,11 @@ class RemoteBackend(GenerationBackend):
 
             raise RolloutWorkerLost(answer["error"])
         dev = self.device
+        if "stats" in answer:  # episodes: laid out by the worker's EpisodeRunner
+            rollout = answer["rollout"]
+            return Generated(rollout.to(dev) if rollout is not None else None,
+                             answer["logprobs"].to(dev) if rollout is not None else None, answer["stats"],
+                             policy_version=int(answer["version"]), failure=answer["failure"])
         limits = params.limits(prompt_ids.shape[0], dev)
         rollout = Rollout.from_generation(prompt_ids.to(dev), prompt_mask.to(dev), answer["tokens"].to(dev),
                                           params.stop_token_ids, params.pad_token_id, includes_prompt=False,
@@ -321,10 +336,11 @@ class RemoteBackend(GenerationBackend):
         return Generated(rollout, lp * rollout.action_mask, policy_version=int(answer["version"]))
 
     @torch.no_grad()
-    def generate(self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, params: SamplingParams) -> Generated:
-        """Synchronous: the current weights, then this batch (max_staleness 0)."""
+    def generate(self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, params: SamplingParams,
+                 rows: Optional[list] = None) -> Generated:
+        """Synchronous: the current weights, then this batch (max_staleness 0); with `rows`, its episodes."""
         self.sync_weights()
-        gen = self.result(self.submit(prompt_ids, prompt_mask, params), prompt_ids, prompt_mask, params)
+        gen = self.result(self.submit(prompt_ids, prompt_mask, params, rows), prompt_ids, prompt_mask, params)
         if gen.policy_version != self.actor_version:
             raise RuntimeError(f"rollout worker answered with policy version {gen.policy_version}, the trainer is at "
                                f"{self.actor_version}")
@@ -335,3 +351,16 @@ class RemoteBackend(GenerationBackend):
         out = {"time/trainer_wait": self.trainer_wait, "time/worker_idle": self.worker_idle}
         self.trainer_wait = self.worker_idle = 0.0
         return out
+
+
+def tokenizer_files(tokenizer: Any) -> dict:
+    """The tokenizer's files as {name: bytes} (save_pretrained's): what a worker playing episodes loads it from."""
+    import tempfile
+
+    with tempfile.TemporaryDirectory(prefix="tokenizer_") as d:
+        tokenizer.save_pretrained(d)
+        out = {}
+        for name in sorted(os.listdir(d)):
+            with open(os.path.join(d, name), "rb") as f:
+                out[name] = f.read()
+    return out

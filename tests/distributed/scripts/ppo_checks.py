@@ -149,7 +149,7 @@ def run_one(spec: dict) -> dict | None:
 
     trainer.rollout_phase = rollout_phase
     generate_calls = []  # an episode runner's generate calls on this rank: (rows, prompt width, row limits)
-    if trainer.episodes is not None:
+    if getattr(trainer.episodes, "sample", None) is not None:  # played here, not on a rollout worker
         orig_episode_sample = trainer.episodes.sample
 
         def episode_sample(ids, mask, params):
