@@ -294,6 +294,7 @@ def _loop(index: int, mail: Mailbox, group: comm.PeerGroup, backend: str, device
         kind = msg["kind"]
         if kind == "stop":
             log.info("rollout worker %d: the trainer is done", index)
+            mail.put(answer_key(index, "stopped"), {})  # the trainer keeps its store up until this is read
             return 0
         if kind == "setup":
             try:

@@ -46,7 +46,13 @@ def runs(tiny, tmp_path_factory):
                      "args": ppo_args(tiny, os.path.join(tmp, f"{name}_colocated"), **run)})
         spec.append({"name": f"{name}_workers", "hooks": hooks,
                      "args": ppo_args(tiny, os.path.join(tmp, f"{name}_workers"), **run, rollout_workers=1,
-                                      rollout_address=addresses[-1])})
+                                      rollout_address=addresses[-1], save_interval=2)})
+    # K = 0 resumed from gae_z3_workers' checkpoint after 2 iterations (its save_interval) with a worker started
+    # again: the worker joins and takes the checkpoint's weights before it generates
+    addresses.append(free_address())
+    spec.append({"name": "gae_z3_resumed", "args": ppo_args(
+        tiny, os.path.join(tmp, "gae_z3_resumed"), **{**BASE, **CASES["gae_z3"]}, rollout_workers=1,
+        rollout_address=addresses[-1], resume=os.path.join(tmp, "gae_z3_workers", "checkpoints", "iter_000002"))})
     addresses.append(free_address())
     spec.append({"name": "lr0_workers", "args": ppo_args(tiny, os.path.join(tmp, "lr0_workers"), **LR0,
                                                          rollout_workers=1, rollout_address=addresses[-1])})
@@ -88,7 +94,20 @@ def test_synchronous_workers_equal_the_colocated_run(runs, name):
 
 @pytest.mark.distributed
 def test_every_worker_stops_cleanly_when_its_trainer_is_done(runs):
-    assert runs["worker_exit_codes"] == [0] * (len(CASES) + 5)  # the cases, lr 0 and the four K = 1 runs
+    assert runs["worker_exit_codes"] == [0] * (len(CASES) + 6)  # the cases, K = 0 resumed, lr 0, four K = 1 runs
+
+
+@pytest.mark.distributed
+def test_k0_resume_with_a_worker_started_again_is_bitwise(runs):
+    """The resumed run's worker is a new process: it joins, takes the checkpoint's weights, and iteration 2 is the
+    straight run's exactly (every logged metric but the clocks, every rank's rollout)."""
+    straight, resumed = runs["gae_z3_workers"], runs["gae_z3_resumed"]
+    assert [r["iteration"] for r in _train(resumed)] == [2]
+    want, got = _train(straight)[2], _train(resumed)[0]
+    keys = [k for k in want if not k.startswith(("time/", "throughput/", "memory/"))]
+    assert keys and {k: got[k] for k in keys} == {k: want[k] for k in keys}
+    for rs, rr in zip(straight["ranks"], resumed["ranks"]):
+        assert rr["rollouts"][0] == rs["rollouts"][2]
 
 
 @pytest.mark.distributed

@@ -88,7 +88,7 @@ def inbox(index: int) -> str:
 
 
 def answer_key(index: int, what: str) -> str:
-    """Where worker `index` answers: 'setup', 'ack/<version>', 'sum/<n>', 'batch/<ticket>'."""
+    """Where worker `index` answers: 'setup', 'ack/<version>', 'sum/<n>', 'batch/<ticket>', 'stopped'."""
     return f"w{index}/{what}"
 
 
@@ -187,11 +187,20 @@ class RemoteBackend(GenerationBackend):
     def _who(self, i: int) -> str:
         return f"rollout worker {i} (of {self.workers}, at {self.address})"
 
-    def close(self) -> None:
-        """Tell every worker the run is over (rank 0; once)."""
+    def close(self, wait_s: float = 5.0) -> None:
+        """Tell every worker the run is over, and wait up to `wait_s` in all for each to say it read that (rank 0;
+        once): this process serves the store, and a worker still reading its last message when the store goes
+        would end with a lost connection instead of exit code 0. A worker that is gone does not hold the end up."""
         if self.mail is not None:
             for i in range(self.workers):
                 self.mail.send(inbox(i), {"kind": "stop"})
+            deadline = time.monotonic() + wait_s
+            for i in range(self.workers):
+                try:
+                    self.store.wait([answer_key(i, "stopped")],
+                                    datetime.timedelta(seconds=max(deadline - time.monotonic(), 0.01)))
+                except Exception:  # noqa: BLE001  (a worker that died: nothing to wait for)
+                    pass
             self.mail = None
 
     # ---- weights -------------------------------------------------------------------------------------------
