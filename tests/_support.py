@@ -151,6 +151,49 @@ def run_harness(tmp: str, name: str, runs: list, nproc: int, launcher: str, scri
         return {r["name"]: r for r in json.load(f)["runs"]}
 
 
+class SharedHarness:
+    """One launch of ppo_checks.py per group (its ranks and launcher) for every test module of the session that
+    declares `harness_runs(tiny, tmp) -> {group: runs}`: each launch starts its ranks and imports the stack once
+    for several files' runs (CI time). Only the modules with tests selected in this session take part. A module's
+    fixture asks for its results with `runs(__name__, group)`."""
+
+    GROUPS = {"two_rank": (2, "torchrun"), "one_rank": (1, "python")}
+
+    def __init__(self, session, tiny, tmp_path_factory):
+        self.session, self.tiny, self.tmp_path_factory = session, tiny, tmp_path_factory
+        self.specs: dict = {}  # module name -> {group: runs}
+        self.results: dict = {}  # group -> {module name: {run name: result}}
+
+    def _module_specs(self) -> dict:
+        modules = {}
+        for item in self.session.items:
+            module = getattr(item, "module", None)
+            if module is not None and hasattr(module, "harness_runs"):
+                modules[module.__name__] = module
+        for name, module in modules.items():
+            if name not in self.specs:
+                tmp = str(self.tmp_path_factory.mktemp(name.rsplit(".", 1)[-1]))
+                self.specs[name] = module.harness_runs(self.tiny, tmp)
+        return self.specs
+
+    def runs(self, module: str, group: str) -> dict:
+        if group not in self.results:
+            nproc, launcher = self.GROUPS[group]
+            spec, owner = [], {}
+            for name, groups in self._module_specs().items():
+                for run in groups.get(group, []):
+                    key = f"{name}/{run['name']}"
+                    spec.append({**run, "name": key})
+                    owner[key] = (name, run["name"])
+            tmp = str(self.tmp_path_factory.mktemp(f"shared_{group}"))
+            out: dict = {}
+            for key, result in run_harness(tmp, group, spec, nproc, launcher).items():
+                name, run_name = owner[key]
+                out.setdefault(name, {})[run_name] = {**result, "name": run_name}
+            self.results[group] = out
+        return self.results[group].get(module, {})
+
+
 VOLATILE = ("time/", "throughput/", "memory/")  # wall-clock and memory keys: the only metrics allowed to differ between identical runs
 DISCRETE = ("policy/clipfrac", "value/clipfrac")  # counts of tokens at a boundary: 1e-7 noise can flip one token
 SPLIT = ("batch/",)  # micro-batch counts and padding: what differs between splits by design

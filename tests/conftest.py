@@ -27,6 +27,14 @@ def tiny(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
+def ppo_harness(request, tiny, tmp_path_factory):
+    """The shared launches of ppo_checks.py (tests/_support.py: SharedHarness)."""
+    from _support import SharedHarness
+
+    return SharedHarness(request.session, tiny, tmp_path_factory)
+
+
+@pytest.fixture(scope="session")
 def tiny_llama(tmp_path_factory):
     return make_tiny_setup(str(tmp_path_factory.mktemp("tiny_llama")), arch="llama", pad_is_eos=False)
 

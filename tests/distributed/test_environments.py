@@ -3,12 +3,13 @@ ZeRO 0, 2 and 3 with the lean and hf backends, and one update on 1 rank vs 2 ran
 
 The environment (`tests/_envs.py:varying`) plays 1 to 3 turns by the prompt's length, so the ranks play different
 numbers of turns in one generation batch: under per-layer ZeRO-3 (`generation_gather_once off`) every turn's
-generation is collective, and a rank whose episodes are over must keep its peer company."""
+generation is collective, and a rank whose episodes are over must keep its peer company. The runs share their
+launches with test_ppo_trainer.py's (tests/_support.py, SharedHarness)."""
 import os
 
 import pytest
 
-from _support import compare_runs, ppo_args, run_harness
+from _support import compare_runs, ppo_args
 
 MAX_LOG_RATIO_LR0 = 1e-6
 INVARIANCE_ATOL = 1e-5
@@ -70,9 +71,7 @@ def budget_setup(tiny, tmp: str) -> tuple[dict, int]:
     return flags, budget - 2 * turn - 2 * ok
 
 
-@pytest.fixture(scope="module")
-def two_rank(tiny, tmp_path_factory):
-    tmp = str(tmp_path_factory.mktemp("env2"))
+def two_rank_runs(tiny, tmp):
     d = lambda name: os.path.join(tmp, name)  # noqa: E731
     budget, _ = budget_setup(tiny, tmp)
     runs = [
@@ -91,18 +90,33 @@ def two_rank(tiny, tmp_path_factory):
         {"name": "inv_2x2r", "args": ppo_args(tiny, d("inv_2x2r"), per_device_generation_batch_size=2,
                                                per_device_training_batch_size=2, **INV)},
     ]
-    return run_harness(tmp, "env_two_rank", runs, 2, "deepspeed")
+    return runs
 
 
-@pytest.fixture(scope="module")
-def one_rank(tiny, tmp_path_factory):
-    tmp = str(tmp_path_factory.mktemp("env1"))
+def one_rank_runs(tiny, tmp):
     runs = [{"name": "inv_4x1", "args": ppo_args(tiny, os.path.join(tmp, "inv_4x1"),
                                                   per_device_generation_batch_size=4,
                                                   per_device_training_batch_size=4, **INV)},
             {"name": "room_1r", "args": ppo_args(tiny, os.path.join(tmp, "room_1r"), per_device_generation_batch_size=4,
                                                   per_device_training_batch_size=4, **room_flags(tiny))}]
-    return run_harness(tmp, "env_one_rank", runs, 1, "python")
+    return runs
+
+
+def harness_runs(tiny, tmp):
+    """This module's runs of the shared ppo_checks.py launches (tests/_support.py: SharedHarness)."""
+    os.makedirs(os.path.join(tmp, "2r"))
+    return {"two_rank": two_rank_runs(tiny, os.path.join(tmp, "2r")),
+            "one_rank": one_rank_runs(tiny, os.path.join(tmp, "1r"))}
+
+
+@pytest.fixture(scope="module")
+def two_rank(ppo_harness):
+    return ppo_harness.runs(__name__, "two_rank")
+
+
+@pytest.fixture(scope="module")
+def one_rank(ppo_harness):
+    return ppo_harness.runs(__name__, "one_rank")
 
 
 @pytest.mark.distributed

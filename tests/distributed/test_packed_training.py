@@ -10,12 +10,13 @@ ZeRO-3 (actor and critic at 3, so reference and reward too): packed equals padde
 accumulated per optimizer step; the packed causal-LM forward must run inside DeepSpeed's forward, where ZeRO-3 counts
 micro-batches (calling the model's parts directly, the second micro-batch's gradient replaced the first's: actor
 parameters 8e-4 apart after an update of 4e-4, ratios 0.06 apart). The lr-0 run is at ZeRO-3 too, with a token budget
-(empty micro-batches under ZeRO-3's collectives)."""
+(empty micro-batches under ZeRO-3's collectives). The runs share their launches with test_ppo_trainer.py's
+(tests/_support.py, SharedHarness)."""
 import os
 
 import pytest
 
-from _support import compare_runs, ppo_args, run_harness
+from _support import compare_runs, ppo_args
 
 ATOL = 1e-5
 MAX_LOG_RATIO_LR0 = 1e-6
@@ -24,11 +25,10 @@ RUN = dict(do_sample="false", max_steps=2, ppo_epochs=2, seed=3, actor_learning_
 ZERO3 = dict(actor_zero_stage=3, critic_zero_stage=3)  # reference and reward follow at 3
 
 
-@pytest.fixture(scope="module")
-def runs(tiny, tmp_path_factory):
-    tmp = str(tmp_path_factory.mktemp("pack"))
+def harness_runs(tiny, tmp):
+    """This module's runs of the shared ppo_checks.py launches (tests/_support.py: SharedHarness)."""
     d = lambda name: os.path.join(tmp, name)  # noqa: E731
-    two = run_harness(tmp, "pack2", [
+    two = [
         {"name": "tokens_2r", "args": ppo_args(tiny, d("tokens_2r"), per_device_generation_batch_size=4,
                                                 per_device_training_batch_size=2, gradient_accumulation_steps=2,
                                                 max_tokens_per_micro_batch=BUDGET, packing="on", **RUN)},
@@ -43,16 +43,21 @@ def runs(tiny, tmp_path_factory):
                                                         gradient_accumulation_steps=2, packing=packing,
                                                         **{**RUN, "max_steps": 1}, **ZERO3)}
           for packing in ("on", "off")],
-    ], 2, "deepspeed")
-    one = run_harness(tmp, "pack1", [
+    ]
+    one = [
         {"name": "tokens_1r", "args": ppo_args(tiny, d("tokens_1r"), per_device_generation_batch_size=8,
                                                 per_device_training_batch_size=4, gradient_accumulation_steps=2,
                                                 max_tokens_per_micro_batch=BUDGET, packing="on", **RUN)},
         {"name": "rows_padded_1r", "args": ppo_args(tiny, d("rows_padded_1r"), per_device_generation_batch_size=8,
                                                      per_device_training_batch_size=4, gradient_accumulation_steps=2,
                                                      packing="off", **RUN)},
-    ], 1, "python")
-    return {**two, **one}
+    ]
+    return {"two_rank": two, "one_rank": one}
+
+
+@pytest.fixture(scope="module")
+def runs(ppo_harness):
+    return {**ppo_harness.runs(__name__, "two_rank"), **ppo_harness.runs(__name__, "one_rank")}
 
 
 @pytest.mark.distributed

@@ -1,9 +1,10 @@
 """The PPO trainer end to end on real DeepSpeed engines (CPU, gloo), tiny GPT-2 models, 1 and 2 ranks.
 
-Two harness launches (tests/distributed/scripts/ppo_checks.py) run every trainer configuration these tests need, each
+Two harness launches (tests/distributed/scripts/ppo_checks.py, shared with test_environments.py and
+test_packed_training.py: tests/_support.py, SharedHarness) run every trainer configuration these tests need, each
 built with `build_trainer` exactly as launch/train_ppo.py builds it, and write what happened to a JSON file:
 
-* 2 ranks (deepspeed launcher): lr = 0; lr = 0 with a re-padded training forward, with and without position ids
+* 2 ranks (torchrun): lr = 0; lr = 0 with a re-padded training forward, with and without position ids
   (negative control); lr > 0 (positive control); the batch-invariance runs and the per-rank-token-mean negative
   control;
 * 1 rank (plain python): the batch-invariance references and the toy learning task.
@@ -19,7 +20,7 @@ import os
 
 import pytest
 
-from _support import VOLATILE, ROOT, check, compare_runs as _compare, launch, ppo_args, run_harness
+from _support import VOLATILE, ROOT, check, compare_runs as _compare, launch, ppo_args
 
 # A pseudo-random ~2/7 of the vocabulary ends a response (besides EOS). The tiny random model almost never samples
 # EOS itself, and its greedy output repeats the last prompt token, so this is what makes response lengths uneven
@@ -69,9 +70,7 @@ def one_update_runs(d, tiny, world: int) -> list:
     return runs
 
 
-@pytest.fixture(scope="module")
-def two_rank(tiny, tmp_path_factory):
-    tmp = str(tmp_path_factory.mktemp("ppo2"))
+def two_rank_runs(tiny, tmp):
     d = lambda name: os.path.join(tmp, name)  # noqa: E731
     runs = [
         {"name": "lr0", "args": args_for(tiny, d("lr0"), **LR0)},
@@ -107,7 +106,7 @@ def two_rank(tiny, tmp_path_factory):
         *[{"name": f"lr0_{loss}", "args": args_for(tiny, d(f"lr0_{loss}"), policy_loss=loss, **LR0)} for loss in LOSSES],
         *one_update_runs(d, tiny, 2),
     ]
-    return run_harness(tmp, "two_rank", runs, 2, "deepspeed")
+    return runs
 
 
 # Toy task: the score is the share of response tokens with ids in [3, 131) (a quarter of the vocabulary, about 0.25
@@ -115,12 +114,11 @@ def two_rank(tiny, tmp_path_factory):
 LEARN = dict(per_device_generation_batch_size=8, per_device_training_batch_size=8, ppo_epochs=4, max_steps=30,
              kl_coef=0.0, actor_learning_rate=3e-3, critic_learning_rate=1e-3, stop_token_ids=[])
 LEARN_REWARD = {"reward_fn": "fraction:3:131"}
+LEARN_LR0_STEPS = 10  # the control: an actor that does not change scores alike in its first 5 and last 5 iterations
 LEARN_MARGIN = 0.2  # mean score of the last 5 iterations minus the first 5 (learners sample from the full softmax)
 
 
-@pytest.fixture(scope="module")
-def one_rank(tiny, tmp_path_factory):
-    tmp = str(tmp_path_factory.mktemp("ppo1"))
+def one_rank_runs(tiny, tmp):
     d = lambda name: os.path.join(tmp, name)  # noqa: E731
     runs = [
         {"name": "inv_4x1", "args": args_for(tiny, d("inv_4x1"), per_device_generation_batch_size=4,
@@ -135,10 +133,27 @@ def one_rank(tiny, tmp_path_factory):
         runs.append({"name": f"learn_seed{seed}", "args": args_for(tiny, d(f"learn{seed}"), seed=seed, **LEARN),
                      "hooks": LEARN_REWARD})
     runs.append({"name": "learn_lr0", "args": args_for(tiny, d("learn_lr0"), seed=1,
-                                                       **{**LEARN, "actor_learning_rate": 0.0}),
+                                                       **{**LEARN, "actor_learning_rate": 0.0,
+                                                          "max_steps": LEARN_LR0_STEPS}),
                  "hooks": LEARN_REWARD})
     runs += one_update_runs(d, tiny, 1)
-    return run_harness(tmp, "one_rank", runs, 1, "python")
+    return runs
+
+
+def harness_runs(tiny, tmp):
+    """This module's runs of the shared ppo_checks.py launches (tests/_support.py: SharedHarness)."""
+    return {"two_rank": two_rank_runs(tiny, os.path.join(tmp, "2r")),
+            "one_rank": one_rank_runs(tiny, os.path.join(tmp, "1r"))}
+
+
+@pytest.fixture(scope="module")
+def two_rank(ppo_harness):
+    return ppo_harness.runs(__name__, "two_rank")
+
+
+@pytest.fixture(scope="module")
+def one_rank(ppo_harness):
+    return ppo_harness.runs(__name__, "one_rank")
 
 
 def _ratio_trace_by_iteration(run, per_iteration):
@@ -295,15 +310,15 @@ def test_negative_control_per_rank_token_mean_differs(two_rank, one_rank):
 
 # ---- a toy task learns --------------------------------------------------------------------------------------------
 def test_toy_reward_is_learned_for_two_seeds_and_not_at_lr0(one_rank):
-    def gain(run):
+    def gain(run, n=30):
         s = [rec["objective/score"] for rec in run["records"]]
-        assert len(s) == 30
+        assert len(s) == n
         return sum(s[-5:]) / 5 - sum(s[:5]) / 5
 
     for seed in (1, 2):
         g = gain(one_rank[f"learn_seed{seed}"])
         assert g > LEARN_MARGIN, f"seed {seed}: mean score gained only {g:.3f} (need > {LEARN_MARGIN})"
-    g0 = gain(one_rank["learn_lr0"])
+    g0 = gain(one_rank["learn_lr0"], LEARN_LR0_STEPS)
     assert g0 < LEARN_MARGIN, f"actor lr 0 gained {g0:.3f}: the score moves without learning"
     assert one_rank["learn_lr0"]["max_param_change"]["actor"] == 0.0
 
