@@ -43,6 +43,8 @@ class EnginePlan:
     num_training_steps: int = 0
     packing: str = "off"  # --packing resolved against the models' sliding windows (`check_packing`): auto may be off
     longest_sequence: int = 0  # max_prompt_seq_len + the response budget: the length the packing probe runs at
+    # --rollout_workers: the workers as the plan joined and probed them (generation/remote.py: join_workers)
+    rollout_link: Any = field(default=None, repr=False)
 
 
 def resolve_dtype(dtype: str, cuda: bool | None = None) -> str:

@@ -84,7 +84,8 @@ class RLHFEngine:
                                 max_len=plan.longest_sequence)
         # with rollout workers the backend runs in them; here a remote one hands them the batches
         self.generator = self.hooks.wrap_generator(
-            RemoteBackend(ctx, plan.generation_backend, self.tokenizer) if cfg.rollout.on else backend(ctx))
+            RemoteBackend(ctx, plan.generation_backend, self.tokenizer, plan.rollout_link) if cfg.rollout.on
+            else backend(ctx))
         # packing: forwards on packed rows where every model computes them right (engine/packed_forward.py)
         self.packing = self._resolve_packing(plan.packing)  # preflight turned auto off for a too-short sliding window
         # with trimmed or packed rows the experience forwards run on the training micro-batches' rows exactly, so

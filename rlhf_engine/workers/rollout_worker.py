@@ -19,6 +19,7 @@ import datetime
 import hashlib
 import logging
 import os
+import pickle
 import tempfile
 import time
 from dataclasses import dataclass
@@ -108,6 +109,19 @@ def take_broadcast(group: comm.PeerGroup, model: torch.nn.Module, generator: Any
     return received.hash.hexdigest() if received.hash is not None else None
 
 
+def backend_refusal(probe: dict, backend: str) -> str:
+    """Why this worker cannot generate as the trainer asks ('' : it can): it was started with another
+    `--generation_backend`, or the backend cannot run here for the trainer's model (`probe`: its 'backend' and
+    'config')."""
+    if backend and backend != probe["backend"]:  # the trainer planned its correction and checks for its own
+        return (f"this worker was started with --generation_backend {backend} and the trainer generates with "
+                f"{probe['backend']}: start the worker without the flag, or the trainer with --generation_backend "
+                f"{backend}")
+    cls = BACKENDS[probe["backend"]]
+    reasons = cls.unavailable(model_config(probe))
+    return f"the {cls.name} generation backend cannot run here: " + "; ".join(reasons) if reasons else ""
+
+
 def find_trainer(host: str, port: int, timeout_s: float) -> Any:
     """The trainer's store, looked for every few seconds until `timeout_s` (a worker may start before its trainer;
     one long connection attempt would back off for minutes after the trainer came up)."""
@@ -129,14 +143,10 @@ class Worker:
 
     def __init__(self, setup: dict, backend: str, device: torch.device, workdir: str):
         self.setup = setup
-        if backend and backend != setup["backend"]:  # the trainer planned its correction and checks for its own
-            raise RuntimeError(f"this worker was started with --generation_backend {backend} and the trainer "
-                               f"generates with {setup['backend']}: start the worker without the flag, or the trainer "
-                               f"with --generation_backend {backend}")
+        reason = backend_refusal(setup, backend)
+        if reason:  # told to the trainer, before any engine or weight is built here (the probe asked it already)
+            raise RuntimeError(reason)
         cls = BACKENDS[setup["backend"]]
-        reasons = cls.unavailable(model_config(setup))
-        if reasons:  # told to the trainer, before any engine or weight is built here
-            raise RuntimeError(f"the {cls.name} generation backend cannot run here: " + "; ".join(reasons))
         # an engine of its own holds the only copy of the weights: the plain model only names and shapes them
         self.model = build_policy(setup, torch.device("meta") if cls.has_engine else device)
         self.names = [n for _, g in weight_groups(self.model) for n, _ in g]
@@ -250,16 +260,18 @@ def serve(address: str, backend: str = "", timeout_s: float = 300.0, idle_timeou
     dev = torch.device(device)
     if dev.type == "cuda" and dev.index is None:  # a GPU by index: NCCL and set_device need one
         dev = torch.device("cuda", torch.cuda.current_device())
-    group_kind = store.get("group_backend").decode()  # the weight group's (gloo / nccl), the trainer's choice
-    reason = nccl_refusal(group_kind, dev, store.get("trainer_gpu").decode())
-    if reason:  # said in the store: the trainer's join error quotes it
-        reason = f"rollout worker {index}: {reason}"
-        store.set(f"refused/{index}", reason)
-        log.error(reason)
-        return 2
-    group = comm.PeerGroup(store, index + 1, size + 1, datetime.timedelta(seconds=timeout_s), backend=group_kind,
-                           device=dev)
     mail = Mailbox(store, timeout_s, address)
+    # the trainer's probe, answered before it builds its engines: a worker that cannot serve stops it at once
+    probe = pickle.loads(store.get("probe"))  # read, not taken: every worker reads it
+    reason = backend_refusal(probe, backend) or nccl_refusal(probe["group_backend"], dev, probe["trainer_gpu"])
+    mail.put(answer_key(index, "probe"), {"error": reason} if reason else {})
+    if reason:
+        log.error("rollout worker %d: %s", index, reason)
+        return 2
+    # the trainer builds its engines meanwhile (minutes for a large model): waited for without the answer timeout
+    store.wait(["connect"], datetime.timedelta(seconds=idle_timeout_s))
+    group = comm.PeerGroup(store, index + 1, size + 1, datetime.timedelta(seconds=timeout_s),
+                           backend=probe["group_backend"], device=dev)
     log.info("rollout worker %d of %d: joined the trainer at %s", index, size, address)
     with tempfile.TemporaryDirectory(prefix="rollout_worker_") as workdir:
         try:

@@ -1,10 +1,14 @@
 """Rollouts from worker processes of their own (`--rollout_workers N`, docs/async-rollouts.md): the trainer side and
 the protocol both sides speak. The worker's loop is rlhf_engine/workers/rollout_worker.py.
 
-* Rendezvous: the trainer's rank 0 serves a TCP store at `--rollout_address HOST:PORT` and writes the worker count;
-  each worker joins, takes an index from a counter, and the N + 1 processes build a gloo `comm.PeerGroup` on that
-  store (rank 0 = the trainer's rank 0, rank 1 + i = worker i): never the trainer's DeepSpeed group, never a worker's
-  default group.
+* Rendezvous, in two steps. While the trainer plans its run (before any engine is built: `join_workers`), its rank 0
+  serves a TCP store at `--rollout_address HOST:PORT` and writes the probe (the generation backend, the actor's model
+  config, the weight group's backend and the trainer's GPU) and the worker count; each worker joins, takes an index
+  from a counter and answers whether it can serve (its own vLLM, its head sizes, its device for NCCL): a worker that
+  cannot stops the trainer there, with its reason, before minutes of engine building. Once the engines are built
+  (`RemoteBackend`) the trainer says `connect` and the N + 1 processes build a `comm.PeerGroup` on that store (rank 0
+  = the trainer's rank 0, rank 1 + i = worker i): never the trainer's DeepSpeed group, never a worker's default
+  group.
 * Messages: pickled objects under `w<i>/in/<seq>` (to worker i, read in order) and one key per answer
   (`answer_key`: a batch's by its ticket), each taken once and deleted; every wait has `rollout_timeout_s` and names
   the worker it waited for.
@@ -31,6 +35,7 @@ import logging
 import os
 import pickle
 import time
+from dataclasses import dataclass
 from typing import Any, Optional
 
 import torch
@@ -107,10 +112,57 @@ def flatten(values: list, device: torch.device) -> torch.Tensor:
     return torch.cat([v.detach().reshape(-1).to(device) for v in values])
 
 
-def refusals(store: Any, workers: int) -> list:
-    """What the workers that refused to join said (a worker that cannot join the weight group says why in the
-    store before it exits)."""
-    return [store.get(f"refused/{i}").decode() for i in range(workers) if store.check([f"refused/{i}"])]
+@dataclass
+class WorkerLink:
+    """The rollout workers as the plan joined them. On rank 0: the store it serves at the address, the mailbox on it
+    and the weight group's backend the workers agreed to; the other ranks hold an empty link."""
+
+    store: Any = None
+    mail: Optional[Mailbox] = None
+    group_backend: str = ""
+
+
+def who(i: int, workers: int, address: str) -> str:
+    return f"rollout worker {i} (of {workers}, at {address})"
+
+
+def join_workers(cfg: Any, dist: Any, backend: str, model_config: Any) -> Optional[WorkerLink]:
+    """Serve the store at `--rollout_address`, wait for the `--rollout_workers` to join and ask each whether it can
+    generate with `backend` for a model of `model_config` (a transformers config; read on rank 0 only) on its device.
+    Collective on the trainer's ranks: every rank raises the same `ConfigError` when a worker cannot, or did not come
+    within `--rollout_timeout_s`. The link `RemoteBackend` connects over (rank 0's holds the store)."""
+    from ...config.rollout import group_backend, parse_address
+    from ...errors import ConfigError, Problem
+
+    r = cfg.rollout
+    problem, link = None, WorkerLink()
+    if dist.is_main:
+        workers, address, timeout_s = int(r.rollout_workers), r.rollout_address, float(r.rollout_timeout_s)
+        host, port = parse_address(address)
+        kind = group_backend(r.rollout_group_backend, dist.device.type, torch.distributed.is_nccl_available())
+        store = comm.open_store(host, port, True, datetime.timedelta(seconds=timeout_s))
+        mail = Mailbox(store, timeout_s, address)
+        mail.put("probe", {"backend": backend, "config": model_config.to_dict(), "group_backend": kind,
+                           "trainer_gpu": comm.gpu_identity(dist.device)})
+        store.set("size", str(workers))  # last: a worker that reads the size finds the probe written
+        keys = [answer_key(i, "probe") for i in range(workers)]
+        try:
+            store.wait(keys, datetime.timedelta(seconds=timeout_s))
+            said = [mail.take(k, who(i, workers, address)) for i, k in enumerate(keys)]
+            refused = [f"{who(i, workers, address)}: {a['error']}" for i, a in enumerate(said) if a.get("error")]
+            if refused:
+                problem = Problem("rollout_workers", workers, "; ".join(refused))
+            else:
+                link = WorkerLink(store, mail, kind)
+        except Exception as e:  # noqa: BLE001  (the store's timeout)
+            joined = int(store.add("joined", 0))
+            problem = Problem("rollout_workers", workers, f"{joined} of {workers} joined at {address} within "
+                              f"{timeout_s:.0f} s (--rollout_timeout_s); start each with "
+                              f"`{WORKER_COMMAND.format(address=address)}` ({type(e).__name__})")
+    problem = comm.broadcast_object(problem)
+    if problem is not None:
+        raise ConfigError([problem], "cannot start: rollout workers")
+    return link
 
 
 class RemoteBackend(GenerationBackend):
@@ -118,7 +170,8 @@ class RemoteBackend(GenerationBackend):
 
     name = "remote"
 
-    def __init__(self, ctx, worker_backend: str, tokenizer: Any = None):
+    def __init__(self, ctx, worker_backend: str, tokenizer: Any = None, link: Optional[WorkerLink] = None):
+        """`link`: the workers as the plan joined them (`join_workers`); None: joined here (collective)."""
         super().__init__(ctx)
         self.tokenizer = tokenizer  # sent to the workers at setup when they play episodes (an environment)
         r = ctx.cfg.rollout
@@ -139,31 +192,24 @@ class RemoteBackend(GenerationBackend):
         self.wait_group = comm.new_cpu_group(datetime.timedelta(
             seconds=self.timeout_s * (2 + self.dist.world_size) + 60))
         comm.at_shutdown(self.close)
-        lost = self._rank0(lambda: self._connect(ctx)) if self.dist.is_main else None
+        if link is None:
+            hf = getattr(self.actor.module, "get_base_model", lambda: self.actor.module)()
+            link = join_workers(ctx.cfg, self.dist, worker_backend, hf.config)
+        lost = self._rank0(lambda: self._connect(ctx, link)) if self.dist.is_main else None
         self._raise_if_lost(lost)  # every rank goes on once the workers are set up, or stops with rank 0's reason
 
     # ---- rank 0: the workers -------------------------------------------------------------------------------
-    def _connect(self, ctx) -> None:
-        from ...config.rollout import group_backend, parse_address
-
-        host, port = parse_address(self.address)
+    def _connect(self, ctx, link: WorkerLink) -> None:
         timeout = datetime.timedelta(seconds=self.timeout_s)
-        backend = group_backend(ctx.cfg.rollout.rollout_group_backend, self.device.type,
-                                torch.distributed.is_nccl_available())
-        store = comm.open_store(host, port, True, timeout)
-        store.set("group_backend", backend)  # before "size": a worker that reads the size finds the backend set
-        store.set("trainer_gpu", comm.gpu_identity(self.device))
-        store.set("size", str(self.workers))
-        self.store, self.mail = store, Mailbox(store, self.timeout_s, self.address)
+        store, backend = link.store, link.group_backend
+        self.store, self.mail = store, link.mail
         t0 = time.perf_counter()
+        store.set("connect", "1")  # the workers wait for it since the probe (the engines were being built)
         try:
             self.group = comm.PeerGroup(store, 0, self.workers + 1, timeout, backend=backend, device=self.device)
-        except Exception as e:  # noqa: BLE001
-            joined = int(store.add("joined", 0))
-            said = "; ".join(refusals(store, self.workers))
-            raise RuntimeError(f"rollout workers: {joined} of {self.workers} joined at {self.address} within "
-                               f"{self.timeout_s:.0f} s; start each with `{WORKER_COMMAND.format(address=self.address)}` "
-                               f"({said or type(e).__name__})") from e
+        except Exception as e:  # noqa: BLE001  (a worker that left since the probe)
+            raise RuntimeError(f"rollout workers at {self.address}: the weight group did not form within "
+                               f"{self.timeout_s:.0f} s ({type(e).__name__}: {str(e).splitlines()[0][:300]})") from e
         names = plain_names(self.actor.module)
         hf = getattr(self.actor.module, "get_base_model", lambda: self.actor.module)()
         setup = {"kind": "setup", "config": hf.config.to_dict(), "dtype": ctx.dtype, "backend": self.worker_backend,
@@ -185,7 +231,7 @@ class RemoteBackend(GenerationBackend):
                  self.address, time.perf_counter() - t0, self.worker_backend, backend)
 
     def _who(self, i: int) -> str:
-        return f"rollout worker {i} (of {self.workers}, at {self.address})"
+        return who(i, self.workers, self.address)
 
     def close(self, wait_s: float = 5.0) -> None:
         """Tell every worker the run is over, and wait up to `wait_s` in all for each to say it read that (rank 0;

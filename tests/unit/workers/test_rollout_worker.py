@@ -1,10 +1,12 @@
 """A rollout worker's parts in one process: the broadcast received block by block into the backend (every weight
 bitwise, its sha256 the trainer's), a consumer that stops early caught without leaving the trainer's broadcast
-hanging, and a backend that cannot run here refused at setup with the reason, before anything is built."""
+hanging, a backend that cannot run here refused at setup with the reason, before anything is built, and the probe
+that ends the trainer's plan (a worker that cannot serve, or never comes, stops the plan before any engine)."""
 from __future__ import annotations
 
 import datetime
 import os
+import sys
 import threading
 
 import pytest
@@ -172,22 +174,57 @@ def test_the_weight_group_backend_follows_the_trainer_s_device_unless_chosen():
         comm.PeerGroup(None, 0, 2, datetime.timedelta(seconds=5), backend="nccl", device=torch.device("cpu"))
 
 
-def test_a_cpu_worker_refuses_an_nccl_trainer_and_the_trainer_can_say_why():
-    """The worker reads the trainer's weight-group backend from the store before joining the group: on a CPU it
-    cannot join an nccl group, so it says why in the store (where the trainer's join error reads it) and exits 2."""
-    from rlhf_engine.engine.generation.remote import refusals
+def _probe(tmp_path, tiny, worker_backend="", **flags):
+    """The trainer's plan with one rollout worker (`serve`, in a thread, on the CPU) started with `worker_backend`:
+    the ConfigError the plan raises, and the worker's exit code."""
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "trainer"))
+    from _trainer_args import train_args
+    from rlhf_engine.cli import parse_args
+    from rlhf_engine.errors import ConfigError
+    from rlhf_engine.trainer.plan import plan_ppo
     from rlhf_engine.workers.rollout_worker import serve
 
     address = free_address()
-    host, port = parse_address(address)
-    store = comm.open_store(host, port, True, datetime.timedelta(seconds=30))
-    store.set("group_backend", "nccl")
-    store.set("trainer_gpu", "")
-    store.set("size", "1")
-    assert serve(address, timeout_s=10, device="cpu") == 2
-    said = refusals(store, 1)
-    assert len(said) == 1 and "weight group is nccl and this worker runs on cpu" in said[0]
-    assert "--rollout_group_backend gloo" in said[0]
+    codes = []
+    worker = threading.Thread(target=lambda: codes.append(serve(address, worker_backend, timeout_s=30, device="cpu")))
+    worker.start()
+    cfg = parse_args(train_args(tiny, str(tmp_path / "run"), rollout_workers=1, rollout_address=address,
+                                rollout_timeout_s=30, **flags))
+    with pytest.raises(ConfigError) as err:
+        plan_ppo(cfg)  # the plan: nothing of the engines is built yet
+    worker.join(timeout=30)
+    return str(err.value), codes
+
+
+def test_a_cpu_worker_refuses_an_nccl_trainer_at_the_probe_before_any_engine(tiny, dist_single, tmp_path):
+    """The worker reads the trainer's probe (its weight-group backend among it) right after joining: on a CPU it
+    cannot join an nccl group, says why and exits 2; the trainer's plan stops with that reason."""
+    said, codes = _probe(tmp_path, tiny, rollout_group_backend="nccl")
+    assert codes == [2]
+    assert "rollout_workers" in said and "rollout worker 0 (of 1, at" in said
+    assert "weight group is nccl and this worker runs on cpu" in said and "--rollout_group_backend gloo" in said
+
+
+def test_a_worker_for_another_backend_is_refused_at_the_probe(tiny, dist_single, tmp_path):
+    said, codes = _probe(tmp_path, tiny, worker_backend="vllm")
+    assert codes == [2]
+    assert "started with --generation_backend vllm and the trainer generates with lean" in said
+
+
+def test_a_worker_that_never_comes_is_named_with_the_command_that_starts_one(tiny, dist_single, tmp_path):
+    from rlhf_engine.cli import parse_args
+    from rlhf_engine.errors import ConfigError
+    from rlhf_engine.trainer.plan import plan_ppo
+
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "trainer"))
+    from _trainer_args import train_args
+
+    address = free_address()
+    cfg = parse_args(train_args(tiny, str(tmp_path / "run"), rollout_workers=2, rollout_address=address,
+                                rollout_timeout_s=1))
+    with pytest.raises(ConfigError, match=r"0 of 2 joined at .* within 1 s .*python launch/rollout_worker.py "
+                                          r"--rollout_address " + address):
+        plan_ppo(cfg)
 
 
 def test_nccl_refusals_name_the_cause():
