@@ -2,6 +2,12 @@
 
     python bench/async_rollouts.py measure --out bench/results/cpu/async_rollouts.json [--iterations 5]
     python bench/async_rollouts.py model --generate 40 --train 30 --sync 2 [--rollout_devices 1 --trainer_devices 1]
+    python bench/async_rollouts.py gpu --dir bench/results/gpu-async --out bench/results/gpu-async/model.json
+
+gpu: after `bash bench/gpu.sh --suite async` (the prepared GPU check: colocated, a worker at max_staleness 0 and at
+1, each its own launch of bench/ppo_iteration.py): the model's prediction from the colocated run's phase times and
+the K = 0 run's weight broadcast, beside the measured iteration-time ratios, and whether the worker had a device of
+its own (one GPU: it shares the trainer's, so the measured K = 1 gain is bounded by the one device's contention).
 
 measure: the GRPO example (examples/grpo_arithmetic.yaml: SmolLM2-135M-Instruct, 8 prompts x 4 samples x 32 tokens)
 run three ways in turn, each its own launch: colocated (1 trainer rank generates and trains), a rollout worker with
@@ -101,6 +107,50 @@ def measure(args) -> int:
     return 0
 
 
+def from_gpu(args) -> int:
+    """The model against `bash bench/gpu.sh --suite async`'s three launches (module docstring)."""
+    runs = {}
+    for name in ("colocated", "async_k0", "async_k1"):
+        res = bl.read_json(os.path.join(args.dir, f"{name}.json")) or {}
+        variant = next(iter(res.get("variants", [])), {})
+        summ, its = variant.get("summary") or {}, [e for e in variant.get("iterations", []) if not e["warmup"]]
+        if not summ:
+            print(f"async_rollouts gpu: {name} has no measured iterations ({variant.get('error') or 'missing'})",
+                  file=sys.stderr)
+            return 1
+
+        def metric(key, its=its):
+            xs = [e["metrics"][key] for e in its if e["metrics"].get(key) is not None]
+            return statistics.median(xs) if xs else None
+
+        runs[name] = {"iteration_s_median": summ["iteration_s_median"], "phase_s_mean": summ["phase_s_mean"],
+                      "worker_devices": variant.get("worker_devices"),
+                      **{k: metric(k) for k in ("time/weight_sync", "time/trainer_wait", "time/worker_idle",
+                                                "async/staleness_max")}}
+    c = runs["colocated"]
+    g = c["phase_s_mean"]["generation"]
+    t = c["iteration_s_median"] - g  # everything else of the iteration: experience, training, the rest
+    s = runs["async_k0"]["time/weight_sync"] or 0.0
+    shared = all(d == "cuda:0" for d in runs["async_k1"]["worker_devices"] or ["cuda:0"])
+    it = {k: v["iteration_s_median"] for k, v in runs.items()}
+    result = {"command": bl.script_command(), "runs": runs, "worker_shares_the_trainer_s_device": shared,
+              "measured": {"k0_over_colocated": it["async_k0"] / it["colocated"],
+                           "k1_over_colocated": it["async_k1"] / it["colocated"],
+                           "k1_over_k0": it["async_k1"] / it["async_k0"]},
+              "model_inputs": {"generate_s": g, "train_s": t, "sync_s": s},
+              # the measured placement, predicted: the colocated run on the trainer's device alone against the
+              # trainer's device plus a rollout device of its own (not what one shared GPU gives)
+              "predicted": {"k0_over_colocated": (g + s + t) / (g + t), "k1_over_colocated": max(g, t + s) / (g + t)},
+              # equal device counts: colocated on both devices against one each side, and two each side
+              "model_1_plus_1": predict(g, t, s),
+              "model_2_plus_2": predict(g, t, s, rollout=2, trainer=2),
+              "published": PUBLISHED}
+    bl.write_json(args.out, result)
+    print(json.dumps({k: result[k] for k in ("measured", "predicted", "worker_shares_the_trainer_s_device",
+                                             "model_inputs", "model_1_plus_1")}, indent=1))
+    return 0
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = p.add_subparsers(dest="cmd", required=True)
@@ -108,6 +158,9 @@ def main(argv=None) -> int:
     m.add_argument("--out", required=True)
     m.add_argument("--iterations", type=int, default=5)
     m.add_argument("--work", default=os.path.join(os.environ.get("TMPDIR", "/tmp"), "rlhf_bench_async"))
+    gq = sub.add_parser("gpu")
+    gq.add_argument("--dir", required=True)
+    gq.add_argument("--out", required=True)
     q = sub.add_parser("model")
     for name in ("generate", "train", "sync"):
         q.add_argument(f"--{name}", type=float, required=True)
@@ -116,6 +169,8 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     if args.cmd == "measure":
         return measure(args)
+    if args.cmd == "gpu":
+        return from_gpu(args)
     print(json.dumps(predict(args.generate, args.train, args.sync, args.measured_rollout_devices,
                              args.measured_trainer_devices, args.rollout_devices, args.trainer_devices), indent=1))
     return 0

@@ -298,7 +298,11 @@ def async_rollouts(r, res):
             f"(measured {fmt(runs['workers_k0']['median']['time/iteration'])}), one version ahead max(G, T + S) = "
             f"{fmt(model['separate_ahead_s'])} s (measured {fmt(runs['workers_k1']['median']['time/iteration'])}). "
             "Published points beside it (other hardware and models): "
-            + "; ".join(f"{p['who']} ({p['setup']}): x{p['speedup']}" for p in r["published"]) + ".", ""]
+            + "; ".join(f"{p['who']} ({p['setup']}): x{p['speedup']}" for p in r["published"]) + ".", "",
+            "On a GPU: `bash bench/gpu.sh --suite async` (the prepared check, OPT-1.3B / OPT-350M at ZeRO-2, each "
+            "placement its own launch; `bench/async_rollouts.py gpu` sets the model beside what it measured). "
+            + ("Measured: see `bench/results/gpu-async/model.json`." if bl.read_json(os.path.join(
+                BENCH, "results", "gpu-async", "model.json")) else "Not run yet: no GPU was lent."), ""]
     return out
 
 
@@ -523,6 +527,7 @@ def reproduce(r, res):
             "bash bench/fetch_wheels.sh              # here: deepspeed + its pure-Python deps into bench/wheels/",
             "# carry the repository, bench/wheels/ included, to the GPU machine, then there:",
             "bash bench/gpu.sh                       # within --budget seconds; writes bench/results/gpu/gpu.json",
+            "bash bench/gpu.sh --suite async         # rollout workers: bench/results/gpu-async/gpu.json, model.json",
             "# bring bench/results/gpu/gpu.json back and run: python bench/make_readme.py",
             "```", "", "Single runs: `python bench/ppo_iteration.py --help`, `python bench/scaling.py --help`.", ""]
 

@@ -48,6 +48,28 @@ def test_the_ppo_iteration_benchmark_runs_on_the_tiny_shape_and_its_counts_add_u
         assert m["peak_mem_mib_per_rank"][0] > 0
 
 
+def test_a_ppo_iteration_variant_with_a_rollout_worker_one_version_ahead(tmp_path):
+    """The variant `bash bench/gpu.sh --suite async` measures last, on cpu-tiny: rank 0 starts its worker (on the
+    CPU here), which generates each next iteration during training: staleness 0 then 1, the waits recorded; a variant
+    with workers refuses to share its launch with another."""
+    out = tmp_path / "r.json"
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(k, None)
+    cmd = [sys.executable, os.path.join(ROOT, "bench", "ppo_iteration.py"), "--preset", "cpu-tiny", "--iterations",
+           "2", "--warmup", "1", "--variant", "k1:zero=2,workers=1,staleness=1,group=gloo", "--work-dir",
+           str(tmp_path / "work"), "--out", str(out)]
+    p = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=240)
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    v = json.loads(out.read_text())["variants"][0]
+    assert v["worker_devices"] == ["cpu"] and "rollout.max_staleness=1" in v["settings"]
+    assert [e["metrics"]["async/staleness_max"] for e in v["iterations"]] == [0, 1, 1]
+    assert all(e["metrics"]["time/trainer_wait"] >= 0 and e["samples"] == 8 for e in v["iterations"])
+    both = subprocess.run(cmd + ["--variant", "z0:zero=0"], cwd=ROOT, env=env, capture_output=True, text=True,
+                          timeout=120)
+    assert both.returncode != 0 and "runs alone in its launch" in both.stderr
+
+
 @pytest.mark.slow  # a release check of bench/gpu.sh (70 s on 2 cores)
 def test_gpu_script_tiny_mode_writes_the_benchmark_json(tmp_path):
     out, work = tmp_path / "results" / "cpu" / "gpu-tiny", tmp_path / "work"
