@@ -92,7 +92,7 @@ def measure(args) -> int:
             return proc.returncode
         with open(os.path.join(out, "metrics.jsonl")) as f:
             records = [json.loads(line) for line in f if line.strip()]
-        keys = ("time/iteration", "time/generate", "time/experience", "time/train", "time/weight_sync",
+        keys = ("time/iteration", "time/generate", "time/experience", "time/train", "time/weight_broadcast",
                 "time/trainer_wait", "time/worker_idle", "async/staleness_max")
         runs[name] = {"wall_s": wall, "iterations": len(records), "median": {k: _median(records, k) for k in keys},
                       "per_iteration": [{k: r.get(k) for k in keys} for r in records]}
@@ -102,7 +102,7 @@ def measure(args) -> int:
     result = {"command": bl.script_command(), "machine": bl.machine_info(), "runs": runs,
               "ratios": {"k1_over_k0_iteration": k1["time/iteration"] / k0["time/iteration"],
                          "k1_over_colocated_iteration": k1["time/iteration"] / c["time/iteration"]},
-              "model_from_colocated": predict(g, t, k0["time/weight_sync"] or 0.0), "published": PUBLISHED}
+              "model_from_colocated": predict(g, t, k0["time/weight_broadcast"] or 0.0), "published": PUBLISHED}
     bl.write_json(args.out, result)
     return 0
 
@@ -125,12 +125,12 @@ def from_gpu(args) -> int:
 
         runs[name] = {"iteration_s_median": summ["iteration_s_median"], "phase_s_mean": summ["phase_s_mean"],
                       "worker_devices": variant.get("worker_devices"),
-                      **{k: metric(k) for k in ("time/weight_sync", "time/trainer_wait", "time/worker_idle",
+                      **{k: metric(k) for k in ("time/weight_broadcast", "time/trainer_wait", "time/worker_idle",
                                                 "async/staleness_max")}}
     c = runs["colocated"]
     g = c["phase_s_mean"]["generation"]
     t = c["iteration_s_median"] - g  # everything else of the iteration: experience, training, the rest
-    s = runs["async_k0"]["time/weight_sync"] or 0.0
+    s = runs["async_k0"]["time/weight_broadcast"] or 0.0
     shared = all(d == "cuda:0" for d in runs["async_k1"]["worker_devices"] or ["cuda:0"])
     it = {k: v["iteration_s_median"] for k, v in runs.items()}
     result = {"command": bl.script_command(), "runs": runs, "worker_shares_the_trainer_s_device": shared,

@@ -285,7 +285,7 @@ def async_rollouts(r, res):
     for name, run in runs.items():
         m = run["median"]
         rows.append([name, fmt(m["time/iteration"]), fmt(m["time/generate"]), fmt(m["time/experience"]),
-                     fmt(m["time/train"]), fmt(m.get("time/weight_sync")), fmt(m.get("time/trainer_wait")),
+                     fmt(m["time/train"]), fmt(m.get("time/weight_broadcast", m.get("time/weight_sync"))), fmt(m.get("time/trainer_wait")),
                      fmt(m.get("time/worker_idle")), fmt(m.get("async/staleness_max"))])
     out += table(["placement", "iteration s", "generate s", "experience s", "train s", "weight sync s",
                   "trainer wait s", "worker idle s", "staleness max"], rows)

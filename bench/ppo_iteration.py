@@ -209,7 +209,7 @@ def run_iteration(b: Built, it: int, warmup: bool, n_params: dict) -> dict:
                    "overall": sum(sum(x["flops"].values()) / x["wall_s"] for x in ranks) / len(ranks) / 1e12},
         "peak_mem_mib": [x["peak_mem_mib"] for x in ranks], "memory_method": method,
         "metrics": {k: rec.get(k) for k in ("objective/score", "objective/kl", "rollout/response_length",
-                                            "policy/ratio_mean", "throughput/samples_per_s", "time/weight_sync",
+                                            "policy/ratio_mean", "throughput/samples_per_s", "time/weight_broadcast",
                                             "time/trainer_wait", "time/worker_idle", "async/staleness_max")
                     if k in rec},
     }

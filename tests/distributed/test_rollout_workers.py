@@ -25,9 +25,12 @@ CASES = {"gae_z3": dict(actor_zero_stage=3, reference_zero_stage=3, critic_zero_
          "grpo_z2": dict(actor_zero_stage=2, advantage_estimator="grpo", n_samples_per_prompt=2,
                          per_device_generation_batch_size=2),
          "env_z2": dict(actor_zero_stage=2, environment="_envs:counting", max_turns=2, critic_learning_rate=1e-3)}
-LR0 = dict(BASE, do_sample="true", actor_learning_rate=0.0, critic_learning_rate=0.0, ppo_epochs=2)
+# LR0 and AHEAD write 32 tokens a response (no stop token): a generation long enough that the K = 1 overlap test
+# (test_k1_generates_one_version_ahead_and_never_staler) compares waits well apart from the mailbox's milliseconds
+LONG = dict(max_answer_seq_len=32, stop_token_ids=[])
+LR0 = dict(BASE, do_sample="true", actor_learning_rate=0.0, critic_learning_rate=0.0, ppo_epochs=2, **LONG)
 AHEAD = dict(BASE, do_sample="true", max_steps=4, max_staleness=1, critic_learning_rate=1e-3, eval_split=0.25,
-             eval_interval=2)
+             eval_interval=2, **LONG)
 # episodes played ahead on the worker (the environment runs there); no evaluation with an environment
 AHEAD_ENV = dict(BASE, do_sample="true", max_steps=3, max_staleness=1, critic_learning_rate=1e-3,
                  environment="_envs:counting", max_turns=2)
@@ -62,8 +65,9 @@ def runs(tiny, tmp_path_factory):
                            ("ahead_resumed", part, {**AHEAD, "resume": "auto"}),
                            ("ahead_env", os.path.join(tmp, "ahead_env"), AHEAD_ENV)):
         addresses.append(free_address())
-        spec.append({"name": name, "args": ppo_args(tiny, out, **run, rollout_workers=1,
-                                                    rollout_address=addresses[-1])})
+        # the straight K = 1 run under a deliberately slow trainer: the worker's generation hides behind it
+        spec.append({"name": name, "hooks": {"slow_train_s": 1.0} if name == "ahead" else {},
+                     "args": ppo_args(tiny, out, **run, rollout_workers=1, rollout_address=addresses[-1])})
     return run_harness_with_workers(tmp, "rollout_workers", spec, addresses)
 
 
@@ -89,7 +93,7 @@ def test_synchronous_workers_equal_the_colocated_run(runs, name):
     colocated, remote = runs[f"{name}_colocated"], runs[f"{name}_workers"]
     assert len(remote["records"]) == len(colocated["records"]) >= 3
     assert_generated_alike(remote, colocated, ATOL)
-    assert all("time/weight_sync" in r for r in remote["records"] if "objective/kl" in r)
+    assert all("time/weight_broadcast" in r for r in remote["records"] if "objective/kl" in r)
 
 
 @pytest.mark.distributed
@@ -143,6 +147,14 @@ def test_k1_generates_one_version_ahead_and_never_staler(runs):
     assert [r["async/staleness_max"] for r in records] == [0, 1, 1, 1]
     assert all(r["async/dropped_batches"] == 0 for r in records)
     assert all(r["time/trainer_wait"] >= 0 and r["time/worker_idle"] >= 0 for r in records)
+    # overlap: under a trainer slowed by 1 s per update, the rollouts of iterations 1-3 were ready when it came for
+    # them; a K = 0 run of the same batches waits for each generation (lr0_workers: the same shapes). Iterations
+    # with an evaluation aside: its batch is generated when asked, behind the next iteration's at the worker
+    waits = [r["time/trainer_wait"] for r in records[1:] if "eval/score" not in r]
+    assert waits
+    ahead_wait = max(waits)
+    sync_wait = min(r["time/trainer_wait"] for r in _train(runs["lr0_workers"])[1:])
+    assert ahead_wait < 0.5 * sync_wait, (ahead_wait, sync_wait)
     assert sum("eval/score" in r for r in runs["ahead"]["records"]) >= 2
     with open(os.path.join(runs["ahead"]["output_dir"], "config.json")) as f:
         assert json.load(f)["rollout_correction"] == "token_truncate"

@@ -133,7 +133,8 @@ class GenerationBackend:
         training phase (vllm on a GPU: sleep mode)."""
 
     def take_async_stats(self) -> dict:
-        """Rollout workers: time/trainer_wait and time/worker_idle since the last call ({} otherwise)."""
+        """Rollout workers: time/trainer_wait, time/worker_idle and time/weight_broadcast since the last call ({}
+        otherwise)."""
         return {}
 
     def take_sync_seconds(self) -> Optional[float]:

@@ -317,10 +317,6 @@ class RemoteBackend(GenerationBackend):
         if lost is not None:
             raise RolloutWorkerLost(lost)
 
-    def take_sync_seconds(self) -> float:
-        out, self.sync_seconds = self.sync_seconds, 0.0
-        return out
-
     def worker_checksums(self) -> list:
         """(rank 0) Each worker's sha256 of its weights' bytes in stream order (tests: bitwise equality)."""
         out = []
@@ -402,9 +398,11 @@ class RemoteBackend(GenerationBackend):
         return gen
 
     def take_async_stats(self) -> dict:
-        """Seconds the trainer waited for answers and the workers waited for work, since the last call."""
-        out = {"time/trainer_wait": self.trainer_wait, "time/worker_idle": self.worker_idle}
-        self.trainer_wait = self.worker_idle = 0.0
+        """Seconds the trainer waited for answers, the workers waited for work and the weight broadcasts took,
+        since the last call."""
+        out = {"time/trainer_wait": self.trainer_wait, "time/worker_idle": self.worker_idle,
+               "time/weight_broadcast": self.sync_seconds}
+        self.trainer_wait = self.worker_idle = self.sync_seconds = 0.0
         return out
 
 

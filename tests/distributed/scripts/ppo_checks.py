@@ -32,6 +32,7 @@ import dataclasses
 import gc
 import os
 import sys
+import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))))
 
@@ -162,6 +163,8 @@ def run_one(spec: dict) -> dict | None:
 
     def train_phase(exp, stats):
         minibatch_tokens.append([int(m.rollout.action_mask.sum()) for m in exp.split(cfg.batch.mini_batch_size)])
+        if hooks.get("slow_train_s"):  # a deliberately slow trainer (rollout workers generate meanwhile)
+            time.sleep(float(hooks["slow_train_s"]))
         return orig_train_phase(exp, stats)
 
     trainer.train_phase = train_phase
