@@ -131,7 +131,8 @@ def from_gpu(args) -> int:
     g = c["phase_s_mean"]["generation"]
     t = c["iteration_s_median"] - g  # everything else of the iteration: experience, training, the rest
     s = runs["async_k0"]["time/weight_broadcast"] or 0.0
-    shared = all(d == "cuda:0" for d in runs["async_k1"]["worker_devices"] or ["cuda:0"])
+    # a worker on the trainer's GPU 0, or on the CPU beside the trainer (--tiny), shares the trainer's machine
+    shared = all(d in ("cuda:0", "cpu") for d in runs["async_k1"]["worker_devices"] or ["cuda:0"])
     it = {k: v["iteration_s_median"] for k, v in runs.items()}
     result = {"command": bl.script_command(), "runs": runs, "worker_shares_the_trainer_s_device": shared,
               "measured": {"k0_over_colocated": it["async_k0"] / it["colocated"],

@@ -118,7 +118,8 @@ def main(argv=None) -> int:
     with open(os.path.join(args.dir, "gpu.md"), "w") as f:
         f.write(md)
     print(md)
-    return 0 if summary["steps"] and all(s["rc"] == 0 for s in summary["steps"]) else 1
+    # a step recorded as skipped (its rc a reason: vLLM not installed, no time left) is not a failure
+    return 0 if summary["steps"] and all(s["rc"] == 0 or isinstance(s["rc"], str) for s in summary["steps"]) else 1
 
 
 if __name__ == "__main__":

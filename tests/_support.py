@@ -163,6 +163,7 @@ class SharedHarness:
         self.session, self.tiny, self.tmp_path_factory = session, tiny, tmp_path_factory
         self.specs: dict = {}  # module name -> {group: runs}
         self.results: dict = {}  # group -> {module name: {run name: result}}
+        self.failed: dict = {}  # group -> the launch's error (raised again for every module: launched once)
 
     def _module_specs(self) -> dict:
         modules = {}
@@ -177,6 +178,9 @@ class SharedHarness:
         return self.specs
 
     def runs(self, module: str, group: str) -> dict:
+        if group in self.failed:
+            raise RuntimeError(f"the shared {group} launch failed (see the first module's error)") from \
+                self.failed[group]
         if group not in self.results:
             nproc, launcher = self.GROUPS[group]
             spec, owner = [], {}
@@ -187,11 +191,18 @@ class SharedHarness:
                     owner[key] = (name, run["name"])
             tmp = str(self.tmp_path_factory.mktemp(f"shared_{group}"))
             out: dict = {}
-            for key, result in run_harness(tmp, group, spec, nproc, launcher).items():
+            try:
+                results = run_harness(tmp, group, spec, nproc, launcher)
+            except Exception as e:  # noqa: BLE001
+                self.failed[group] = e
+                raise
+            for key, result in results.items():
                 name, run_name = owner[key]
                 out.setdefault(name, {})[run_name] = {**result, "name": run_name}
             self.results[group] = out
-        return self.results[group].get(module, {})
+        if module not in self.results[group]:
+            raise RuntimeError(f"{module}: no {group} runs in the shared launch (is `harness_runs` defined there?)")
+        return self.results[group][module]
 
 
 VOLATILE = ("time/", "throughput/", "memory/")  # wall-clock and memory keys: the only metrics allowed to differ between identical runs

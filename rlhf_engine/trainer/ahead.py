@@ -79,6 +79,8 @@ class RolloutsAhead:
             if gen.rollout is not None:  # None: an environment failed (gen.failure; the trainer stops with it)
                 gen = dataclasses.replace(gen, rollout=gen.rollout.with_rows(rows))
             gens.append(gen)
+        if any(g.failure is not None for g in gens):  # an environment failed: the trainer stops with it
+            return gens
         self.backend.sync_weights()  # the weights of this iteration's update are the next batches' policy
         while len(self.pending) < self.max_staleness and self.next_iteration < self.iterations:
             self._submit()

@@ -20,11 +20,13 @@ import hashlib
 import logging
 import os
 import pickle
+import random
 import tempfile
 import time
 from dataclasses import dataclass
 from typing import Any, Iterator, Optional
 
+import numpy as np
 import torch
 
 from .. import comm
@@ -208,8 +210,11 @@ class Worker:
             raise RuntimeError("a batch came before any weights")
         if self.envs is None:
             raise RuntimeError("episodes asked of a worker set up without an environment")
-        if msg.get("seed") is not None:
-            torch.manual_seed(msg["seed"])
+        # the sampling draws from the trainer's seed (sampled runs); the environments' own draws (python's random,
+        # numpy, torch when decoding is greedy) from the episodes' seed: a rerun or a resume plays the same episodes
+        random.seed(msg["env_seed"])
+        np.random.seed(msg["env_seed"] % 2**32)
+        torch.manual_seed(msg["seed"] if msg.get("seed") is not None else msg["env_seed"])
         runner = self.envs.runner(self.cfg, self.generator, msg["params"])
         rollout, logprobs, stats, failure = runner.run(msg["ids"], msg["mask"], msg["rows"])
         return {"rollout": rollout.to(torch.device("cpu")) if rollout is not None else None,
@@ -276,8 +281,16 @@ def serve(address: str, backend: str = "", timeout_s: float = 300.0, idle_timeou
     with tempfile.TemporaryDirectory(prefix="rollout_worker_") as workdir:
         try:
             return _loop(index, mail, group, backend, dev, workdir, idle_timeout_s)
+        except (TimeoutError, _STORE_ERRORS) as e:  # the trainer's store is gone or silent: the run is over for us
+            log.error("rollout worker %d: lost the trainer at %s (%s: %s)", index, address, type(e).__name__,
+                      str(e).splitlines()[0][:300] if str(e) else "")
+            return 1
         finally:
             comm.shutdown(ok=True)  # an engine shuts down first (comm.at_shutdown), then its group
+
+
+# what the trainer's store raises when the trainer went away (a closed connection, a wait that failed)
+_STORE_ERRORS = getattr(torch.distributed, "DistError", RuntimeError)
 
 
 def nccl_refusal(group_kind: str, device: torch.device, trainer_gpu: str) -> str:

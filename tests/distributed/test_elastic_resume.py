@@ -67,9 +67,15 @@ def _elastic(tiny, tmp_path, first: int, second: int, stage: int, dtype: str = "
     return out
 
 
+@pytest.fixture(scope="module")
+def two_to_one(tiny, tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("two_to_one")
+    return _elastic(tiny, tmp, 2, 1, stage=2, ptx=True, offline=True), _ptx_docs(tmp)
+
+
 @pytest.mark.distributed
-def test_two_ranks_resume_on_one_at_zero2_with_ptx(tiny, tmp_path):
-    out = _elastic(tiny, tmp_path, 2, 1, stage=2, ptx=True, offline=True)
+def test_two_ranks_resume_on_one_at_zero2_with_ptx(two_to_one):
+    out, _ = two_to_one
     assert os.path.isfile(os.path.join(out, "checkpoints", "iter_000002", "universal", "actor.done"))
     assert os.path.isfile(os.path.join(out, "checkpoints", "iter_000003", "COMPLETE"))
 
@@ -108,13 +114,13 @@ def test_other_world_sizes_and_stages(tiny, tmp_path, first, second, stage, dtyp
 
 
 @pytest.mark.distributed
-def test_a_changed_global_batch_is_refused_naming_the_fields(tiny, tmp_path):
-    out = str(tmp_path / "run")
-    check(launch(os.path.join(os.path.dirname(SCRIPTS), "..", "..", "launch", "train_ppo.py"),
-                 ppo_args(tiny, out, max_steps=1, **RUN, **PER_WORLD[2]), nproc=2))
-    proc = launch(os.path.join(os.path.dirname(SCRIPTS), "..", "..", "launch", "train_ppo.py"),
-                  ppo_args(tiny, out, max_steps=2, resume="auto", **RUN, **dict(PER_WORLD[1],
-                                                                              per_device_generation_batch_size=4)),
+def test_a_changed_global_batch_is_refused_naming_the_fields(tiny, two_to_one):
+    """The 2 -> 1 run's checkpoints (a global batch of 8) resumed on one rank with 4 prompts per step: refused
+    before anything is built."""
+    out, ptx = two_to_one
+    proc = launch(os.path.join(ROOT, "launch", "train_ppo.py"),
+                  ppo_args(tiny, out, max_steps=4, resume="auto", actor_zero_stage=2, critic_zero_stage=2, dtype="fp32",
+                           **ptx, **RUN, **dict(PER_WORLD[1], per_device_generation_batch_size=4)),
                   nproc=1, launcher="python")
     assert proc.returncode == 2, proc.stderr[-3000:]
     assert "global_generation_batch_size = 4" in proc.stderr and "had global_generation_batch_size = 8" in \

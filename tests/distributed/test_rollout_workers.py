@@ -15,7 +15,7 @@ import time
 
 import pytest
 
-from _support import ROOT, SCRIPTS, RolloutWorkers, assert_generated_alike, check, clean_env, free_address, launch, \
+from _support import ROOT, RolloutWorkers, assert_generated_alike, clean_env, free_address, \
     ppo_args, run_harness_with_workers
 
 ATOL = 1e-5
@@ -59,32 +59,21 @@ def runs(tiny, tmp_path_factory):
     addresses.append(free_address())
     spec.append({"name": "lr0_workers", "args": ppo_args(tiny, os.path.join(tmp, "lr0_workers"), **LR0,
                                                          rollout_workers=1, rollout_address=addresses[-1])})
-    # K = 1: straight, and stopped after 2 iterations then resumed by the requeued command (--resume auto); episodes
-    part = os.path.join(tmp, "ahead_part")
-    for name, out, run in (("ahead", os.path.join(tmp, "ahead"), AHEAD), ("ahead_part", part, {**AHEAD, "max_steps": 2}),
-                           ("ahead_resumed", part, {**AHEAD, "resume": "auto"}),
+    # K = 1: straight (a checkpoint after 2 iterations, saved while iteration 2's batches were in flight), resumed from
+    # that checkpoint with a worker started again, and episodes
+    mid = os.path.join(tmp, "ahead", "checkpoints", "iter_000002")
+    for name, out, run in (("ahead", os.path.join(tmp, "ahead"), {**AHEAD, "save_interval": 2}),
+                           ("ahead_resumed", os.path.join(tmp, "ahead_resumed"), {**AHEAD, "resume": mid}),
                            ("ahead_env", os.path.join(tmp, "ahead_env"), AHEAD_ENV)):
         addresses.append(free_address())
         # the straight K = 1 run under a deliberately slow trainer: the worker's generation hides behind it
         spec.append({"name": name, "hooks": {"slow_train_s": 1.0} if name == "ahead" else {},
                      "args": ppo_args(tiny, out, **run, rollout_workers=1, rollout_address=addresses[-1])})
+    # the bitwise broadcast checks (scripts/rollout_worker_checks.py), one worker each at ZeRO 2 and 3
+    addresses += [free_address(), free_address()]
+    spec.append({"name": "broadcast", "kind": "broadcast_checks", "actor": tiny.actor, "prompts": tiny.prompts,
+                 "workdir": os.path.join(tmp, "broadcast"), "addresses": addresses[-2:]})
     return run_harness_with_workers(tmp, "rollout_workers", spec, addresses)
-
-
-@pytest.fixture(scope="module")
-def weights(tiny, tmp_path_factory):
-    tmp = str(tmp_path_factory.mktemp("rollout_weights"))
-    addresses = [free_address(), free_address()]
-    workers = RolloutWorkers(tmp, addresses, delay=1.0)
-    out = os.path.join(tmp, "out.json")
-    try:
-        check(launch(os.path.join(SCRIPTS, "rollout_worker_checks.py"),
-                     ["--actor", tiny.actor, "--prompts", tiny.prompts, "--workdir", tmp,
-                      "--addresses", ",".join(addresses), "--out", out]))
-    finally:
-        codes = workers.wait()
-    with open(out) as f:
-        return {**json.load(f), "worker_exit_codes": codes}
 
 
 @pytest.mark.distributed
@@ -98,7 +87,8 @@ def test_synchronous_workers_equal_the_colocated_run(runs, name):
 
 @pytest.mark.distributed
 def test_every_worker_stops_cleanly_when_its_trainer_is_done(runs):
-    assert runs["worker_exit_codes"] == [0] * (len(CASES) + 6)  # the cases, K = 0 resumed, lr 0, four K = 1 runs
+    # the cases, K = 0 resumed, lr 0, three K = 1 runs, two broadcast checks
+    assert runs["worker_exit_codes"] == [0] * (len(CASES) + 7)
 
 
 @pytest.mark.distributed
@@ -124,14 +114,13 @@ def test_lr0_every_ratio_is_one_with_worker_rollouts(runs):
 
 @pytest.mark.distributed
 @pytest.mark.parametrize("stage", ["z2", "z3"])
-def test_after_a_broadcast_the_worker_holds_the_trainer_s_weights_bitwise(weights, stage):
-    w = weights[stage]
+def test_after_a_broadcast_the_worker_holds_the_trainer_s_weights_bitwise(runs, stage):
+    w = runs["broadcast"][stage]
     assert w["after_broadcast"]["equal"] and w["after_next_broadcast"]["equal"]
     # negative control: the actor stepped and nothing was broadcast: the hashes differ
     assert w["stepped_without_broadcast"]["equal"] is False
     assert w["after_next_broadcast"]["version"] == w["after_broadcast"]["version"] + 1
     assert w["broadcast_again_is_a_no_op"]
-    assert weights["worker_exit_codes"] == [0, 0]
 
 
 def _train(run):
@@ -175,9 +164,9 @@ def test_k1_episodes_are_played_ahead_on_the_worker(runs):
 
 @pytest.mark.distributed
 def test_k1_resume_discards_rollouts_in_flight_and_redraws_their_prompts(runs):
-    """The checkpoint after 2 iterations holds the data position of the first prompt not trained on (iteration 2's,
-    already in flight when it was saved): the resumed run trains iteration 2 on the same prompts as the straight
-    run, generated afresh with its current weights (staleness 0)."""
+    """The straight run's checkpoint after 2 iterations, saved while iteration 2's batches were in flight, holds the
+    data position of the first prompt not trained on: the run resumed from it (a new worker) trains iteration 2 on
+    the same prompts as the straight run, generated afresh with its current weights (staleness 0)."""
     straight, resumed = runs["ahead"], runs["ahead_resumed"]
     assert [r["iteration"] for r in _train(resumed)] == [2, 3]
     assert _train(resumed)[0]["async/staleness_max"] == 0

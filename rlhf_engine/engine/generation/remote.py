@@ -32,8 +32,10 @@ from __future__ import annotations
 
 import datetime
 import logging
+import math
 import os
 import pickle
+import random
 import time
 from dataclasses import dataclass
 from typing import Any, Optional
@@ -126,43 +128,69 @@ def who(i: int, workers: int, address: str) -> str:
     return f"rollout worker {i} (of {workers}, at {address})"
 
 
-def join_workers(cfg: Any, dist: Any, backend: str, model_config: Any) -> Optional[WorkerLink]:
+def join_workers(cfg: Any, dist: Any, backend: str, model_config: Any) -> WorkerLink:
     """Serve the store at `--rollout_address`, wait for the `--rollout_workers` to join and ask each whether it can
     generate with `backend` for a model of `model_config` (a transformers config; read on rank 0 only) on its device.
-    Collective on the trainer's ranks: every rank raises the same `ConfigError` when a worker cannot, or did not come
-    within `--rollout_timeout_s`. The link `RemoteBackend` connects over (rank 0's holds the store)."""
+    Collective on the trainer's ranks: every rank raises the same `ConfigError` at the first worker that cannot (its
+    reason), or when some did not answer within `--rollout_timeout_s` (which, and the command that starts one). The
+    link `RemoteBackend` connects over (rank 0's holds the store)."""
+    from ...errors import ConfigError
+
+    r = cfg.rollout
+    timeout_s = float(r.rollout_timeout_s)
+    # the other ranks wait for rank 0's answer on a group whose timeout outlasts rank 0's wait (the default group's
+    # could end them first, with a message that names nobody)
+    group = comm.new_cpu_group(datetime.timedelta(seconds=timeout_s + 60))
+    problem, link = None, WorkerLink()
+    if dist.is_main:
+        try:
+            link = _probe_workers(cfg, dist, backend, model_config)
+        except ConfigError as e:
+            problem = e.problems[0]
+        except Exception as e:  # noqa: BLE001  (the store's own errors: a port in use, an unknown host)
+            from ...errors import Problem
+
+            problem = Problem("rollout_address", r.rollout_address, f"cannot serve the rollout workers' store there "
+                              f"({type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ''})")
+    problem = comm.broadcast_object(problem, group=group)
+    comm.destroy_group(group)
+    if problem is not None:
+        raise ConfigError([problem], "cannot start: rollout workers")
+    return link
+
+
+def _probe_workers(cfg: Any, dist: Any, backend: str, model_config: Any) -> WorkerLink:
+    """Rank 0's side of `join_workers`: a ConfigError naming the first worker that refused, or those that never
+    answered."""
     from ...config.rollout import group_backend, parse_address
     from ...errors import ConfigError, Problem
 
     r = cfg.rollout
-    problem, link = None, WorkerLink()
-    if dist.is_main:
-        workers, address, timeout_s = int(r.rollout_workers), r.rollout_address, float(r.rollout_timeout_s)
-        host, port = parse_address(address)
-        kind = group_backend(r.rollout_group_backend, dist.device.type, torch.distributed.is_nccl_available())
-        store = comm.open_store(host, port, True, datetime.timedelta(seconds=timeout_s))
-        mail = Mailbox(store, timeout_s, address)
-        mail.put("probe", {"backend": backend, "config": model_config.to_dict(), "group_backend": kind,
-                           "trainer_gpu": comm.gpu_identity(dist.device)})
-        store.set("size", str(workers))  # last: a worker that reads the size finds the probe written
-        keys = [answer_key(i, "probe") for i in range(workers)]
-        try:
-            store.wait(keys, datetime.timedelta(seconds=timeout_s))
-            said = [mail.take(k, who(i, workers, address)) for i, k in enumerate(keys)]
-            refused = [f"{who(i, workers, address)}: {a['error']}" for i, a in enumerate(said) if a.get("error")]
-            if refused:
-                problem = Problem("rollout_workers", workers, "; ".join(refused))
-            else:
-                link = WorkerLink(store, mail, kind)
-        except Exception as e:  # noqa: BLE001  (the store's timeout)
-            joined = int(store.add("joined", 0))
-            problem = Problem("rollout_workers", workers, f"{joined} of {workers} joined at {address} within "
-                              f"{timeout_s:.0f} s (--rollout_timeout_s); start each with "
-                              f"`{WORKER_COMMAND.format(address=address)}` ({type(e).__name__})")
-    problem = comm.broadcast_object(problem)
-    if problem is not None:
-        raise ConfigError([problem], "cannot start: rollout workers")
-    return link
+    workers, address, timeout_s = int(r.rollout_workers), r.rollout_address, float(r.rollout_timeout_s)
+    host, port = parse_address(address)
+    kind = group_backend(r.rollout_group_backend, dist.device.type, torch.distributed.is_nccl_available())
+    store = comm.open_store(host, port, True, datetime.timedelta(seconds=timeout_s))
+    mail = Mailbox(store, timeout_s, address)
+    mail.put("probe", {"backend": backend, "config": model_config.to_dict(), "group_backend": kind,
+                       "trainer_gpu": comm.gpu_identity(dist.device)})
+    store.set("size", str(workers))  # last: a worker that reads the size finds the probe written
+    waiting = set(range(workers))
+    deadline = time.monotonic() + timeout_s
+    while waiting and time.monotonic() < deadline:  # answers in any order: a refusal stops the wait at once
+        for i in sorted(waiting):
+            if store.check([answer_key(i, "probe")]):
+                answer = mail.take(answer_key(i, "probe"), who(i, workers, address))
+                waiting.discard(i)
+                if answer.get("error"):
+                    raise ConfigError([Problem("rollout_workers", workers,
+                                               f"{who(i, workers, address)}: {answer['error']}")])
+        if waiting:
+            time.sleep(0.1)
+    if waiting:
+        raise ConfigError([Problem("rollout_workers", workers, f"{workers - len(waiting)} of {workers} joined and answered "
+                                   f"at {address} within {timeout_s:.0f} s (--rollout_timeout_s); start each with "
+                                   f"`{WORKER_COMMAND.format(address=address)}`")])
+    return WorkerLink(store, mail, kind)
 
 
 class RemoteBackend(GenerationBackend):
@@ -186,11 +214,12 @@ class RemoteBackend(GenerationBackend):
         self._pushed_version: Optional[int] = None
         self.sync_seconds = self.trainer_wait = self.worker_idle = 0.0
         self.group = self.mail = None
+        self._episode_rows: dict = {}  # ticket -> rows of an episodes batch (its answer may take all its turns)
         # the other ranks wait for rank 0's exchanges with the workers on a gloo group of their own, whose timeout
         # outlasts rank 0's (every answer of a call, one after another): the default group's collective timeout
         # would end the job with a generic message before rank 0 can name the worker
-        self.wait_group = comm.new_cpu_group(datetime.timedelta(
-            seconds=self.timeout_s * (2 + self.dist.world_size) + 60))
+        longest = self._answer_wait(ctx.cfg.batch.generation_rollouts if ctx.cfg.env.on else 0)
+        self.wait_group = comm.new_cpu_group(datetime.timedelta(seconds=longest * (2 + self.dist.world_size) + 60))
         comm.at_shutdown(self.close)
         if link is None:
             hf = getattr(self.actor.module, "get_base_model", lambda: self.actor.module)()
@@ -338,15 +367,31 @@ class RemoteBackend(GenerationBackend):
         worker seeds its draws with it: a rerun draws the same samples). With `rows` (the batch's data rows) the
         worker plays the batch's episodes (an environment)."""
         seed = int(torch.randint(0, 2**31 - 1, ())) if params.do_sample else None
-        batches = comm.all_gather_object((prompt_ids.cpu(), prompt_mask.cpu(), params, seed, rows))
+        # episodes: a seed for the environments' own draws (python's `random`, numpy) from this rank's python
+        # generator, which nothing else of training draws from and a checkpoint restores: a rerun or a resume plays
+        # the same episodes
+        env_seed = random.randrange(2**31 - 1) if rows is not None else None
+        batches = comm.all_gather_object((prompt_ids.cpu(), prompt_mask.cpu(), params, seed, rows, env_seed))
         ticket = self.calls
+        if rows is not None:
+            self._episode_rows[ticket] = int(prompt_ids.shape[0])
         if self.mail is not None:
-            for r, (ids, mask, p, sd, rw) in enumerate(batches):
+            for r, (ids, mask, p, sd, rw, es) in enumerate(batches):
                 self.mail.send(inbox(self._worker(ticket, r, len(batches))),
                                {"kind": "generate" if rw is None else "episodes", "ticket": ticket, "rank": r,
-                                "ids": ids, "mask": mask, "params": p, "seed": sd, "rows": rw})
+                                "ids": ids, "mask": mask, "params": p, "seed": sd, "rows": rw, "env_seed": es})
         self.calls += 1
         return ticket
+
+    def _answer_wait(self, episode_rows: int) -> float:
+        """How long rank 0 waits for one answer: `rollout_timeout_s` for a generation; for a batch of episodes
+        (`episode_rows` > 0) each of its turns' generation and environment calls (reset included), every call
+        bounded by `env_timeout_s`, `env_workers` at a time."""
+        if not episode_rows:
+            return self.timeout_s
+        env = self.ctx.cfg.env
+        per_turn = self.timeout_s + math.ceil(episode_rows / max(int(env.env_workers), 1)) * float(env.env_timeout_s)
+        return (int(env.max_turns) + 1) * per_turn
 
     def _worker(self, ticket: int, rank: int, world: int) -> int:
         return (ticket * world + rank) % self.workers
@@ -356,11 +401,12 @@ class RemoteBackend(GenerationBackend):
         """The rollout of a submitted batch (this rank's), waiting for it (`time/trainer_wait`). Collective."""
         answers = None
         t0 = time.perf_counter()
+        wait = self._answer_wait(self._episode_rows.pop(ticket, 0))
         if self.mail is not None:
             world = self.dist.world_size
             try:
                 answers = [self.mail.take(answer_key(self._worker(ticket, r, world), f"batch/{ticket}/{r}"),
-                                          self._who(self._worker(ticket, r, world))) for r in range(world)]
+                                          self._who(self._worker(ticket, r, world)), wait) for r in range(world)]
                 self.worker_idle += sum(a.get("idle_s", 0.0) for a in answers)
             except TimeoutError as e:
                 answers = [{"error": str(e)}] * world

@@ -112,6 +112,11 @@ def run_one(spec: dict) -> dict | None:
     from rlhf_engine.hooks import TestHooks
     from rlhf_engine.trainer import build_trainer
 
+    if spec.get("kind") == "broadcast_checks":  # rollout_worker_checks.py's checks, in this launch
+        from rollout_worker_checks import broadcast_checks
+
+        found = broadcast_checks(spec["actor"], spec["prompts"], spec["workdir"], spec["addresses"])
+        return {"name": spec["name"], **found} if torch.distributed.get_rank() == 0 else None
     cfg = parse_args(spec["args"])
     hooks = spec.get("hooks", {})
     trainer = build_trainer(cfg, hooks=TestHooks(use_position_ids=bool(hooks.get("use_position_ids", True)),

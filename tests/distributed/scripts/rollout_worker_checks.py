@@ -1,5 +1,6 @@
 """Harness for tests/distributed/test_rollout_workers.py: the weight broadcast to a rollout worker, bitwise. Rank 0
-writes what it saw (nothing asserted here).
+writes what it saw (nothing asserted here). The test runs it inside its ppo_checks.py launch (a spec entry of kind
+"broadcast_checks" calls `broadcast_checks`); alone:
 
     deepspeed --num_gpus 2 rollout_worker_checks.py --actor DIR --prompts FILE --workdir DIR --addresses A2,A3 --out F
 
@@ -33,20 +34,16 @@ def step(engine, seed: int) -> None:
     engine.step()
 
 
-def main() -> int:
-    p = argparse.ArgumentParser()
-    for name in ("actor", "prompts", "workdir", "addresses", "out"):
-        p.add_argument(f"--{name}", required=True)
-    p.add_argument("--local_rank", type=int, default=None)
-    args = p.parse_args()
+def broadcast_checks(actor_path: str, prompts: str, workdir: str, addresses: list) -> dict:
+    """The checks of the module docstring, one worker per address; rank 0's findings (the other ranks: {})."""
     dist = init_distributed()
     out = {}
-    for stage, address in zip((2, 3), args.addresses.split(",")):
-        cfg = parse_args(["--actor_model_name_or_path", args.actor, "--reward_model_name_or_path", args.actor,
-                          "--data_path", args.prompts, "--output_dir", os.path.join(args.workdir, "unused"),
+    for stage, address in zip((2, 3), addresses):
+        cfg = parse_args(["--actor_model_name_or_path", actor_path, "--reward_model_name_or_path", actor_path,
+                          "--data_path", prompts, "--output_dir", os.path.join(workdir, "unused"),
                           "--rollout_workers", "1", "--rollout_address", address, "--rollout_timeout_s", "120"])
         cfg.actor.learning_rate = 1e-2
-        actor, _ = build_role_engine(cfg.actor, args.actor, kind="causal_lm", stage=stage, dtype="fp32", train=True,
+        actor, _ = build_role_engine(cfg.actor, actor_path, kind="causal_lm", stage=stage, dtype="fp32", train=True,
                                      batch=cfg.batch, world_size=dist.world_size, eval_micro_batch_size=2,
                                      num_training_steps=4, pad_token_id=0)
         step(actor, 1)  # away from the folder's weights
@@ -64,8 +61,19 @@ def main() -> int:
         backend.sync_weights()
         res["after_next_broadcast"] = compare()
         res["broadcast_again_is_a_no_op"] = not backend.sync_weights()
+        backend.close()  # this check's worker is done
         out[f"z{stage}"] = res
-    if dist.is_main:
+    return out if dist.is_main else {}
+
+
+def main() -> int:
+    p = argparse.ArgumentParser()
+    for name in ("actor", "prompts", "workdir", "addresses", "out"):
+        p.add_argument(f"--{name}", required=True)
+    p.add_argument("--local_rank", type=int, default=None)
+    args = p.parse_args()
+    out = broadcast_checks(args.actor, args.prompts, args.workdir, args.addresses.split(","))
+    if comm.rank() == 0:
         with open(args.out, "w") as f:
             json.dump(out, f)
     comm.shutdown(ok=True)

@@ -188,8 +188,8 @@ def _probe(tmp_path, tiny, worker_backend="", **flags):
     codes = []
     worker = threading.Thread(target=lambda: codes.append(serve(address, worker_backend, timeout_s=30, device="cpu")))
     worker.start()
-    cfg = parse_args(train_args(tiny, str(tmp_path / "run"), rollout_workers=1, rollout_address=address,
-                                rollout_timeout_s=30, **flags))
+    cfg = parse_args(train_args(tiny, str(tmp_path / "run"), rollout_address=address,
+                                **{"rollout_workers": 1, "rollout_timeout_s": 30, **flags}))
     with pytest.raises(ConfigError) as err:
         plan_ppo(cfg)  # the plan: nothing of the engines is built yet
     worker.join(timeout=30)
@@ -211,6 +211,14 @@ def test_a_worker_for_another_backend_is_refused_at_the_probe(tiny, dist_single,
     assert "started with --generation_backend vllm and the trainer generates with lean" in said
 
 
+def test_a_refusal_stops_the_plan_without_waiting_for_the_other_workers(tiny, dist_single, tmp_path):
+    """Two workers asked for, one started, and it refuses: its reason, at once (not the timeout's 'joined' count
+    after --rollout_timeout_s)."""
+    said, codes = _probe(tmp_path, tiny, worker_backend="vllm", rollout_workers=2, rollout_timeout_s=300)
+    assert codes == [2]
+    assert "rollout worker 0 (of 2, at" in said and "started with --generation_backend vllm" in said
+
+
 def test_a_worker_that_never_comes_is_named_with_the_command_that_starts_one(tiny, dist_single, tmp_path):
     from rlhf_engine.cli import parse_args
     from rlhf_engine.errors import ConfigError
@@ -222,7 +230,7 @@ def test_a_worker_that_never_comes_is_named_with_the_command_that_starts_one(tin
     address = free_address()
     cfg = parse_args(train_args(tiny, str(tmp_path / "run"), rollout_workers=2, rollout_address=address,
                                 rollout_timeout_s=1))
-    with pytest.raises(ConfigError, match=r"0 of 2 joined at .* within 1 s .*python launch/rollout_worker.py "
+    with pytest.raises(ConfigError, match=r"0 of 2 joined and answered at .* within 1 s .*python launch/rollout_worker.py "
                                           r"--rollout_address " + address):
         plan_ppo(cfg)
 
