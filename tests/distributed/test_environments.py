@@ -109,15 +109,6 @@ def harness_runs(tiny, tmp):
             "one_rank": one_rank_runs(tiny, os.path.join(tmp, "1r"))}
 
 
-@pytest.fixture(scope="module")
-def two_rank(ppo_harness):
-    return ppo_harness.runs(__name__, "two_rank")
-
-
-@pytest.fixture(scope="module")
-def one_rank(ppo_harness):
-    return ppo_harness.runs(__name__, "one_rank")
-
 
 @pytest.mark.distributed
 @pytest.mark.parametrize("name", ["lr0", "lr0_z3_lean", "lr0_z3_hf", "lr0_z3_replica", "lr0_grpo_z2"])

@@ -146,15 +146,6 @@ def harness_runs(tiny, tmp):
             "one_rank": one_rank_runs(tiny, os.path.join(tmp, "1r"))}
 
 
-@pytest.fixture(scope="module")
-def two_rank(ppo_harness):
-    return ppo_harness.runs(__name__, "two_rank")
-
-
-@pytest.fixture(scope="module")
-def one_rank(ppo_harness):
-    return ppo_harness.runs(__name__, "one_rank")
-
 
 def _ratio_trace_by_iteration(run, per_iteration):
     t = run["ratio_trace"]

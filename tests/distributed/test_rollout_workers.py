@@ -67,7 +67,7 @@ def runs(tiny, tmp_path_factory):
                            ("ahead_env", os.path.join(tmp, "ahead_env"), AHEAD_ENV)):
         addresses.append(free_address())
         # the straight K = 1 run under a deliberately slow trainer: the worker's generation hides behind it
-        spec.append({"name": name, "hooks": {"slow_train_s": 1.0} if name == "ahead" else {},
+        spec.append({"name": name, "hooks": {"slow_train_s": 0.5} if name == "ahead" else {},
                      "args": ppo_args(tiny, out, **run, rollout_workers=1, rollout_address=addresses[-1])})
     # the bitwise broadcast checks (scripts/rollout_worker_checks.py), one worker each at ZeRO 2 and 3
     addresses += [free_address(), free_address()]
@@ -136,7 +136,7 @@ def test_k1_generates_one_version_ahead_and_never_staler(runs):
     assert [r["async/staleness_max"] for r in records] == [0, 1, 1, 1]
     assert all(r["async/dropped_batches"] == 0 for r in records)
     assert all(r["time/trainer_wait"] >= 0 and r["time/worker_idle"] >= 0 for r in records)
-    # overlap: under a trainer slowed by 1 s per update, the rollouts of iterations 1-3 were ready when it came for
+    # overlap: under a trainer slowed by 0.5 s per update, the rollouts of iterations 1-3 were ready when it came for
     # them; a K = 0 run of the same batches waits for each generation (lr0_workers: the same shapes). Iterations
     # with an evaluation aside: its batch is generated when asked, behind the next iteration's at the worker
     waits = [r["time/trainer_wait"] for r in records[1:] if "eval/score" not in r]
