@@ -21,11 +21,17 @@ RUN = dict(per_device_generation_batch_size=2, generation_batches=2, per_device_
            kl_target=0.05, kl_horizon=200, do_sample="true", export_final="true")
 
 
+def harness_runs(tiny, tmp):
+    """The uninterrupted run, in the shared 2-rank launch of ppo_checks.py (tests/_support.py: SharedHarness; it
+    trains and exports as launch/train_ppo.py does): only the signalled run needs the deepspeed launcher."""
+    return {"two_rank": [{"name": "straight", "args": ppo_args(tiny, os.path.join(tmp, "straight"), **RUN)}]}
+
+
 @pytest.fixture(scope="module")
-def preempted(tiny, tmp_path_factory):
+def preempted(tiny, tmp_path_factory, two_rank):
     tmp = tmp_path_factory.mktemp("preempt")
-    straight, victim = str(tmp / "straight"), str(tmp / "victim")
-    runs = {"straight": launch(ENTRY, ppo_args(tiny, straight, **RUN))}
+    straight, victim = two_rank["straight"]["output_dir"], str(tmp / "victim")
+    runs = {}
     # rank 1 gets SIGUSR1 as iteration 1's train phase begins: the phase, and the iteration, run to their end
     runs["signal"] = launch(ENTRY, ppo_args(tiny, victim, **RUN), env={"RLHF_ENGINE_TEST_SIGNAL": "1:1:train"})
     listing = sorted(os.listdir(os.path.join(victim, "checkpoints")))
@@ -64,7 +70,6 @@ def test_resume_after_preemption_equals_the_uninterrupted_run(preempted):
     from rlhf_engine.outputs.metrics import read_metrics
 
     runs = preempted["runs"]
-    assert runs["straight"].returncode == 0, _tail(runs["straight"])
     assert runs["resume"].returncode == 0, _tail(runs["resume"])
     assert not os.path.exists(os.path.join(preempted["victim"], "PREEMPTED"))  # the new attempt cleared it
     straight, resumed = read_metrics(preempted["straight"]), read_metrics(preempted["victim"])
