@@ -274,7 +274,12 @@ def serve(address: str, backend: str = "", timeout_s: float = 300.0, idle_timeou
         log.error("rollout worker %d: %s", index, reason)
         return 2
     # the trainer builds its engines meanwhile (minutes for a large model): waited for without the answer timeout
-    store.wait(["connect"], datetime.timedelta(seconds=idle_timeout_s))
+    try:
+        store.wait(["connect"], datetime.timedelta(seconds=idle_timeout_s))
+    except _STORE_ERRORS as e:  # the trainer stopped (or its store went) before it connected
+        log.error("rollout worker %d: the trainer at %s stopped before connecting (%s: %s)", index, address,
+                  type(e).__name__, str(e).splitlines()[0][:300] if str(e) else "")
+        return 1
     group = comm.PeerGroup(store, index + 1, size + 1, datetime.timedelta(seconds=timeout_s),
                            backend=probe["group_backend"], device=dev)
     log.info("rollout worker %d of %d: joined the trainer at %s", index, size, address)
