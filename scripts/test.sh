@@ -27,9 +27,10 @@ if [ "$given_m" = 0 ]; then set -- -m "$select" "$@"; fi
 if [ "$mode" = default ] && [ "$given_path" = 0 ] && "$venv/bin/python" -c "import xdist" 2>/dev/null; then
   # The whole default suite: the unit tests and the single-process e2e ones in two processes (such a test keeps one
   # core busy; the second would sit idle), whole files per process; then the multi-rank tests one at a time (each
-  # launch already has its ranks on both cores).
+  # launch already has its ranks on both cores). tests/e2e first: its one long file starts while the other process
+  # takes the unit files, not alone at the end.
   rc1=0 rc2=0
-  "$venv/bin/python" -m pytest -n 2 --dist loadfile tests/unit tests/e2e "$@" || rc1=$?
+  "$venv/bin/python" -m pytest -n 2 --dist loadfile tests/e2e tests/unit "$@" || rc1=$?
   "$venv/bin/python" -m pytest tests/distributed "$@" || rc2=$?
   # 5 = no test selected: fine in one half (a -k that matches only unit tests), not in both
   if [ "$rc1" = 5 ] && [ "$rc2" = 5 ]; then exit 5; fi
