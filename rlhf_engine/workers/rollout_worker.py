@@ -121,7 +121,16 @@ def backend_refusal(probe: dict, backend: str) -> str:
                 f"{backend}")
     cls = BACKENDS[probe["backend"]]
     reasons = cls.unavailable(model_config(probe))
-    return f"the {cls.name} generation backend cannot run here: " + "; ".join(reasons) if reasons else ""
+    if reasons:
+        return f"the {cls.name} generation backend cannot run here: " + "; ".join(reasons)
+    if probe.get("environment"):  # the worker plays the episodes: the environment's module must import here
+        from ..envs import load_environment_factory
+
+        try:
+            load_environment_factory(probe["environment"])
+        except ValueError as e:
+            return f"the environment cannot be loaded here (install its package on the worker): {e}"
+    return ""
 
 
 def find_trainer(host: str, port: int, timeout_s: float) -> Any:

@@ -172,7 +172,8 @@ def _probe_workers(cfg: Any, dist: Any, backend: str, model_config: Any) -> Work
     store = comm.open_store(host, port, True, datetime.timedelta(seconds=timeout_s))
     mail = Mailbox(store, timeout_s, address)
     mail.put("probe", {"backend": backend, "config": model_config.to_dict(), "group_backend": kind,
-                       "trainer_gpu": comm.gpu_identity(dist.device)})
+                       "trainer_gpu": comm.gpu_identity(dist.device),
+                       "environment": cfg.env.environment if cfg.env.on else ""})
     store.set("size", str(workers))  # last: a worker that reads the size finds the probe written
     waiting = set(range(workers))
     deadline = time.monotonic() + timeout_s

@@ -219,6 +219,33 @@ def test_a_refusal_stops_the_plan_without_waiting_for_the_other_workers(tiny, di
     assert "rollout worker 0 (of 2, at" in said and "started with --generation_backend vllm" in said
 
 
+def test_a_worker_that_cannot_import_the_environment_is_refused_at_the_probe(tiny, dist_single, tmp_path):
+    """The worker plays the episodes, so `--environment` must import there too: a worker process whose path lacks
+    the tests' environments (`_envs`) says so in the probe and exits 2, before the trainer builds an engine."""
+    import subprocess
+
+    from _support import ROOT, clean_env
+    from rlhf_engine.cli import parse_args
+    from rlhf_engine.errors import ConfigError
+    from rlhf_engine.trainer.plan import plan_ppo
+
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "trainer"))
+    from _trainer_args import train_args
+
+    address = free_address()
+    worker = subprocess.Popen([sys.executable, os.path.join(ROOT, "launch", "rollout_worker.py"), "--rollout_address",
+                               address, "--rollout_timeout_s", "60"], cwd=ROOT, env=clean_env(PYTHONPATH=ROOT),
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    cfg = parse_args(train_args(tiny, str(tmp_path / "run"), rollout_workers=1, rollout_address=address,
+                                rollout_timeout_s=60, environment="_envs:counting", max_turns=2))
+    try:
+        with pytest.raises(ConfigError, match=r"rollout worker 0 .*the environment cannot be loaded here .*_envs"):
+            plan_ppo(cfg)
+    finally:
+        out = worker.communicate(timeout=60)[0]
+    assert worker.returncode == 2, out[-2000:]
+
+
 def test_a_worker_that_never_comes_is_named_with_the_command_that_starts_one(tiny, dist_single, tmp_path):
     from rlhf_engine.cli import parse_args
     from rlhf_engine.errors import ConfigError
