@@ -304,7 +304,7 @@ def serve(address: str, backend: str = "", timeout_s: float = 300.0, idle_timeou
 
 
 # what the trainer's store raises when the trainer went away (a closed connection, a wait that failed)
-_STORE_ERRORS = getattr(torch.distributed, "DistError", RuntimeError)
+_STORE_ERRORS = torch.distributed.DistError
 
 
 def nccl_refusal(group_kind: str, device: torch.device, trainer_gpu: str) -> str:

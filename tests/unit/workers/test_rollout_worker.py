@@ -13,13 +13,18 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from _support import free_address
-from rlhf_engine import comm
-from rlhf_engine.config import TrainConfig
-from rlhf_engine.config.rollout import parse_address
-from rlhf_engine.engine.generation import LeanBackend
-from rlhf_engine.engine.policy_weights import stream_blocks, weight_groups, weights_sha256
-from rlhf_engine.workers.rollout_worker import PlainPolicy, Worker, build_policy, take_broadcast
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "trainer"))
+from _support import free_address  # noqa: E402
+from _trainer_args import train_args  # noqa: E402
+from rlhf_engine import comm  # noqa: E402
+from rlhf_engine.cli import parse_args  # noqa: E402
+from rlhf_engine.errors import ConfigError  # noqa: E402
+from rlhf_engine.trainer.plan import plan_ppo  # noqa: E402
+from rlhf_engine.config import TrainConfig  # noqa: E402
+from rlhf_engine.config.rollout import parse_address  # noqa: E402
+from rlhf_engine.engine.generation import LeanBackend  # noqa: E402
+from rlhf_engine.engine.policy_weights import stream_blocks, weight_groups, weights_sha256  # noqa: E402
+from rlhf_engine.workers.rollout_worker import PlainPolicy, Worker, build_policy, take_broadcast  # noqa: E402
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
 
@@ -177,11 +182,6 @@ def test_the_weight_group_backend_follows_the_trainer_s_device_unless_chosen():
 def _probe(tmp_path, tiny, worker_backend="", **flags):
     """The trainer's plan with one rollout worker (`serve`, in a thread, on the CPU) started with `worker_backend`:
     the ConfigError the plan raises, and the worker's exit code."""
-    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "trainer"))
-    from _trainer_args import train_args
-    from rlhf_engine.cli import parse_args
-    from rlhf_engine.errors import ConfigError
-    from rlhf_engine.trainer.plan import plan_ppo
     from rlhf_engine.workers.rollout_worker import serve
 
     address = free_address()
@@ -225,12 +225,6 @@ def test_a_worker_that_cannot_import_the_environment_is_refused_at_the_probe(tin
     import subprocess
 
     from _support import ROOT, clean_env
-    from rlhf_engine.cli import parse_args
-    from rlhf_engine.errors import ConfigError
-    from rlhf_engine.trainer.plan import plan_ppo
-
-    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "trainer"))
-    from _trainer_args import train_args
 
     address = free_address()
     worker = subprocess.Popen([sys.executable, os.path.join(ROOT, "launch", "rollout_worker.py"), "--rollout_address",
@@ -247,12 +241,6 @@ def test_a_worker_that_cannot_import_the_environment_is_refused_at_the_probe(tin
 
 
 def test_a_worker_that_never_comes_is_named_with_the_command_that_starts_one(tiny, dist_single, tmp_path):
-    from rlhf_engine.cli import parse_args
-    from rlhf_engine.errors import ConfigError
-    from rlhf_engine.trainer.plan import plan_ppo
-
-    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "trainer"))
-    from _trainer_args import train_args
 
     address = free_address()
     cfg = parse_args(train_args(tiny, str(tmp_path / "run"), rollout_workers=2, rollout_address=address,
