@@ -3,8 +3,7 @@
 # (everything not marked slow or gpu; the vllm tests skip, saying why, in this environment). `--slow` runs the slow
 # tests instead; `--vllm` installs the vLLM environment (.venv-vllm) and runs the vllm tests in it. Other arguments
 # go to pytest, e.g. `bash scripts/test.sh tests/unit -q`; the selection below applies unless they give their own -m.
-# Without a path, the default suite runs in two pytest calls: tests/unit and tests/e2e on two processes
-# (pytest-xdist), then tests/distributed.
+# Without a path, the default suite runs in one pytest call on two processes (pytest-xdist).
 set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 mode=default
@@ -25,16 +24,12 @@ for a in "$@"; do
 done
 if [ "$given_m" = 0 ]; then set -- -m "$select" "$@"; fi
 if [ "$mode" = default ] && [ "$given_path" = 0 ] && "$venv/bin/python" -c "import xdist" 2>/dev/null; then
-  # The whole default suite: the unit tests and the single-process e2e ones in two processes (such a test keeps one
-  # core busy; the second would sit idle), whole files per process; then the multi-rank tests one at a time (each
-  # launch already has its ranks on both cores). tests/e2e first: its one long file starts while the other process
-  # takes the unit files, not alone at the end.
-  rc1=0 rc2=0
-  "$venv/bin/python" -m pytest -n 2 --dist loadfile tests/e2e tests/unit "$@" || rc1=$?
-  "$venv/bin/python" -m pytest tests/distributed "$@" || rc2=$?
-  # 5 = no test selected: fine in one half (a -k that matches only unit tests), not in both
-  if [ "$rc1" = 5 ] && [ "$rc2" = 5 ]; then exit 5; fi
-  [ "$rc1" = 5 ] && rc1=0; [ "$rc2" = 5 ] && rc2=0
-  exit $(( rc1 != 0 ? rc1 : rc2 ))
+  # The whole default suite in two processes (pytest-xdist), whole files per process (tests/conftest.py keeps the
+  # files of the shared PPO launches in one process): a multi-rank launch spends much of its time with a core idle
+  # (process start-up, one rank saving, a worker waiting for its trainer, a timeout waited out), which the other
+  # process fills. The multi-rank files first (tests/conftest.py: long launches start early, the many short unit
+  # files even out the end).
+  exec "$venv/bin/python" -m pytest -n 2 --dist loadfile --no-loadscope-reorder tests/distributed tests/e2e \
+    tests/unit "$@"
 fi
 exec "$venv/bin/python" -m pytest "$@"

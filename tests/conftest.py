@@ -60,3 +60,49 @@ def tiny_vllm_tied(tmp_path_factory):
     which a push must repack: engine/generation/vllm_engine.repack_tied_head)."""
     return make_tiny_setup(str(tmp_path_factory.mktemp("tiny_vllm_tied")), arch="llama", pad_is_eos=False, n_head=2,
                            dropout=0.0, tie_embeddings=True)
+
+
+
+def _shared_launch_files() -> set:
+    """The test files that take part in the shared PPO launches (they define `harness_runs`: SharedHarness)."""
+    import glob
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    found = set()
+    for path in glob.glob(os.path.join(root, "tests", "**", "test_*.py"), recursive=True):
+        with open(path) as f:
+            if "\ndef harness_runs(" in f.read():
+                found.add(os.path.relpath(path, root).replace(os.sep, "/"))
+    return found
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config, log):
+    """Under pytest-xdist with `--dist loadfile` (scripts/test.sh): a file's tests run in one process, so its module
+    fixtures (a launch, a model) are built once, and the files of the shared PPO launches run in the same process,
+    so those launches start once (a process of its own would launch every module's runs)."""
+    if config.getvalue("dist") != "loadfile":
+        return None
+    from xdist.scheduler import LoadFileScheduling
+
+    shared = _shared_launch_files()
+
+    class SharedLaunchScheduling(LoadFileScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            path = nodeid.split("::", 1)[0]
+            return "shared PPO launches" if path in shared else path
+
+    return SharedLaunchScheduling(config, log)
+
+
+def pytest_collection_modifyitems(config, items):
+    """Under `--dist loadfile`: the shared launches' files first (the longest scope of work), then the other multi-rank
+    files, then the rest, each in collection order (every xdist process sorts alike: their collections must agree)."""
+    if config.pluginmanager.hasplugin("xdist") and config.getvalue("dist") == "loadfile":
+        shared = _shared_launch_files()
+
+        def rank(item):
+            path = item.nodeid.split("::", 1)[0]
+            return 0 if path in shared else 1 if path.startswith("tests/distributed/") else 2
+
+        items.sort(key=rank)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import time
 from typing import Callable, Optional
 
 import torch
@@ -21,10 +22,12 @@ def run_specs(run_one: Callable[[dict], Optional[dict]], tag: str) -> int:
         spec = json.load(f)
     results = []
     for run in spec["runs"]:
+        t0 = time.perf_counter()
         res = run_one(run)
         if res is not None:
             results.append(res)
-            print(f"[{tag}] run {run['name']} done", flush=True)
+            # the time of each run: where a shared launch's minutes go
+            print(f"[{tag}] run {run['name']} done in {time.perf_counter() - t0:.1f} s", flush=True)
     if torch.distributed.get_rank() == 0:
         with open(args.out, "w") as f:
             json.dump({"runs": results}, f)
