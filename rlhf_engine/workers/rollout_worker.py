@@ -21,6 +21,7 @@ import logging
 import os
 import pickle
 import random
+import socket
 import tempfile
 import time
 from dataclasses import dataclass
@@ -133,20 +134,32 @@ def backend_refusal(probe: dict, backend: str) -> str:
     return ""
 
 
-def find_trainer(host: str, port: int, timeout_s: float) -> Any:
-    """The trainer's store, looked for every few seconds until `timeout_s` (a worker may start before its trainer;
-    one long connection attempt would back off for minutes after the trainer came up)."""
+def find_trainer(host: str, port: int, timeout_s: float, poll_s: float = 0.2) -> Any:
+    """The trainer's store, looked for every `poll_s` until `timeout_s` (a worker may start before its trainer). A
+    plain socket asks first whether anything listens there: a refused connection answers at once, where the store's
+    own client would retry with growing pauses (seconds late to notice the trainer) and log each failed try."""
     deadline = time.monotonic() + timeout_s
+    last: Optional[BaseException] = None
     while True:
-        try:
-            store = comm.open_store(host, port, False, datetime.timedelta(seconds=5))
-            store.set_timeout(datetime.timedelta(seconds=timeout_s))
-            return store
-        except Exception as e:  # noqa: BLE001  (DistNetworkError, or a RuntimeError from older torch)
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"rollout worker: no trainer at {host}:{port} within {timeout_s:.0f} s (start "
-                                   "the trainer with --rollout_workers N --rollout_address HOST:PORT)") from e
-            time.sleep(1.0)
+        if _listening(host, port):
+            try:
+                store = comm.open_store(host, port, False, datetime.timedelta(seconds=5))
+                store.set_timeout(datetime.timedelta(seconds=timeout_s))
+                return store
+            except Exception as e:  # noqa: BLE001  (DistNetworkError, or a RuntimeError from older torch)
+                last = e
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"rollout worker: no trainer at {host}:{port} within {timeout_s:.0f} s (start "
+                               "the trainer with --rollout_workers N --rollout_address HOST:PORT)") from last
+        time.sleep(poll_s)
+
+
+def _listening(host: str, port: int) -> bool:
+    try:
+        with socket.create_connection((host, port), timeout=2.0):
+            return True
+    except OSError:
+        return False
 
 
 class Worker:

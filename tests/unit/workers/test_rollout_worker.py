@@ -258,3 +258,32 @@ def test_nccl_refusals_name_the_cause():
     if torch.cuda.is_available():  # a GPU machine: the trainer's own GPU is refused, by its identity
         gpu = torch.device("cuda", 0)
         assert "NCCL cannot join two processes on one GPU" in nccl_refusal("nccl", gpu, comm.gpu_identity(gpu))
+
+
+_FIND_FIRST = """
+import datetime, sys, threading, time
+from rlhf_engine import comm
+from rlhf_engine.workers.rollout_worker import find_trainer
+host, port = sys.argv[1], int(sys.argv[2])
+served = []
+threading.Timer(6.0, lambda: served.append(comm.open_store(host, port, True, datetime.timedelta(seconds=30)))).start()
+store = find_trainer(host, port, 30.0)
+store.set("joined", "1")
+print("found", served[0].get("joined").decode(), flush=True)
+"""
+
+
+def test_a_worker_started_before_its_trainer_finds_its_store_without_the_store_client_s_failed_tries(tmp_path):
+    """The worker looks for the trainer's store before it listens: it asks with a plain socket until something
+    does, then joins. Before, the store's own client tried (5 s a try, then a growing pause: seconds late to see the
+    trainer) and logged every failed try with a C++ stack: the store comes after 6 s, one such try, and the log must
+    hold none of it."""
+    import subprocess
+
+    from _support import clean_env
+
+    host, port = parse_address(free_address())
+    proc = subprocess.run([sys.executable, "-c", _FIND_FIRST, host, str(port)], env=clean_env(), capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode == 0 and "found 1" in proc.stdout, proc.stdout + proc.stderr[-3000:]
+    assert "c10d" not in proc.stderr and "timed out" not in proc.stderr, proc.stderr[-3000:]
