@@ -273,11 +273,11 @@ def run_example(config: str, out: str, *extra: str, timeout: int = 1500) -> list
 
 
 def run_harness_with_workers(tmp: str, name: str, spec: list, addresses: list) -> dict:
-    """`run_harness` of `spec` on 2 ranks (deepspeed launcher) with one rollout worker per address started after the
+    """`run_harness` of `spec` on 2 ranks (torchrun) with one rollout worker per address started after the
     trainer; the result carries the workers' exit codes (`worker_exit_codes`), waited for whatever the launch did."""
     workers = RolloutWorkers(tmp, addresses)
     try:
-        result = run_harness(tmp, name, spec, 2, "deepspeed")
+        result = run_harness(tmp, name, spec, 2, "torchrun")
     except BaseException:
         workers.wait(timeout=0)  # the runs after a failed one never come for their workers
         raise

@@ -1,4 +1,4 @@
-"""Rollout workers of their own (`--rollout_workers 1`, max_staleness 0): 2 trainer ranks under the deepspeed launcher
+"""Rollout workers of their own (`--rollout_workers 1`, max_staleness 0): 2 trainer ranks under torchrun
 and one worker process per run (3 processes), started after the trainer (a worker that comes late joins). With
 greedy decoding every logged metric equals the colocated run's (lean on the trainer's ranks) over 3 iterations at
 lr > 0: GAE at ZeRO 3, GRPO at ZeRO 2, and a 2-turn environment (GAE, ZeRO 2; its episodes played on the worker):
