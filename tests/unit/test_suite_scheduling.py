@@ -5,10 +5,22 @@ import ast
 import glob
 import os
 
+import importlib.util
+
 import pytest
 
-import conftest
 from _support import ROOT
+
+
+def _root_conftest():
+    # by its path: the module name "conftest" belongs to whichever conftest.py the session imported first
+    spec = importlib.util.spec_from_file_location("_root_conftest", os.path.join(ROOT, "tests", "conftest.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+conftest = _root_conftest()
 
 
 def _declares_harness_runs(path: str) -> bool:
