@@ -3,7 +3,7 @@
 # (everything not marked slow or gpu; the vllm tests skip, saying why, in this environment). `--slow` runs the slow
 # tests instead; `--vllm` installs the vLLM environment (.venv-vllm) and runs the vllm tests in it. Other arguments
 # go to pytest, e.g. `bash scripts/test.sh tests/unit -q`; the selection below applies unless they give their own -m.
-# Without a path, the default suite runs in one pytest call on two processes (pytest-xdist).
+# Without a path, the default suite (or the vLLM job) runs in one pytest call on two processes (pytest-xdist).
 set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 mode=default
@@ -23,12 +23,12 @@ for a in "$@"; do
   case $a in -*) ;; *) [ -e "${a%%::*}" ] && given_path=1 ;; esac
 done
 if [ "$given_m" = 0 ]; then set -- -m "$select" "$@"; fi
-if [ "$mode" = default ] && [ "$given_path" = 0 ] && "$venv/bin/python" -c "import xdist" 2>/dev/null; then
-  # The whole default suite in two processes (pytest-xdist), whole files per process (tests/conftest.py keeps the
-  # files of the shared PPO launches in one process): a multi-rank launch spends much of its time with a core idle
-  # (process start-up, one rank saving, a worker waiting for its trainer, a timeout waited out), which the other
-  # process fills. The multi-rank files first (tests/conftest.py: long launches start early, the many short unit
-  # files even out the end).
+if [ "$mode" != slow ] && [ "$given_path" = 0 ] && "$venv/bin/python" -c "import xdist" 2>/dev/null; then
+  # The whole default suite (or the vLLM job) in two processes (pytest-xdist), whole files per process
+  # (tests/conftest.py keeps the files of the shared PPO launches in one process): a multi-rank launch spends much of
+  # its time with a core idle (process start-up, one rank saving, a worker waiting for its trainer, a timeout waited
+  # out), which the other process fills. The multi-rank files first (tests/conftest.py: long launches start early,
+  # the many short unit files even out the end).
   exec "$venv/bin/python" -m pytest -n 2 --dist loadfile --no-loadscope-reorder tests/distributed tests/e2e \
     tests/unit "$@"
 fi
