@@ -62,7 +62,6 @@ def tiny_vllm_tied(tmp_path_factory):
                            dropout=0.0, tie_embeddings=True)
 
 
-
 def _shared_launch_files() -> set:
     """The test files that take part in the shared PPO launches (they define `harness_runs`: SharedHarness)."""
     import glob
