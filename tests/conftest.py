@@ -1,3 +1,4 @@
+import functools
 import os
 
 # Before torch/deepspeed are imported anywhere in the test process.
@@ -62,7 +63,8 @@ def tiny_vllm_tied(tmp_path_factory):
                            dropout=0.0, tie_embeddings=True)
 
 
-def _shared_launch_files() -> set:
+@functools.lru_cache(maxsize=None)  # the scheduler and the collection hook both ask, in the same process
+def _shared_launch_files() -> frozenset:
     """The test files that take part in the shared PPO launches (they define `harness_runs`: SharedHarness)."""
     import glob
 
@@ -72,7 +74,7 @@ def _shared_launch_files() -> set:
         with open(path) as f:
             if "\ndef harness_runs(" in f.read():
                 found.add(os.path.relpath(path, root).replace(os.sep, "/"))
-    return found
+    return frozenset(found)
 
 
 @pytest.hookimpl(optionalhook=True)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import datetime
 import os
+import subprocess
 import sys
 import threading
 
@@ -14,7 +15,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "trainer"))
-from _support import free_address  # noqa: E402
+from _support import ROOT, clean_env, free_address  # noqa: E402
 from _trainer_args import train_args  # noqa: E402
 from rlhf_engine import comm  # noqa: E402
 from rlhf_engine.cli import parse_args  # noqa: E402
@@ -222,10 +223,6 @@ def test_a_refusal_stops_the_plan_without_waiting_for_the_other_workers(tiny, di
 def test_a_worker_that_cannot_import_the_environment_is_refused_at_the_probe(tiny, dist_single, tmp_path):
     """The worker plays the episodes, so `--environment` must import there too: a worker process whose path lacks
     the tests' environments (`_envs`) says so in the probe and exits 2, before the trainer builds an engine."""
-    import subprocess
-
-    from _support import ROOT, clean_env
-
     address = free_address()
     worker = subprocess.Popen([sys.executable, os.path.join(ROOT, "launch", "rollout_worker.py"), "--rollout_address",
                                address, "--rollout_timeout_s", "60"], cwd=ROOT, env=clean_env(PYTHONPATH=ROOT),
@@ -261,7 +258,7 @@ def test_nccl_refusals_name_the_cause():
 
 
 _FIND_FIRST = """
-import datetime, sys, threading, time
+import datetime, sys, threading
 from rlhf_engine import comm
 from rlhf_engine.workers.rollout_worker import find_trainer
 host, port = sys.argv[1], int(sys.argv[2])
@@ -278,10 +275,6 @@ def test_a_worker_started_before_its_trainer_finds_its_store_without_the_store_c
     does, then joins. Before, the store's own client tried (5 s a try, then a growing pause: seconds late to see the
     trainer) and logged every failed try with a C++ stack: the store comes after 6 s, one such try, and the log must
     hold none of it."""
-    import subprocess
-
-    from _support import clean_env
-
     host, port = parse_address(free_address())
     proc = subprocess.run([sys.executable, "-c", _FIND_FIRST, host, str(port)], env=clean_env(), capture_output=True,
                           text=True, timeout=120)
