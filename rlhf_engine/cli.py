@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import json
 import os
 import sys
@@ -61,16 +62,21 @@ def _bool(s: str) -> bool:
     raise argparse.ArgumentTypeError(f"expected true/false, got {s!r}")
 
 
+@functools.lru_cache(maxsize=None)
+def _hints(cls: type) -> dict:
+    """A config class's resolved field types (resolving them is slow: once per class, not per field)."""
+    return typing.get_type_hints(cls)
+
+
 def _arg_type(f: dataclasses.Field, owner: Any):
-    hints = typing.get_type_hints(type(owner))
-    t = hints[f.name]
+    t = _hints(type(owner))[f.name]
     if typing.get_origin(t) is typing.Union:  # Optional[X]
         t = next(a for a in typing.get_args(t) if a is not type(None))
     return t
 
 
 def _is_optional(f: dataclasses.Field, owner: Any) -> bool:
-    t = typing.get_type_hints(type(owner))[f.name]
+    t = _hints(type(owner))[f.name]
     return typing.get_origin(t) is typing.Union and type(None) in typing.get_args(t)
 
 
