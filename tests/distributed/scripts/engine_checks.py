@@ -19,7 +19,6 @@ an extra stop token within 3 tokens while rank 1's never do: under ZeRO-3 rank 0
 from __future__ import annotations
 
 import argparse
-import gc
 import json
 import os
 import sys
@@ -34,6 +33,7 @@ from rlhf_engine.assets import tiny_prompts  # noqa: E402
 from rlhf_engine.config import TrainConfig  # noqa: E402
 from rlhf_engine.engine import RLHFEngine, init_distributed, load_tokenizer, plan_engine  # noqa: E402
 from rlhf_engine.rollout import Rollout, pad_prompts, position_ids_from_mask  # noqa: E402
+from spec_runner import settle  # noqa: E402
 
 MAX_NEW = 8  # max_answer_seq_len of every placement
 STEPS = 2  # optimizer steps per trained role and placement
@@ -311,7 +311,7 @@ def run_placement(name: str, args, plan: dict, dist, results: dict, start_folder
     res["total_s"] = time.time() - t0
     results["placements"][name] = res
     del e
-    gc.collect()
+    settle()  # spec_runner.py
 
 
 def reload_export(out_dir: str, r: Rollout, post: dict) -> dict:

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import gc
 import json
 import os
 import sys
@@ -32,6 +31,7 @@ from rlhf_engine.engine import RLHFEngine, init_distributed  # noqa: E402
 from rlhf_engine.engine.generation import BACKENDS  # noqa: E402
 from rlhf_engine.engine.preflight import plan_engine  # noqa: E402
 from rlhf_engine.rollout import Rollout, pad_prompts  # noqa: E402
+from spec_runner import settle  # noqa: E402
 
 LR = 1e-2
 
@@ -159,7 +159,7 @@ def run_lora(name: str, stage: int, args, dist) -> dict:
     torch.distributed.barrier()
     res["total_s"] = time.time() - t0
     del e
-    gc.collect()
+    settle()  # spec_runner.py
     return res
 
 
@@ -304,7 +304,7 @@ def run_ema_and_gather(args, dist) -> dict:
     res["actor_params"] = len(list(e.actor.module.parameters()))
     res["total_s"] = time.time() - t0
     del e
-    gc.collect()
+    settle()  # spec_runner.py
     return res
 
 

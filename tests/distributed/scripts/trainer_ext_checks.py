@@ -19,9 +19,9 @@ launch/train_ppo.py's `main` in this process with RLHF_ENGINE_TEST_INJECT_NONFIN
 its return code (the test checks the code the deepspeed launcher reports).
 """
 from __future__ import annotations
+from spec_runner import settle  # noqa: E402
 
 import argparse
-import gc
 import hashlib
 import importlib.util
 import json
@@ -34,6 +34,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.a
 sys.path.insert(0, ROOT)
 
 import torch  # noqa: E402
+
+from spec_runner import settle  # noqa: E402
 
 
 def digest(tensors) -> str:
@@ -101,7 +103,7 @@ def run_one(spec: dict):
     per_rank = gather(mine)
     trainer.guard.remove_hooks()
     del trainer
-    gc.collect()
+    settle()  # spec_runner.py
     return {"name": spec["name"], "records": records, "ranks": per_rank}
 
 
