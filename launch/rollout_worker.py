@@ -13,6 +13,7 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from rlhf_engine.cli import freeze_startup  # noqa: E402
 from rlhf_engine.workers.rollout_worker import serve  # noqa: E402
 
 
@@ -37,4 +38,5 @@ def _cuda() -> bool:
 
 
 if __name__ == "__main__":
+    freeze_startup()
     sys.exit(main())

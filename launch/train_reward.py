@@ -10,7 +10,7 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from rlhf_engine.cli import exit_process, run_main  # noqa: E402
+from rlhf_engine.cli import exit_process, freeze_startup, run_main  # noqa: E402
 from rlhf_engine.hooks import TestHooks  # noqa: E402
 from rlhf_engine.config import RewardTrainConfig  # noqa: E402
 from rlhf_engine.trainer import run_reward_model  # noqa: E402
@@ -22,4 +22,5 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
+    freeze_startup()
     exit_process(main())  # the process group torn down on every rank together: no gloo abort at exit

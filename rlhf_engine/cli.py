@@ -294,6 +294,18 @@ def _run(argv: list, description: str, config_cls: type, run: Callable[..., Any]
     return EXIT_OK
 
 
+def freeze_startup() -> None:
+    """The start of a launch script's `__main__` (never in-process: frozen objects are never collected): collect,
+    then move what is alive (the imported modules, torch's and transformers' included, which live to the end of the
+    process) to the collector's permanent generation, out of every later full collection's scan. DeepSpeed collects
+    explicitly in its ZeRO set-up, and each full collection scanned ~400k objects of the imports (about 0.2 s);
+    measured on 2-rank tiny PPO runs: 1-2 s of CPU (about 10%) less per launch."""
+    import gc
+
+    gc.collect()
+    gc.freeze()
+
+
 def exit_process(rc: int) -> None:
     """The end of a launch script's `__main__` (never in-process): tear the process group down on every rank
     together, then exit with `rc`. A clean code (`errors.CLEAN_EXIT_CODES`) means every rank got here: a barrier
