@@ -8,8 +8,10 @@ demo=0
 root=$(cd "$(dirname "$0")/.." && pwd)
 
 # install VENV PIP-ARGS...: through uv when it can be had (the two environments' installs took 79 s and about 150 s
-# with pip here, 8 s and 12 s with uv), with the package sources pip is configured with (scripts/uv_args.py);
-# pip when uv cannot be installed or fails. RLHF_INSTALL_WITH=pip forces pip.
+# with pip here, 32 s and 41 s with uv), with the package sources pip is configured with (scripts/uv_args.py);
+# pip when uv cannot be installed or fails. RLHF_INSTALL_WITH=pip forces pip. --compile-bytecode as pip does: where
+# PYTHONDONTWRITEBYTECODE is set (this machine), every process would otherwise compile deepspeed and pydantic from
+# source at each import (a multi-rank test file took 1.6x as long).
 install() {
   local venv=$1; shift
   if [ "${RLHF_INSTALL_WITH:-uv}" = uv ] && "$venv/bin/pip" install -q "uv==0.13.9" 2>/dev/null; then
@@ -17,7 +19,7 @@ install() {
     while IFS= read -r line; do
       case $line in SSL_CERT_FILE=*) export "$line" ;; *) args+=("$line") ;; esac
     done < <("$venv/bin/pip" config list 2>/dev/null | "$venv/bin/python" "$root/scripts/uv_args.py")
-    if "$venv/bin/uv" pip install -q --python "$venv/bin/python" "${args[@]}" "$@"; then return 0; fi
+    if "$venv/bin/uv" pip install -q --compile-bytecode --python "$venv/bin/python" "${args[@]}" "$@"; then return 0; fi
     echo "[install] uv failed (above); installing with pip instead" >&2
   fi
   "$venv/bin/pip" install -q "$@"
