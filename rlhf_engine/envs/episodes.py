@@ -183,7 +183,8 @@ class EpisodeRunner:
         return episodes
 
     def _fail(self, e: Episode, message: str, stats: EpisodeStats, failure: list) -> None:
-        e.over, e.error = True, message
+        # an episode that failed is an error, not also truncated (its last turn may have filled the room)
+        e.over, e.error, e.truncated = True, message, False
         stats.errors += 1
         if self.on_error == "stop" and not failure:
             failure.append(EnvironmentFailure(message + " (env_errors 'score_zero' ends such an episode there, "

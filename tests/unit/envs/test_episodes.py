@@ -85,6 +85,20 @@ def test_score_zero_keeps_going_and_counts(tiny, dist_single, tmp_path):
     assert float(t.last_experience.scores.abs().sum()) == 0.0
 
 
+def test_an_episode_whose_environment_fails_on_a_room_filling_turn_counts_as_an_error_only(tiny, dist_single,
+                                                                                          tmp_path):
+    """Turn 1 fills the episode's room (8 tokens, no stop tokens) and its environment step raises (score_zero): each
+    episode is an error, not also truncated (before, all 4 counted in both)."""
+    t = trainer_for(tiny, tmp_path, environment="_envs:raising", env_errors="score_zero", max_steps=1,
+                    max_answer_seq_len=8, max_episode_tokens=8, stop_token_ids=[], do_sample="false")
+    rec = t.step()
+    assert rec["env/errors"] == 4 and rec["env/turns_mean"] == 1.0
+    assert rec["env/truncated_rate"] == 0.0
+    t = trainer_for(tiny, tmp_path / "control", max_steps=1, max_answer_seq_len=8, max_episode_tokens=8,
+                    stop_token_ids=[], do_sample="false")  # the same turn with a working environment: truncated
+    assert t.step()["env/truncated_rate"] == 1.0
+
+
 @pytest.mark.parametrize("flags, field", [
     (dict(reward_fn="rlhf_engine.rewards.sentiment:vader_positive"), "reward_fn"),
     (dict(min_answer_seq_len=2), "min_answer_seq_len"),
