@@ -22,13 +22,16 @@ Expected answer: {"scores": [float, ...]}, one finite float per response, in ord
 Each attempt has a deadline of `timeout_s`, from connecting to the answer's last byte: a watchdog shuts the socket at
 the deadline, so a server that trickles its answer cannot stretch an attempt. Connection errors, timeouts, broken
 answers (http.client's IncompleteRead, RemoteDisconnected, ...), 5xx, 408 and 429 answers are retried `retries`
-times with exponential backoff (0.5 s, 1 s, 2 s, ...); other 4xx answers are not. What still fails raises
+times with exponential backoff (0.5 s, 1 s, 2 s, ...), or after the answer's `Retry-After` (seconds or an HTTP date)
+when that is longer, up to MAX_RETRY_AFTER_S; other 4xx answers are not. What still fails raises
 `RewardFunctionError` naming the URL and the last failure, as does an answer with the wrong number of scores or a
 non-finite one. The connection goes straight to the URL's host (proxy variables are not read).
 """
 from __future__ import annotations
 
 import contextlib
+import datetime
+import email.utils
 import http.client
 import json
 import math
@@ -45,6 +48,7 @@ from .reward_inputs import vocab_fingerprint
 
 BACKOFF_S = 0.5  # first pause between attempts; doubled after each
 RETRIED_STATUS = (408, 429)  # besides 5xx: the server asks for another try
+MAX_RETRY_AFTER_S = 60.0  # the longest pause a server's Retry-After gets (the trainer's ranks wait meanwhile)
 
 
 class _Expired(Exception):
@@ -113,12 +117,13 @@ class RemoteReward:
 
     def _post(self, body: bytes) -> Any:
         headers = dict(self._headers, **{"X-Request-Id": uuid.uuid4().hex})  # one id for every retry of the batch
-        last = ""
+        last, asked = "", 0.0  # asked: the last answer's Retry-After, in seconds
         for attempt in range(self.retries + 1):
             if attempt:
-                time.sleep(BACKOFF_S * 2 ** (attempt - 1))
+                time.sleep(max(BACKOFF_S * 2 ** (attempt - 1), min(asked, MAX_RETRY_AFTER_S)))
+            asked = 0.0
             try:
-                status, reason, raw = self._attempt(body, headers)
+                status, reason, raw, asked = self._attempt(body, headers)
             except _Expired:
                 last = f"no answer within {self.timeout_s:g} s"
                 continue
@@ -142,8 +147,9 @@ class RemoteReward:
         raise RewardFunctionError(f"reward server {self.url} failed after {tries} (--reward_retries "
                                   f"{self.retries}, --reward_timeout_s {self.timeout_s:g}); last: {last}")
 
-    def _attempt(self, body: bytes, headers: dict) -> tuple[int, str, bytes]:
-        """One POST -> (status, reason, body), all of it within `timeout_s` (raises _Expired past it)."""
+    def _attempt(self, body: bytes, headers: dict) -> tuple[int, str, bytes, float]:
+        """One POST -> (status, reason, body, Retry-After in seconds or 0), all of it within `timeout_s` (raises
+        _Expired past it)."""
         scheme, host, port, path = self._target
         cls = http.client.HTTPSConnection if scheme == "https" else http.client.HTTPConnection
         conn = cls(host, port, timeout=self.timeout_s)  # each socket operation; the watchdog bounds their sum
@@ -174,7 +180,7 @@ class RemoteReward:
                 raise _Expired
             if response.length:  # closed before the length it announced
                 raise http.client.IncompleteRead(b"".join(chunks), response.length)
-            return response.status, response.reason, b"".join(chunks)
+            return response.status, response.reason, b"".join(chunks), retry_after(response.getheader("Retry-After"))
         except (OSError, http.client.HTTPException) as e:
             if expired.is_set() or isinstance(e, TimeoutError):  # a socket timeout may beat the watchdog's thread
                 raise _Expired from None
@@ -182,6 +188,23 @@ class RemoteReward:
         finally:
             watchdog.cancel()
             conn.close()
+
+
+def retry_after(value: Optional[str]) -> float:
+    """A Retry-After header -> seconds to wait (0: none, or one that cannot be read): delay-seconds or an HTTP date."""
+    if not value:
+        return 0.0
+    try:
+        return max(0.0, float(value))
+    except ValueError:
+        pass
+    try:
+        when = email.utils.parsedate_to_datetime(value)
+    except (TypeError, ValueError):
+        return 0.0
+    if when.tzinfo is None:  # an HTTP date is GMT
+        when = when.replace(tzinfo=datetime.timezone.utc)
+    return max(0.0, (when - datetime.datetime.now(datetime.timezone.utc)).total_seconds())
 
 
 def rollout_block(rollout: Any, tokenizer: Any) -> dict:

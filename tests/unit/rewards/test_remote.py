@@ -96,6 +96,54 @@ def test_a_server_that_fails_once_then_answers_is_retried_under_the_same_request
         stop()
 
 
+def _busy_then_scores(header_value, seen):
+    """A server that answers 503 with `Retry-After: header_value` once, then scores; `seen` gets each arrival time."""
+    def behaviour(handler, body, n):
+        seen.append(time.monotonic())
+        if n == 1:
+            data = b'{"error": "busy"}'
+            handler.send_response(503)
+            handler.send_header("Retry-After", header_value)
+            handler.send_header("Content-Length", str(len(data)))
+            handler.end_headers()
+            return handler.wfile.write(data)
+        scores_by_length(handler, body, n)
+    return behaviour
+
+
+@pytest.mark.parametrize("form", ["seconds", "http date"])
+def test_a_503_s_retry_after_is_waited_for_before_the_retry(form):
+    """The retry comes after the server's Retry-After (1.5 s; the backoff here is 0.05 s), given in seconds or as an
+    HTTP date. Before, the client ignored it and came back after its own backoff."""
+    import email.utils
+
+    seen = []
+    value = "1.5" if form == "seconds" else email.utils.formatdate(time.time() + 2.5, usegmt=True)  # whole seconds
+    url, calls, stop = serve(_busy_then_scores(value, seen))
+    try:
+        assert RemoteReward(url, timeout_s=5, retries=1)(PROMPTS, RESPONSES) == [1.0, 15.0]
+        assert len(seen) == 2 and seen[1] - seen[0] >= 1.4
+    finally:
+        stop()
+
+
+def test_a_retry_after_past_the_cap_waits_the_cap(monkeypatch):
+    monkeypatch.setattr(remote, "MAX_RETRY_AFTER_S", 0.3)
+    seen = []
+    url, calls, stop = serve(_busy_then_scores("3600", seen))
+    try:
+        assert RemoteReward(url, timeout_s=5, retries=1)(PROMPTS, RESPONSES) == [1.0, 15.0]
+        assert 0.25 <= seen[1] - seen[0] < 30
+    finally:
+        stop()
+
+
+@pytest.mark.parametrize("value, seconds", [("", 0.0), ("2", 2.0), ("0.5", 0.5), ("-3", 0.0), ("soon", 0.0),
+                                            ("Wed, 21 Oct 2015 07:28:00 GMT", 0.0)])
+def test_retry_after_values(value, seconds):
+    assert remote.retry_after(value) == seconds
+
+
 def test_a_server_that_answers_500_stops_after_the_retries_naming_url_and_status():
     url, calls, stop = serve(lambda h, b, n: answer(h, 500, {"error": "reward model crashed"}))
     try:
