@@ -11,6 +11,7 @@
 """
 import json
 import os
+import re
 
 import pytest
 
@@ -101,4 +102,7 @@ def test_k_consecutive_skips_exit_3_through_the_deepspeed_launcher(ext):
     proc, _ = ext
     out = proc.stdout + proc.stderr
     assert proc.returncode == 3, out[-6000:]
-    assert "TooManySkippedSteps: rank 0, iteration 1: 2 updates in a row were skipped" in out, out[-6000:]
+    # every rank stops in iteration 1 with this line, but the launcher kills the other ranks as soon as one exits
+    # non-zero: the line of whichever rank got there first (rank 1's alone, seen in a fresh-clone CI run)
+    assert re.search(r"error: TooManySkippedSteps: rank [01], iteration 1: 2 updates in a row were skipped", out), \
+        out[-6000:]
