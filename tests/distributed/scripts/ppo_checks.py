@@ -29,7 +29,6 @@ engine.actor_forward), so it sees another left padding than the experience forwa
 from __future__ import annotations
 
 import dataclasses
-import gc
 import os
 import sys
 import time
@@ -38,7 +37,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirna
 
 import torch  # noqa: E402
 from rlhf_engine.trainer.reward_sources import RewardFnSource  # noqa: E402
-from spec_runner import run_specs  # noqa: E402
+from spec_runner import run_specs, settle  # noqa: E402
 
 
 def fraction_reward(lo: int, hi: int):
@@ -209,7 +208,7 @@ def run_one(spec: dict) -> dict | None:
             "ranks": per_rank,
         }
     del trainer, engine, before, after
-    gc.collect()
+    settle()  # spec_runner.py
     return result
 
 

@@ -24,7 +24,6 @@ checks' results.
 """
 from __future__ import annotations
 
-import gc
 import hashlib
 import os
 import sys
@@ -32,7 +31,7 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))))
 
 import torch  # noqa: E402
-from spec_runner import run_specs  # noqa: E402
+from spec_runner import run_specs, settle  # noqa: E402
 
 
 class Preempted(Exception):
@@ -149,7 +148,7 @@ def run_one(spec: dict) -> dict | None:
         for role, sd in final.items():
             torch.save(sd, os.path.join(cfg.run.output_dir, f"final_{role}.pt"))
     del trainer, engine, final
-    gc.collect()
+    settle()  # spec_runner.py
     return result if torch.distributed.get_rank() == 0 else None
 
 

@@ -5,7 +5,6 @@
 from __future__ import annotations
 
 import argparse
-import gc
 import json
 import time
 from typing import Callable, Optional
@@ -14,12 +13,13 @@ import torch
 
 
 def settle() -> None:
-    """After a run (its objects deleted): collect its cycles, then freeze what survives. That (modules, caches) lives
-    to the end of the process, and frozen it is out of every later collection's scan: a full gc.collect of the
-    imported stack costs about 0.2 s, and the runs and DeepSpeed's ZeRO-3 set-up collect often (the shared 2-rank
-    PPO launch: 90 -> 75 s)."""
-    gc.collect()
-    gc.freeze()
+    """The end of a harness run (its objects deleted): collect its cycles, then freeze what survives, as the launch
+    scripts do at start-up (`cli.freeze_startup`). What outlives a run (modules, caches) lives to the end of the
+    process; frozen, it is out of every later collection's scan, and the runs and DeepSpeed's ZeRO-3 set-up collect
+    often (the shared 2-rank PPO launch: 90 -> 75 s)."""
+    from rlhf_engine.cli import freeze_startup
+
+    freeze_startup()
 
 
 def run_specs(run_one: Callable[[dict], Optional[dict]], tag: str) -> int:
@@ -34,7 +34,6 @@ def run_specs(run_one: Callable[[dict], Optional[dict]], tag: str) -> int:
     for run in spec["runs"]:
         t0 = time.perf_counter()
         res = run_one(run)
-        gc.freeze()  # see settle(): run_one collected its run's cycles
         if res is not None:
             results.append(res)
             # the time of each run: where a shared launch's minutes go

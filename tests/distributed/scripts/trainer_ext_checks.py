@@ -19,7 +19,6 @@ launch/train_ppo.py's `main` in this process with RLHF_ENGINE_TEST_INJECT_NONFIN
 its return code (the test checks the code the deepspeed launcher reports).
 """
 from __future__ import annotations
-from spec_runner import settle  # noqa: E402
 
 import argparse
 import hashlib
