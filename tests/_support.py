@@ -115,9 +115,15 @@ def clean_env(**extra: str) -> dict:
 
 def launch(script: str, args: list[str], nproc: int = 2, launcher: str = "deepspeed", timeout: int = 600,
            env: dict | None = None) -> subprocess.CompletedProcess:
-    """Run `script` on `nproc` ranks (deepspeed launcher, torchrun, or a plain single process) and capture output."""
+    """Run `script` on `nproc` ranks (deepspeed launcher, torchrun, a plain single process, or "fork": ranks forked
+    from a process that imported the stack once, where the launcher is not under test: tests/_forked.py) and capture
+    output."""
     from rlhf_engine.engine.distributed import free_port
 
+    if launcher == "fork":
+        import _forked
+
+        return _forked.run(script, args, nproc, clean_env(**(env or {})), ROOT, timeout)
     bindir = os.path.dirname(sys.executable)
     port = str(free_port())
     if launcher == "deepspeed":
@@ -157,7 +163,7 @@ class SharedHarness:
     for several files' runs (CI time). Only the modules with tests selected in this session take part. A module's
     fixture asks for its results with `runs(__name__, group)`."""
 
-    GROUPS = {"two_rank": (2, "torchrun"), "one_rank": (1, "python")}
+    GROUPS = {"two_rank": (2, "fork"), "one_rank": (1, "fork")}  # tests/_forked.py: the launcher is not under test
 
     def __init__(self, session, tiny, tmp_path_factory):
         self.session, self.tiny, self.tmp_path_factory = session, tiny, tmp_path_factory
@@ -272,12 +278,14 @@ def run_example(config: str, out: str, *extra: str, timeout: int = 1500) -> list
         return [json.loads(line) for line in f]
 
 
-def run_harness_with_workers(tmp: str, name: str, spec: list, addresses: list) -> dict:
-    """`run_harness` of `spec` on 2 ranks (torchrun) with one rollout worker per address started after the
-    trainer; the result carries the workers' exit codes (`worker_exit_codes`), waited for whatever the launch did."""
-    workers = RolloutWorkers(tmp, addresses)
+def run_harness_with_workers(tmp: str, name: str, spec: list, addresses: list, forked: bool = True) -> dict:
+    """`run_harness` of `spec` on 2 ranks with one rollout worker per address started after the trainer; the result
+    carries the workers' exit codes (`worker_exit_codes`), waited for whatever the launch did. Ranks and workers
+    forked from the fork server (tests/_forked.py), or with `forked` False under torchrun and `python` (the vLLM
+    job: its engine is not in the fork server's preload)."""
+    workers = RolloutWorkers(tmp, addresses, forked=forked)
     try:
-        result = run_harness(tmp, name, spec, 2, "torchrun")
+        result = run_harness(tmp, name, spec, 2, "fork" if forked else "torchrun")
     except BaseException:
         workers.wait(timeout=0)  # the runs after a failed one never come for their workers
         raise
@@ -288,22 +296,30 @@ def run_harness_with_workers(tmp: str, name: str, spec: list, addresses: list) -
 
 
 class RolloutWorkers:
-    """One rollout worker process per address (launch/rollout_worker.py, this interpreter), started `delay` seconds
-    from now (after the trainer: a worker that comes late joins); `wait()` gives their exit codes."""
+    """One rollout worker process per address (launch/rollout_worker.py), started `delay` seconds from now (after
+    the trainer: a worker that comes late joins); `wait()` gives their exit codes. Forked from the tests' fork
+    server (tests/_forked.py) unless `forked` is False: then `python launch/rollout_worker.py`, as a user starts it."""
 
-    def __init__(self, tmp: str, addresses: list, delay: float = 3.0):
-        self.tmp, self.addresses, self.procs, self.logs = tmp, addresses, [], []
+    def __init__(self, tmp: str, addresses: list, delay: float = 3.0, forked: bool = True):
+        self.tmp, self.addresses, self.forked, self.procs, self.logs = tmp, addresses, forked, [], []
         self.thread = threading.Thread(target=self._start, args=(delay,))
         self.thread.start()
 
     def _start(self, delay: float) -> None:
         time.sleep(delay)
+        script = os.path.join(ROOT, "launch", "rollout_worker.py")
         for i, address in enumerate(self.addresses):
-            log = open(os.path.join(self.tmp, f"worker_{i}.log"), "w")
+            args = ["--rollout_address", address, "--rollout_timeout_s", "600"]
+            path = os.path.join(self.tmp, f"worker_{i}.log")
+            if self.forked:
+                import _forked
+
+                self.procs.append(_forked.spawn(script, args, clean_env(), ROOT, path, path))
+                continue
+            log = open(path, "w")
             self.logs.append(log)
-            self.procs.append(subprocess.Popen([sys.executable, os.path.join(ROOT, "launch", "rollout_worker.py"),
-                                                "--rollout_address", address, "--rollout_timeout_s", "600"],
-                                               cwd=ROOT, env=clean_env(), stdout=log, stderr=subprocess.STDOUT))
+            self.procs.append(subprocess.Popen([sys.executable, script, *args], cwd=ROOT, env=clean_env(), stdout=log,
+                                               stderr=subprocess.STDOUT))
 
     def wait(self, timeout: float = 60) -> list:
         self.thread.join()
@@ -312,8 +328,10 @@ class RolloutWorkers:
             try:
                 codes.append(w.wait(timeout=timeout))
             except subprocess.TimeoutExpired:
+                codes.append(None)
+            if codes[-1] is None:  # still running after the timeout
                 w.kill()
-                codes.append("hung")
+                codes[-1] = "hung"
         for log in self.logs:
             log.close()
         return codes

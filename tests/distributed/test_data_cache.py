@@ -17,7 +17,7 @@ def test_local_rank_0_builds_the_other_rank_reads_and_errors_reach_every_rank(tm
     (tmp_path / "prompts.jsonl").write_text("".join(json.dumps({"prompt": p}) + "\n" for p in assets.tiny_prompts(10)))
     (tmp_path / "bad.jsonl").write_text('{"prompt": "fine"}\n{"prompt": ""}\n')
     out = str(tmp_path / "res")
-    check(launch(SCRIPT, ["--tokenizer", tok, "--work", str(tmp_path), "--out", out], launcher="torchrun"))
+    check(launch(SCRIPT, ["--tokenizer", tok, "--work", str(tmp_path), "--out", out], launcher="fork"))
     r0, r1 = (json.loads(open(f"{out}.rank{r}").read()) for r in (0, 1))
     assert (r0["local_rank"], r1["local_rank"]) == (0, 1)
     assert r0["status"] == ["built", "read", "off"]  # local rank 0 built, then read its entry

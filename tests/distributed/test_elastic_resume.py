@@ -1,4 +1,4 @@
-"""Resume on another world size with the same global batch (CPU, gloo, torchrun), ZeRO's partitioned
+"""Resume on another world size with the same global batch (CPU, gloo, forked ranks: tests/_forked.py), ZeRO's partitioned
 optimizer state going through DeepSpeed's universal checkpoints. In the default suite: 2 ranks resume on 1 with
 PPO-ptx on, converted ahead by launch/convert_checkpoint.py (nothing converted again by the resume), and 1 rank
 resumes on 2, converted by rank 0 during the resume while rank 1 waits. Slow (release checks): the 1 -> 2 resume with
@@ -39,7 +39,7 @@ def _elastic(tiny, tmp_path, first: int, second: int, stage: int, dtype: str = "
     zero = dict(actor_zero_stage=stage, critic_zero_stage=stage, dtype=dtype, **(_ptx_docs(tmp_path) if ptx else {}))
     saved, loaded = str(tmp_path / "saved.pt"), str(tmp_path / "loaded.pt")
     check(launch(HARNESS, ["--out", saved, "--after", "--", *ppo_args(tiny, out, max_steps=2, **zero, **RUN,
-                                                                      **PER_WORLD[first])], nproc=first, launcher="torchrun"))
+                                                                      **PER_WORLD[first])], nproc=first, launcher="fork"))
     done = os.path.join(out, "checkpoints", "iter_000002", "universal", "actor.done")
     assert not os.path.exists(done)  # nothing converted yet: the offline command or the resume does it
     if offline:  # converted ahead of the resume by the offline command: the resume converts nothing again
@@ -49,7 +49,7 @@ def _elastic(tiny, tmp_path, first: int, second: int, stage: int, dtype: str = "
         converted_at = os.stat(done).st_mtime_ns
     proc = check(launch(HARNESS, ["--out", loaded, *resume_flags, "--",
                                   *ppo_args(tiny, out, max_steps=3, resume="auto", **zero, **RUN, **PER_WORLD[second],
-                                            **(resume_args or {}))], nproc=second, launcher="torchrun"))
+                                            **(resume_args or {}))], nproc=second, launcher="fork"))
     a, b = torch.load(saved, weights_only=True), torch.load(loaded, weights_only=True)
     assert (a["world_size"], b["world_size"], b["iteration"]) == (first, second, 3)
     for role, parts in a["state"].items():

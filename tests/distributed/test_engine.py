@@ -72,7 +72,7 @@ def run_checks(root, arch: str, placements: list, export: list, alone: list, neg
             "--placements", ",".join(placements), "--export", ",".join(export), "--alone", ",".join(alone)]
     if negative_control:
         args.append("--negative_control")
-    proc = launch(os.path.join(SCRIPTS, "engine_checks.py"), args, nproc=2, launcher="torchrun", timeout=420,
+    proc = launch(os.path.join(SCRIPTS, "engine_checks.py"), args, nproc=2, launcher="fork", timeout=420,
                   env={"TORCH_EXTENSIONS_DIR": ext_dir})
     if proc.returncode != 0:  # show the first rank's traceback, not only the tail of the launcher's log
         text = proc.stdout + "\n" + proc.stderr

@@ -37,7 +37,7 @@ def ext(tmp_path_factory):
     out = str(root / "result.json")
     proc = launch(os.path.join(SCRIPTS, "engine_ext_checks.py"),
                   ["--actor", setup.actor, "--reward", setup.reward, "--out", out, "--workdir", str(root)],
-                  nproc=2, launcher="torchrun", timeout=300, env={"TORCH_EXTENSIONS_DIR": str(root / "torch_extensions")})
+                  nproc=2, launcher="fork", timeout=300, env={"TORCH_EXTENSIONS_DIR": str(root / "torch_extensions")})
     if proc.returncode != 0:
         text = proc.stdout + "\n" + proc.stderr
         at = text.find("Traceback")

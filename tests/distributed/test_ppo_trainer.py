@@ -4,7 +4,7 @@ Two harness launches (tests/distributed/scripts/ppo_checks.py, shared with test_
 test_packed_training.py: tests/_support.py, SharedHarness) run every trainer configuration these tests need, each
 built with `build_trainer` exactly as launch/train_ppo.py builds it, and write what happened to a JSON file:
 
-* 2 ranks (torchrun): lr = 0; lr = 0 with a re-padded training forward, with and without position ids
+* 2 forked ranks (tests/_forked.py): lr = 0; lr = 0 with a re-padded training forward, with and without position ids
   (negative control); lr > 0 (positive control); the batch-invariance runs and the per-rank-token-mean negative
   control;
 * 1 rank (plain python): the batch-invariance references and the toy learning task.

@@ -2,7 +2,7 @@
 
 Two launches of tests/distributed/scripts/resume_checks.py:
 
-1. torchrun, 2 ranks: "straight" runs 8 iterations; "part1" is the same command stopped (as a preemption
+1. 2 forked ranks (tests/_forked.py): "straight" runs 8 iterations; "part1" is the same command stopped (as a preemption
    would) right after its iteration-4 checkpoint. Both: sampling on, lr > 0 with a linear schedule and warm-up,
    adaptive KL, 2 generation batches of 3 prompts per rank (a global batch of 6 of 32 prompts: 5 batches per epoch,
    so the checkpoint after 8 batches sits mid-epoch), 2 PPO epochs x 2 mini-batches, save_interval 4, keep_last 1.
@@ -122,7 +122,7 @@ def runs(tiny, tmp_path_factory):
         {"name": "z_straight", "args": args_for(tiny, d("z_straight"), **ZERO)},
         {"name": "z_part1", "args": args_for(tiny, d("z_part1"), **ZERO), "hooks": {"stop_after": 1}},
     ])
-    check(launch(script, ["--spec", spec, "--out", result], 2, "torchrun"))
+    check(launch(script, ["--spec", spec, "--out", result], 2, "fork"))
     first = _read(result)
     shutil.copytree(d("part1"), d("part1_norng"))
     listing_before = sorted(os.listdir(os.path.join(d("part1"), "checkpoints")))

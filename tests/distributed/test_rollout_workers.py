@@ -1,5 +1,5 @@
-"""Rollout workers of their own (`--rollout_workers 1`, max_staleness 0): 2 trainer ranks under torchrun
-and one worker process per run (3 processes), started after the trainer (a worker that comes late joins). With
+"""Rollout workers of their own (`--rollout_workers 1`, max_staleness 0): 2 trainer ranks and one worker
+process per run (3 processes, forked: tests/_forked.py), started after the trainer (a worker that comes late joins). With
 greedy decoding every logged metric equals the colocated run's (lean on the trainer's ranks) over 3 iterations at
 lr > 0: GAE at ZeRO 3, GRPO at ZeRO 2, and a 2-turn environment (GAE, ZeRO 2; its episodes played on the worker):
 the proof that the weights the worker holds
@@ -193,7 +193,7 @@ def test_a_killed_worker_stops_the_run_naming_it_after_a_checkpoint(tiny, tmp_pa
     trainer = subprocess.Popen([os.path.join(bindir, "deepspeed"), "--num_gpus", "2", "--master_port",
                                 str(free_port()), os.path.join(ROOT, "launch", "train_ppo.py"), *args], cwd=ROOT,
                                env=clean_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    workers = RolloutWorkers(str(tmp_path), [address], delay=0.0)
+    workers = RolloutWorkers(str(tmp_path), [address], delay=0.0, forked=False)  # started as a user does
     metrics = os.path.join(out, "metrics.jsonl")
     deadline = time.monotonic() + 240
     while time.monotonic() < deadline and trainer.poll() is None:

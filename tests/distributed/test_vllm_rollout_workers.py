@@ -35,7 +35,7 @@ def runs(tiny_vllm, tmp_path_factory):
                                                  rollout_address=addresses[0])},
             {"name": "ahead", "args": ppo_args(tiny_vllm, os.path.join(tmp, "ahead"), **AHEAD, rollout_workers=1,
                                                rollout_address=addresses[1])}]
-    return run_harness_with_workers(tmp, "vllm_rollout_workers", spec, addresses)
+    return run_harness_with_workers(tmp, "vllm_rollout_workers", spec, addresses, forked=False)
 
 
 def _train(run):

@@ -1,0 +1,28 @@
+"""What the forkserver of tests/_forked.py imports once, before it forks any rank: the modules every rank of a tiny
+run imports (torch, DeepSpeed and its ZeRO optimizers, transformers' two tiny architectures, the package, the plot's
+matplotlib). A fresh interpreter spends several CPU-seconds importing them; a forked rank finds them loaded. Imports
+only: nothing here may start a thread or change a library's state (a rank must start as a fresh process would)."""
+import gc
+import sys
+
+import numpy  # noqa: F401
+import torch  # noqa: F401
+import transformers  # noqa: F401
+import transformers.models.gpt2.modeling_gpt2  # noqa: F401
+import transformers.models.llama.modeling_llama  # noqa: F401
+import deepspeed  # noqa: F401
+import deepspeed.runtime.engine  # noqa: F401
+import deepspeed.runtime.zero.stage3  # noqa: F401
+import deepspeed.runtime.zero.stage_1_and_2  # noqa: F401
+import matplotlib.backends.backend_agg  # noqa: F401
+import matplotlib.figure  # noqa: F401
+
+import rlhf_engine.cli  # noqa: F401
+import rlhf_engine.hooks  # noqa: F401
+import rlhf_engine.trainer  # noqa: F401
+import rlhf_engine.workers.rollout_worker  # noqa: F401
+
+sys.stdout.flush()
+sys.stderr.flush()
+gc.collect()
+gc.freeze()  # what the imports left is shared with every fork and never scanned again (cli.freeze_startup)
