@@ -85,24 +85,25 @@ def serve() -> None:
 
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # a Ctrl-C in the test's terminal is the test's to handle
     children: dict = {}
-    open_input = True
+    open_input, pending = True, b""
     while open_input or children:
-        ready, _, _ = select.select([sys.stdin] if open_input else [], [], [], 0.05)
-        if ready:
-            line = sys.stdin.readline()
-            if not line:
-                open_input = False
-            else:
-                req = json.loads(line)
-                out.flush()
-                pid = os.fork()
-                if pid == 0:
-                    signal.signal(signal.SIGINT, signal.default_int_handler)
-                    _run_script(req["script"], req["argv"], req["env"], req["cwd"], req["stdout"], req["stderr"],
-                                server_fd)
-                children[pid] = req["id"]
-                out.write(json.dumps({"id": req["id"], "pid": pid}) + "\n")
-                out.flush()
+        ready, _, _ = select.select([0] if open_input else [], [], [], 0.05)
+        if ready:  # read the pipe itself: a buffered reader could hold a second request that select never reports
+            data = os.read(0, 1 << 16)
+            open_input = bool(data)
+            pending += data
+        while b"\n" in pending:
+            line, pending = pending.split(b"\n", 1)
+            req = json.loads(line)
+            out.flush()
+            pid = os.fork()
+            if pid == 0:
+                signal.signal(signal.SIGINT, signal.default_int_handler)
+                _run_script(req["script"], req["argv"], req["env"], req["cwd"], req["stdout"], req["stderr"],
+                            server_fd)
+            children[pid] = req["id"]
+            out.write(json.dumps({"id": req["id"], "pid": pid}) + "\n")
+            out.flush()
         while children:
             pid, status = os.waitpid(-1, os.WNOHANG)
             if pid == 0:

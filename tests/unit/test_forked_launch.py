@@ -95,3 +95,26 @@ def test_a_spawned_process_can_be_signalled_and_reports_the_signal(script, tmp_p
     assert p.wait(timeout=0.1) is None
     p.send_signal(9)
     assert p.wait(timeout=30) == -9
+
+
+def test_requests_from_several_threads_at_once_all_start(script, tmp_path):
+    """Ranks and rollout workers are spawned from different threads: requests that reach the server together are
+    each served."""
+    import threading
+
+    procs, errors = [], []
+
+    def one(i):
+        try:
+            log = str(tmp_path / f"{i}.log")
+            procs.append(_forked.spawn(script, [str(tmp_path), "ok"], clean_env(), str(tmp_path), log, log))
+        except Exception as e:  # noqa: BLE001
+            errors.append(e)
+
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors and len(procs) == 8
+    assert [p.wait(timeout=60) for p in procs] == [0] * 8
