@@ -4,9 +4,10 @@ variables torchrun would give it (RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE
 environment and working directory, and then running the script as `python script args` would (runpy, as
 `__main__`, its folder first on sys.path, the atexit handlers at its end).
 
-Why: a fresh rank imports torch, transformers and DeepSpeed for 3-6 CPU-seconds, and torchrun itself imports torch; on
-2 cores that was a fifth of the default suite. The ranks are still separate processes talking over gloo, as under
-torchrun. What a launcher does (its signals, its exit codes, its restarts) is tested under the real ones
+Why: a fresh rank imports torch, transformers and DeepSpeed for 3-6 CPU-seconds, and torchrun itself imports torch (a
+2-rank launch of one tiny PPO iteration: 11-14 s under torchrun, 2.2 s forked; docs/testing.md). The ranks are still
+separate processes talking over gloo, as under torchrun, and each starts from the server's state after its imports,
+never from another launch's. What a launcher does (its signals, its exit codes, its restarts) is tested under the real ones
 (deepspeed, torchrun, plain python), never through this.
 
 As torchrun does, the first rank that fails ends the others (SIGTERM, then SIGKILL after `GRACE_S`), and the launch's
