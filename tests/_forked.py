@@ -10,10 +10,18 @@ separate processes talking over gloo, as under torchrun, and each starts from th
 never from another launch's. What a launcher does (its signals, its exit codes, its restarts) is tested under the real ones
 (deepspeed, torchrun, plain python), never through this.
 
-As torchrun does, the first rank that fails ends the others (SIGTERM, then SIGKILL after `GRACE_S`), and the launch's
-exit code is that rank's (negative: the signal that ended it)."""
+The first rank that fails ends the others (SIGTERM, then SIGKILL after `GRACE_S`), and the launch's exit code is
+that rank's (negative: the signal that ended it), as under the deepspeed launcher (torchrun reports 1). A rank leaves
+through the interpreter's own exit (its non-daemon threads joined, atexit handlers, finalizers, C++ teardown), and
+dies with its server (PR_SET_PDEATHSIG); the server ends what it started when the test process goes away.
+
+What forking shares that fresh interpreters do not: the state the imports left (numpy's global seed is drawn again
+per rank; `random` reseeds itself at fork), environment variables read at import (the server starts with
+`clean_env()`, and a launch that sets one of IMPORT_TIME_VARS otherwise is refused), and the string-hash seed (every
+forked rank has the same one; the launches under the real launchers keep ranks with different seeds)."""
 from __future__ import annotations
 
+import ctypes
 import json
 import os
 import select
@@ -26,59 +34,49 @@ import threading
 import time
 
 GRACE_S = 5.0
+# read once, at import, by torch, DeepSpeed, huggingface_hub or OpenMP: a rank cannot be given another value
+IMPORT_TIME_VARS = ("OMP_NUM_THREADS", "DS_ACCELERATOR", "DEEPSPEED_TIMEOUT", "HF_HUB_OFFLINE", "PYTHONHASHSEED",
+                    "TOKENIZERS_PARALLELISM")
 
 
-def _run_script(script: str, argv: list, env: dict, cwd: str, stdout: str, stderr: str, server_fd: int) -> None:
+def _become_script(req: dict, server_fd: int) -> None:
     """In the forked process: become `python script *argv` (in `cwd`, with exactly `env`, output appended to the two
-    files) and exit with the script's code."""
-    import atexit
+    files), then leave through the interpreter's exit: SystemExit or an exception propagates out of `serve()` and the
+    interpreter ends this process as it ends a script."""
     import runpy
-    import traceback
 
     import numpy
 
-    os.chdir(cwd)
-    os.environ.clear()
-    os.environ.update(env)
-    os.close(server_fd)  # the server's answers are not this process's to hold open
-    devnull = os.open(os.devnull, os.O_RDONLY)
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG: die with the server
+    devnull = os.open(os.devnull, os.O_RDWR)
     os.dup2(devnull, 0)  # not the server's request pipe
+    os.dup2(devnull, server_fd)  # nor its answers (the server's file object on it flushes nothing at exit)
     os.close(devnull)
-    for fd, path in ((1, stdout), (2, stderr)):
+    for fd, path in ((1, req["stdout"]), (2, req["stderr"])):
         target = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
         os.dup2(target, fd)
         os.close(target)
     # the same stream objects (libraries bound them at import), now on the files, line by line as `python -u` writes
     sys.stdout.reconfigure(line_buffering=True)
     sys.stderr.reconfigure(line_buffering=True)
+    os.chdir(req["cwd"])
+    os.environ.clear()
+    os.environ.update(req["env"])
     numpy.random.seed()  # a fresh process seeds from the OS (`random` reseeds itself at fork)
-    sys.argv = [script, *argv]
+    script = req["script"]
+    sys.argv = [script, *req["argv"]]
     # sys.path as a fresh `python script` builds it: the script's folder, then PYTHONPATH, then the rest
-    extra = [os.path.dirname(os.path.abspath(script))] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
-    sys.path[:0] = extra
-    code = 0
-    try:
-        runpy.run_path(script, run_name="__main__")
-    except SystemExit as e:
-        if e.code is None or isinstance(e.code, int):
-            code = e.code or 0
-        else:  # sys.exit("message"), as the interpreter does
-            print(e.code, file=sys.stderr)
-            code = 1
-    except BaseException:  # noqa: BLE001
-        traceback.print_exc()
-        code = 1
-    try:
-        atexit._run_exitfuncs()  # what interpreter shutdown runs (os._exit below runs none)
-    finally:
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(code)
+    sys.path[:0] = [os.path.dirname(os.path.abspath(script))] + \
+        [p for p in req["env"].get("PYTHONPATH", "").split(os.pathsep) if p]
+    runpy.run_path(script, run_name="__main__")
+    raise SystemExit(0)
 
 
 def serve() -> None:
     """The server: preload, then for each request line (JSON: id, script, argv, env, cwd, stdout, stderr) fork a
-    process that runs it and answer {"id", "pid"}; answer {"id", "code"} when it ends. Ends at the end of its input."""
+    process that runs it and answer {"id", "pid"}; answer {"id", "code"} when it ends. At the end of its input it
+    ends what it started (SIGTERM, SIGKILL after GRACE_S) and exits."""
     server_fd = os.dup(1)
     out = os.fdopen(server_fd, "w")
     os.dup2(2, 1)  # what the imports print (DeepSpeed logs to stdout) must not reach the answers
@@ -86,22 +84,20 @@ def serve() -> None:
 
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # a Ctrl-C in the test's terminal is the test's to handle
     children: dict = {}
-    open_input, pending = True, b""
+    open_input, pending, closing_since = True, b"", None
     while open_input or children:
         ready, _, _ = select.select([0] if open_input else [], [], [], 0.05)
         if ready:  # read the pipe itself: a buffered reader could hold a second request that select never reports
             data = os.read(0, 1 << 16)
             open_input = bool(data)
             pending += data
-        while b"\n" in pending:
+        while b"\n" in pending and open_input:
             line, pending = pending.split(b"\n", 1)
             req = json.loads(line)
             out.flush()
             pid = os.fork()
             if pid == 0:
-                signal.signal(signal.SIGINT, signal.default_int_handler)
-                _run_script(req["script"], req["argv"], req["env"], req["cwd"], req["stdout"], req["stderr"],
-                            server_fd)
+                _become_script(req, server_fd)
             children[pid] = req["id"]
             out.write(json.dumps({"id": req["id"], "pid": pid}) + "\n")
             out.flush()
@@ -109,19 +105,37 @@ def serve() -> None:
             pid, status = os.waitpid(-1, os.WNOHANG)
             if pid == 0:
                 break
-            out.write(json.dumps({"id": children.pop(pid), "code": os.waitstatus_to_exitcode(status)}) + "\n")
-            out.flush()
+            ident = children.pop(pid, None)
+            if ident is not None:
+                out.write(json.dumps({"id": ident, "code": os.waitstatus_to_exitcode(status)}) + "\n")
+                out.flush()
+        if not open_input and children:  # the test process is gone: end what it started
+            if closing_since is None:
+                closing_since = time.monotonic()
+            sig = signal.SIGTERM if time.monotonic() - closing_since < GRACE_S else signal.SIGKILL
+            for pid in list(children):
+                try:
+                    os.kill(pid, sig)
+                except ProcessLookupError:
+                    pass
+            time.sleep(0.2)
 
 
 class _Client:
-    """This test process's fork server (started at the first spawn, ended with the process)."""
+    """This test process's fork server (started at the first spawn with `clean_env()`, ended with the process)."""
 
     def __init__(self):
+        from _support import clean_env
+
+        self.env = clean_env()
         self.proc = subprocess.Popen([sys.executable, os.path.abspath(__file__)], stdin=subprocess.PIPE,
-                                     stdout=subprocess.PIPE, text=True, cwd=os.path.dirname(os.path.abspath(__file__)))
+                                     stdout=subprocess.PIPE, text=True, env=self.env,
+                                     cwd=os.path.dirname(os.path.abspath(__file__)))
         self.lock, self.next_id = threading.Lock(), 0
         self.pids: dict = {}  # id -> pid
         self.codes: dict = {}  # id -> exit code
+        self.ended: list = []  # ids in the order their exits arrived
+        self.dead = False
         self.changed = threading.Condition()
         threading.Thread(target=self._read, daemon=True).start()
 
@@ -129,22 +143,39 @@ class _Client:
         for line in self.proc.stdout:
             msg = json.loads(line)
             with self.changed:
-                (self.codes if "code" in msg else self.pids)[msg["id"]] = msg.get("code", msg.get("pid"))
+                if "code" in msg:
+                    self.codes[msg["id"]] = msg["code"]
+                    self.ended.append(msg["id"])
+                else:
+                    self.pids[msg["id"]] = msg["pid"]
                 self.changed.notify_all()
-        with self.changed:  # the server is gone: nothing it ran will report
-            self.codes.update({i: -signal.SIGKILL for i in self.pids if i not in self.codes})
+        with self.changed:  # the server is gone, and with it (PR_SET_PDEATHSIG) what it ran
+            self.dead = True
+            for ident, pid in self.pids.items():
+                if ident not in self.codes:
+                    try:
+                        os.kill(pid, signal.SIGKILL)
+                    except ProcessLookupError:
+                        pass
+                    self.codes[ident] = -signal.SIGKILL
+                    self.ended.append(ident)
             self.changed.notify_all()
 
     def spawn(self, **request) -> "Process":
+        changed = [k for k in IMPORT_TIME_VARS if request["env"].get(k) != self.env.get(k)]
+        if changed:
+            raise ValueError(f"tests/_forked.py: {changed} are read at import, and the fork server imported with "
+                             f"{[self.env.get(k) for k in changed]}; launch this under torchrun instead")
         with self.lock:
             self.next_id += 1
             ident = self.next_id
             self.proc.stdin.write(json.dumps({"id": ident, **request}) + "\n")
             self.proc.stdin.flush()
         with self.changed:
-            self.changed.wait_for(lambda: ident in self.pids, timeout=120)
+            self.changed.wait_for(lambda: ident in self.pids or self.dead, timeout=300)
         if ident not in self.pids:
-            raise RuntimeError("the fork server did not start the process (tests/_forked.py)")
+            raise RuntimeError(f"the fork server did not start the process (tests/_forked.py; server exit code "
+                               f"{self.proc.poll()}, its output is on this test's stderr)")
         return Process(self, ident, self.pids[ident])
 
 
@@ -162,7 +193,7 @@ def client() -> _Client:
 
 class Process:
     """A process the fork server started: `poll()`, `wait(timeout)` (None if still running), `terminate()`,
-    `kill()`; exit codes as subprocess gives them (negative: the signal that ended it)."""
+    `kill()`, `send_signal(sig)`; exit codes as subprocess gives them (negative: the signal that ended it)."""
 
     def __init__(self, owner: _Client, ident: int, pid: int):
         self.owner, self.ident, self.pid = owner, ident, pid
@@ -175,7 +206,7 @@ class Process:
             self.owner.changed.wait_for(lambda: self.ident in self.owner.codes, timeout=timeout)
         return self.poll()
 
-    def _signal(self, sig: int) -> None:
+    def send_signal(self, sig: int) -> None:
         if self.poll() is None:
             try:
                 os.kill(self.pid, sig)
@@ -183,12 +214,10 @@ class Process:
                 pass
 
     def terminate(self) -> None:
-        self._signal(signal.SIGTERM)
+        self.send_signal(signal.SIGTERM)
 
     def kill(self) -> None:
-        self._signal(signal.SIGKILL)
-
-    send_signal = _signal
+        self.send_signal(signal.SIGKILL)
 
 
 def spawn(script: str, args: list, env: dict, cwd: str, stdout: str, stderr: str) -> Process:
@@ -230,20 +259,30 @@ class Forked:
             p.kill()
             p.wait()
 
+    def first_failure(self):
+        """The exit code of the rank whose failure arrived first (a peer that dies of the broken link after it is
+        not the cause), or None."""
+        owner = self.procs[0].owner
+        mine = {p.ident: p for p in self.procs}
+        with owner.changed:
+            for ident in owner.ended:
+                if ident in mine and mine[ident].poll():
+                    return mine[ident].poll()
+        return None
+
     def wait(self, timeout: float) -> int:
         deadline = time.monotonic() + timeout
-        code = 0
         owner = self.procs[0].owner
         while True:
             with owner.changed:
-                owner.changed.wait_for(lambda: not self.alive() or any(p.poll() for p in self.procs),
+                owner.changed.wait_for(lambda: not self.alive() or self.first_failure() is not None,
                                        timeout=max(0.0, deadline - time.monotonic()))
-            failed = [p.poll() for p in self.procs if p.poll()]
-            if failed and not code:
-                code = failed[0]
-                self.kill(GRACE_S)  # the first failure ends the launch, as under torchrun
-            if not self.alive():
+            code = self.first_failure()
+            if code is not None:
+                self.kill(GRACE_S)  # the first failure ends the launch
                 return code
+            if not self.alive():
+                return 0
             if time.monotonic() >= deadline:
                 self.kill()
                 raise subprocess.TimeoutExpired(self.cmd, timeout, *self.output())
