@@ -2,7 +2,6 @@
 run imports (torch, DeepSpeed and its ZeRO optimizers, transformers' two tiny architectures, the package, the plot's
 matplotlib). A fresh interpreter spends several CPU-seconds importing them; a forked rank finds them loaded. Imports
 only: nothing here may start a thread or change a library's state (a rank must start as a fresh process would)."""
-import gc
 import sys
 
 import numpy  # noqa: F401
@@ -24,5 +23,5 @@ import rlhf_engine.workers.rollout_worker  # noqa: F401
 
 sys.stdout.flush()
 sys.stderr.flush()
-gc.collect()
-gc.freeze()  # what the imports left is shared with every fork and never scanned again (cli.freeze_startup)
+# what the imports left is shared with every fork and out of every later collection's scan
+rlhf_engine.cli.freeze_startup()

@@ -1,14 +1,14 @@
 """The tests' launcher for runs whose launcher is not under test: each rank is a process forked from one that has
-imported the stack once (a fork server: `python tests/_forked.py`, preloaded with tests/_fork_preload.py), given the rank
-variables torchrun would give it (RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE, MASTER_ADDR, MASTER_PORT), its
-environment and working directory, and then running the script as `python script args` would (runpy, as
-`__main__`, its folder first on sys.path, the atexit handlers at its end).
+imported the stack once (a fork server: `python tests/_forked.py`, preloaded with tests/_fork_preload.py), given
+the rank variables torchrun would give it (RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE, MASTER_ADDR,
+MASTER_PORT), its environment and working directory, and then running the script as `python script args` would
+(runpy, as `__main__`, its folder first on sys.path).
 
 Why: a fresh rank imports torch, transformers and DeepSpeed for 3-6 CPU-seconds, and torchrun itself imports torch (a
 2-rank launch of one tiny PPO iteration: 11-14 s under torchrun, 2.2 s forked; docs/testing.md). The ranks are still
 separate processes talking over gloo, as under torchrun, and each starts from the server's state after its imports,
-never from another launch's. What a launcher does (its signals, its exit codes, its restarts) is tested under the real ones
-(deepspeed, torchrun, plain python), never through this.
+never from another launch's. What a launcher does (its signals, its exit codes, its restarts) is tested under the
+real ones (deepspeed, torchrun, plain python), never through this.
 
 The first rank that fails ends the others (SIGTERM, then SIGKILL after `GRACE_S`), and the launch's exit code is
 that rank's (negative: the signal that ended it), as under the deepspeed launcher (torchrun reports 1). A rank leaves
