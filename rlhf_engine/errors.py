@@ -36,6 +36,11 @@ class RolloutWorkerLost(TrainingStopped):
     checkpoint of the iterations completed (trainer/ppo_trainer.py)."""
 
 
+class RolloutServersLost(RolloutWorkerLost):
+    """No rollout server is up, or one answered what this run cannot train on: every trainer rank stops together
+    (handled as a lost worker is)."""
+
+
 @dataclass(frozen=True)
 class Problem:
     field: str  # the config field, flag, argument or file the problem is about

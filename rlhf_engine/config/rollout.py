@@ -31,9 +31,21 @@ class RolloutConfig:
                                      "worker on a GPU), auto (nccl when the trainer runs on a GPU and this torch has "
                                      "NCCL, else gloo). The workers take the trainer's choice.")
 
+    rollout_servers: str = opt("", "Rollout servers that generate for this run: URL[,URL...] or @FILE (one URL a "
+                               "line), each a stock vLLM server started with launch/rollout_server.py "
+                               "(docs/rollout-servers.md). Needs generation_backend vllm; the trainer checks every "
+                               "server before it builds an engine and pushes its weights before the first request.")
+    rollout_auth_token_env: str = opt("", "The environment variable holding the rollout servers' bearer token (the "
+                                      "one their --auth_token_env names); '' = servers without a token.")
+
     @property
     def on(self) -> bool:
+        """Rollout workers (the TCP-store transport)."""
         return isinstance(self.rollout_workers, int) and self.rollout_workers > 0
+
+    @property
+    def servers_on(self) -> bool:
+        return bool(str(self.rollout_servers or "").strip())
 
     def validate(self, p: Problems, prefix: str = "") -> None:
         check_positive(p, prefix, self, "rollout_workers", "max_staleness", allow_zero=True)
@@ -45,7 +57,17 @@ class RolloutConfig:
             p.add(prefix + "rollout_address", self.rollout_address, "give HOST:PORT (the trainer's rank 0 listens "
                   "there; start each worker with launch/rollout_worker.py --rollout_address HOST:PORT)")
         if is_number(self.max_staleness) and self.max_staleness > 0 and not self.on:
-            p.add(prefix + "max_staleness", self.max_staleness, "needs rollout_workers > 0")
+            p.add(prefix + "max_staleness", self.max_staleness, "needs rollout_workers > 0" + (
+                " (rollout_servers generate synchronously in this release: max_staleness 0)" if self.servers_on
+                else ""))
+        if self.servers_on:
+            if self.on:
+                p.add(prefix + "rollout_servers", self.rollout_servers, "choose rollout_servers or rollout_workers, "
+                      "not both (the servers replace the workers)")
+            try:
+                server_urls(self.rollout_servers)
+            except ValueError as e:
+                p.add(prefix + "rollout_servers", self.rollout_servers, str(e))
 
 
 def _host_port(address: str) -> tuple | None:
@@ -67,3 +89,37 @@ def group_backend(choice: str, device_type: str, nccl_available: bool) -> str:
     if choice != "auto":
         return choice
     return "nccl" if device_type == "cuda" and nccl_available else "gloo"
+
+
+def server_urls(value: str) -> list:
+    """The rollout servers' base URLs from `URL[,URL...]` or `@FILE` (one a line; blank lines and # comments
+    skipped), each as http(s)://HOST:PORT[/path] without a trailing slash; a ValueError saying what is wrong."""
+    import urllib.parse
+
+    value = str(value or "").strip()
+    if value.startswith("@"):
+        try:
+            with open(value[1:]) as f:
+                items = [line.split("#", 1)[0].strip() for line in f]
+        except OSError as e:
+            raise ValueError(f"cannot read the file of server URLs ({e.strerror}: {value[1:]})") from None
+    else:
+        items = [v.strip() for v in value.split(",")]
+    urls = []
+    for item in filter(None, items):
+        parsed = urllib.parse.urlsplit(item if "://" in item else "http://" + item)
+        if parsed.scheme not in ("http", "https") or not parsed.hostname:
+            raise ValueError(f"{item!r} is not a server URL: give http://HOST:PORT")
+        try:
+            port = parsed.port
+        except ValueError:
+            port = None
+        if port is None:
+            raise ValueError(f"{item!r}: give the server's port (http://HOST:PORT)")
+        url = f"{parsed.scheme}://{parsed.netloc}{parsed.path.rstrip('/')}"
+        if url in urls:
+            raise ValueError(f"{url} is listed twice")
+        urls.append(url)
+    if not urls:
+        raise ValueError("no server URL given")
+    return urls

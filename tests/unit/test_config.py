@@ -239,3 +239,33 @@ def test_the_rollout_group_backend_is_one_of_the_choices():
     cfg.rollout.rollout_group_backend = "mpi"
     p = problems(cfg)["rollout_group_backend"]
     assert p.value == "mpi" and "gloo" in p.fix and "nccl" in p.fix
+
+
+def test_rollout_servers_are_urls_or_a_file_of_them(tmp_path):
+    from rlhf_engine.config.rollout import server_urls
+
+    assert server_urls("http://a:8000/, b:8001") == ["http://a:8000", "http://b:8001"]
+    listed = tmp_path / "servers.txt"
+    listed.write_text("# rollout nodes\nhttp://n1:8000\n\nhttps://n2:9000/v  # second\n")
+    assert server_urls(f"@{listed}") == ["http://n1:8000", "https://n2:9000/v"]
+    for bad, says in (("a:8000,a:8000", "listed twice"), ("http://a", "port"), ("ftp://a:1", "not a server URL"),
+                      (f"@{tmp_path}/none.txt", "cannot read"), (" , ", "no server URL")):
+        with pytest.raises(ValueError, match=says):
+            server_urls(bad)
+
+
+@pytest.mark.parametrize("change, field, says", [
+    (dict(generation_backend="lean"), "generation_backend", "add --generation_backend vllm"),
+    (dict(rollout_workers=1, rollout_address="127.0.0.1:29611"), "rollout_servers", "not both"),
+    (dict(max_staleness=1), "max_staleness", "synchronously in this release"),
+    (dict(rollout_servers="http://a"), "rollout_servers", "port"),
+])
+def test_rollout_servers_settings_are_checked(change, field, says):
+    cfg = valid()
+    cfg.rollout.rollout_servers = "http://127.0.0.1:8000"
+    cfg.engine.generation_backend = "vllm"
+    cfg.validate()  # the control: servers with the vllm backend
+    for k, v in change.items():
+        setattr(cfg.engine if k == "generation_backend" else cfg.rollout, k, v)
+    p = problems(cfg)[field]
+    assert says in p.fix

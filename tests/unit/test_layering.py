@@ -29,7 +29,8 @@ ALLOWED = {
     "envs": {"comm", "plugins", "rollout", "rewards"},
     "outputs": {"errors"},
     "data": {"comm", "config", "errors", "rollout", "pretrained"},
-    "engine": {"comm", "config", "errors", "hf_fields", "hooks", "packing", "ppo_math", "rollout"},
+    "servers": set(),  # rollout servers: HTTP client, pool, weight push, the vLLM extension (torch, vLLM, stdlib)
+    "engine": {"comm", "config", "errors", "hf_fields", "hooks", "packing", "ppo_math", "rollout", "servers"},
     "trainer": {"comm", "config", "data", "engine", "envs", "errors", "estimators", "hf_fields", "outputs", "policy_losses",
                 "ppo_math", "pretrained",
                 "rewards", "rollout", "faults", "hooks", "signals"},

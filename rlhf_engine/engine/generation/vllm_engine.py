@@ -249,43 +249,63 @@ class VLLMBackend(GenerationBackend):
 
     # ---- generation ----------------------------------------------------------------------------------------
     def request_params(self, params: SamplingParams, limits: list, seeds: list) -> list:
-        """One vLLM `SamplingParams` per row: the same distribution as the trainer scores (module docstring)."""
+        """One vLLM `SamplingParams` per row: the same distribution as the trainer scores (`request_fields`)."""
         from vllm import SamplingParams as VLLMParams
 
-        if params.do_sample and (params.top_k or params.top_p < 1.0):
-            raise ValueError("the vllm backend samples the full distribution (top_k 0, top_p 1.0): a truncated one is "
-                             "not what PPO's log-probs score")
-        temperature = params.temperature if params.do_sample else 0.0  # 0: greedy (log-probs at temperature 1)
-        return [VLLMParams(n=1, temperature=temperature, top_p=1.0, top_k=0, min_p=0.0, seed=seed,
-                           max_tokens=int(limit), min_tokens=min(params.min_new_tokens, int(limit)),
-                           stop_token_ids=list(params.stop_token_ids), logprobs=0, detokenize=False,
-                           skip_special_tokens=False)
-                for limit, seed in zip(limits, seeds)]
+        return [VLLMParams(**request_fields(params, limit, seed)) for limit, seed in zip(limits, seeds)]
 
     @torch.no_grad()
     def generate(self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, params: SamplingParams) -> Generated:
         self.sync_weights()
-        B = prompt_ids.shape[0]
-        limits = params.limits(B, torch.device("cpu"))
-        limit_list = limits.tolist() if limits is not None else [params.max_new_tokens] * B
-        # the rows' seeds come from this rank's stream (checkpointed): the same run draws the same samples
-        seeds = torch.randint(0, 2**31 - 1, (B,)).tolist() if params.do_sample else [None] * B
+        prompts, limit_list, seeds, limits = row_requests(prompt_ids, prompt_mask, params)
         sps = self.request_params(params, limit_list, seeds)
-        ids, mask = prompt_ids.cpu(), prompt_mask.cpu().bool()
-        prompts = [{"prompt_token_ids": ids[i][mask[i]].tolist()} for i in range(B)]
+        prompts = [{"prompt_token_ids": p} for p in prompts]
         with contained():
             outs = self.llm.generate(prompts, sps, use_tqdm=False)
-        width = max(1, max(len(o.outputs[0].token_ids) for o in outs))
-        tokens = torch.full((B, width), params.pad_token_id, dtype=torch.long)
-        logprobs = torch.zeros(B, width, dtype=torch.float32)
-        for i, o in enumerate(outs):
-            c = o.outputs[0]
-            n = len(c.token_ids)
-            tokens[i, :n] = torch.tensor(c.token_ids, dtype=torch.long)
-            logprobs[i, :n] = torch.tensor([step[tok].logprob for tok, step in zip(c.token_ids, c.logprobs)])
-        dev = self.device
-        rollout = Rollout.from_generation(prompt_ids.to(dev), prompt_mask.to(dev), tokens.to(dev),
-                                          params.stop_token_ids, params.pad_token_id, includes_prompt=False,
-                                          limits=None if limits is None else limits.to(dev))
-        lp = logprobs.to(dev)[:, :rollout.response_width]
-        return Generated(rollout, lp * rollout.action_mask)
+        rows = [(list(o.outputs[0].token_ids),
+                 [step[tok].logprob for tok, step in zip(o.outputs[0].token_ids, o.outputs[0].logprobs)])
+                for o in outs]
+        return lay_out(prompt_ids, prompt_mask, rows, params, limits, self.device)
+
+
+def row_requests(prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, params: SamplingParams) -> tuple:
+    """(each row's prompt ids without padding, each row's token limit, each row's seed, the limits tensor or None):
+    what one generate call asks an engine, request by request. The seeds come from this rank's torch stream
+    (checkpointed): a rerun draws the same samples whatever the engine batches together."""
+    B = prompt_ids.shape[0]
+    limits = params.limits(B, torch.device("cpu"))
+    limit_list = limits.tolist() if limits is not None else [params.max_new_tokens] * B
+    seeds = torch.randint(0, 2**31 - 1, (B,)).tolist() if params.do_sample else [None] * B
+    ids, mask = prompt_ids.cpu(), prompt_mask.cpu().bool()
+    return [ids[i][mask[i]].tolist() for i in range(B)], limit_list, seeds, limits
+
+
+def request_fields(params: SamplingParams, limit: int, seed) -> dict:
+    """One row's vLLM sampling fields (an `LLM` SamplingParams or a server's `sampling_params` JSON): the full
+    distribution at the run's temperature, greedy as temperature 0 (log-probs then at temperature 1), the run's stop
+    ids and minimum length, the sampled token's log-prob only, no text."""
+    if params.do_sample and (params.top_k or params.top_p < 1.0):
+        raise ValueError("the vllm backend samples the full distribution (top_k 0, top_p 1.0): a truncated one is "
+                         "not what PPO's log-probs score")
+    return dict(n=1, temperature=params.temperature if params.do_sample else 0.0, top_p=1.0, top_k=0, min_p=0.0,
+                seed=seed, max_tokens=int(limit), min_tokens=min(params.min_new_tokens, int(limit)),
+                stop_token_ids=list(params.stop_token_ids), logprobs=0, detokenize=False, skip_special_tokens=False)
+
+
+def lay_out(prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, rows: list, params: SamplingParams,
+            limits, device: torch.device) -> Generated:
+    """The canonical rollout of an engine's answers: `rows` holds each row's (sampled token ids, their log-probs);
+    cut at the first stop token as every backend's is, log-probs 0 on padding."""
+    B = prompt_ids.shape[0]
+    width = max(1, max(len(tokens) for tokens, _ in rows))
+    tokens = torch.full((B, width), params.pad_token_id, dtype=torch.long)
+    logprobs = torch.zeros(B, width, dtype=torch.float32)
+    for i, (toks, lps) in enumerate(rows):
+        n = len(toks)
+        tokens[i, :n] = torch.tensor(toks, dtype=torch.long)
+        logprobs[i, :n] = torch.tensor(lps, dtype=torch.float32)
+    rollout = Rollout.from_generation(prompt_ids.to(device), prompt_mask.to(device), tokens.to(device),
+                                      params.stop_token_ids, params.pad_token_id, includes_prompt=False,
+                                      limits=None if limits is None else limits.to(device))
+    lp = logprobs.to(device)[:, :rollout.response_width]
+    return Generated(rollout, lp * rollout.action_mask)

@@ -1,0 +1,268 @@
+"""Rollouts from rollout servers (`--rollout_servers URL[,URL...]`, docs/rollout-servers.md): stock vLLM servers
+reached over HTTP, token in / token out, their weights pushed through vLLM's weight-transfer routes.
+
+* At the end of the plan, before any engine is built (`probe_servers`, collective): rank 0 asks every server what
+  it serves (`/collective_rpc rlhf_server_info`, our extension) and stops the run, naming the server, when one does
+  not answer within `--rollout_timeout_s`, refuses the token, runs without our extension, serves another
+  architecture or dtype, is shorter than the run's longest sequence, or does not give processed log-probs.
+* Every trainer rank sends its own rows straight to the servers, one request per row with its own seed (from the
+  rank's checkpointed torch stream, as the colocated vllm backend draws them), spread by least outstanding requests
+  (servers/pool.py); nothing passes through rank 0. The answers are laid out exactly as the colocated vllm backend
+  lays out its own (`vllm_engine.lay_out`): sampled = scored holds as there (stop ids, minimum length, temperature,
+  processed log-probs, the full distribution).
+* Weights: at the first generate call after the actor stepped, every rank walks the weight stream (collective under
+  ZeRO-3: gathered block by block, LoRA merged) and rank 0 pushes each block to every server up (servers/weights.py:
+  pause, start, update block by block, finish with the version, resume); then every rank learns the outcome. A
+  server that failed the push is marked down on every rank. Each answer's `weight_versions` must name the current
+  version for every token (max_staleness 0), else the run stops.
+"""
+from __future__ import annotations
+
+import datetime
+import logging
+import os
+import time
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+import torch
+
+from ... import comm
+from ...servers.client import ServerClient, ServerError
+from ...servers.pool import NoServerUp, ServerPool
+from ...servers.protocol import EXTENSION_VERSION
+from ...servers.weights import WeightPush, connect_senders, version_of
+from ..policy_weights import stream_blocks
+from .base import GenerationBackend, Generated, SamplingParams
+from .vllm_engine import lay_out, request_fields, row_requests
+
+log = logging.getLogger(__name__)
+
+SERVER_COMMAND = "python launch/rollout_server.py MODEL_FOLDER --port PORT [--auth_token_env NAME]"
+_DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
+
+
+@dataclass
+class ServerLink:
+    """The servers as the plan checked them: their URLs, the token, and (rank 0) what each said it serves."""
+
+    urls: list
+    token: str = field(default="", repr=False)
+    infos: dict = field(default_factory=dict)  # url -> rlhf_server_info answer (rank 0)
+
+
+def server_token(cfg: Any) -> str:
+    name = cfg.rollout.rollout_auth_token_env
+    return os.environ.get(name, "") if name else ""
+
+
+def server_problems(info: dict, url: str, arch: list, dtype: str, longest: int) -> list:
+    """Why a server that answered `info` cannot serve this run (empty: it can)."""
+    out = []
+    if info.get("extension") != EXTENSION_VERSION:
+        out.append(f"{url} runs version {info.get('extension')} of the rlhf_engine extension, this trainer speaks "
+                   f"{EXTENSION_VERSION}: start it with this checkout's launch/rollout_server.py")
+    if arch and not set(arch) & set(info.get("architectures") or []):
+        out.append(f"{url} serves {info.get('architectures')}, the actor is {arch}: start it on the actor's folder")
+    if info.get("dtype") != _DTYPES.get(dtype, dtype):
+        out.append(f"{url} runs in {info.get('dtype')}, the actor in {dtype}: start it with --dtype "
+                   f"{_DTYPES.get(dtype, dtype)}")
+    if int(info.get("max_model_len") or 0) < longest:
+        out.append(f"{url} takes sequences of {info.get('max_model_len')} tokens, the run's longest is {longest} "
+                   f"(prompt + response): start it with --max_model_len {longest} or more")
+    if info.get("logprobs_mode") != "processed_logprobs":
+        out.append(f"{url} gives {info.get('logprobs_mode')} log-probs, not processed_logprobs (what PPO's "
+                   "log-probs describe): start it with launch/rollout_server.py")
+    if not info.get("weight_transfer"):
+        out.append(f"{url} has no weight transfer configured (--weight-transfer-config): the trainer could not "
+                   "push its weights")
+    return out
+
+
+def _ask(url: str, token: str, timeout_s: float) -> dict:
+    """A server's info, waiting up to `timeout_s` for one that is still starting (connection refused)."""
+    client = ServerClient(url, token, timeout_s=min(timeout_s, 60.0))
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            return client.info()
+        except ServerError as e:
+            if not e.retriable or e.status is not None or time.monotonic() > deadline:
+                raise
+            time.sleep(0.5)
+
+
+def probe_servers(cfg: Any, dist: Any, actor_dtype: str, model_config: Any, longest: int) -> ServerLink:
+    """Check every `--rollout_servers` entry for this run (rank 0 asks; collective: every rank raises the same
+    ConfigError naming the first server that cannot serve). `model_config`: the actor's (read on rank 0)."""
+    from ...config.rollout import server_urls
+    from ...errors import ConfigError, Problem
+
+    r = cfg.rollout
+    urls, token = server_urls(r.rollout_servers), server_token(cfg)
+    timeout_s = float(r.rollout_timeout_s)
+    group = comm.new_cpu_group(datetime.timedelta(seconds=timeout_s * len(urls) + 60))
+    problem, infos = None, {}
+    if dist.is_main:
+        if r.rollout_auth_token_env and not token:
+            problem = Problem("rollout_auth_token_env", r.rollout_auth_token_env, "the variable is empty or unset: "
+                              "put the servers' bearer token there")
+        arch = list(getattr(model_config, "architectures", None) or [])
+        for url in urls if problem is None else []:
+            try:
+                infos[url] = info = _ask(url, token, timeout_s)
+            except ServerError as e:
+                hint = (" (set --rollout_auth_token_env to the variable holding the servers' token)"
+                        if e.status == 401 else f"; start one with `{SERVER_COMMAND}`")
+                problem = Problem("rollout_servers", r.rollout_servers, f"{e}{hint}")
+                break
+            wrong = server_problems(info, url, arch, actor_dtype, longest)
+            if wrong:
+                problem = Problem("rollout_servers", r.rollout_servers, wrong[0])
+                break
+    problem = comm.broadcast_object(problem, group=group)
+    comm.destroy_group(group)
+    if problem is not None:
+        raise ConfigError([problem], "cannot start: rollout servers")
+    return ServerLink(urls, token, infos)
+
+
+class ServersBackend(GenerationBackend):
+    """The trainer's side: each rank's rows as requests to the servers, the actor's weights pushed to them."""
+
+    name = "servers"
+
+    def __init__(self, ctx, link: ServerLink):
+        super().__init__(ctx)
+        r = ctx.cfg.rollout
+        self.timeout_s = float(r.rollout_timeout_s)
+        self.clients = [ServerClient(u, link.token, self.timeout_s) for u in link.urls]
+        self.pool = ServerPool(self.clients)
+        self.hash_pushes = False  # tests: the servers hash what they receive and the push compares
+        self._seen_steps: Optional[int] = None
+        self._version = 0
+        self._pushed_version: Optional[int] = None
+        self.sync_seconds = self.trainer_wait = 0.0
+        self.pushes = 0
+        self.senders: dict = {}
+        self.wait_group = comm.new_cpu_group(datetime.timedelta(seconds=self.timeout_s * 4 + 60))
+        failed = None
+        if self.dist.is_main:
+            self.senders, failed = connect_senders(self.clients, {u: i["workers"] for u, i in link.infos.items()},
+                                                   self.timeout_s)
+        self._mark_failed(failed)
+        comm.at_shutdown(self.close)
+
+    def close(self) -> None:
+        self.pool.close()
+        self.senders = {}
+
+    # ---- ZeRO-3: the servers hold their own copy; only the weight stream is collective ------------------------
+    def zero3_mode(self) -> str:
+        return "plain"
+
+    def lockstep(self) -> bool:
+        return False
+
+    def collective_calls(self) -> bool:
+        return self.dist.world_size > 1  # every rank learns the outcome of rank 0's push before generating
+
+    # ---- weights -------------------------------------------------------------------------------------------
+    @property
+    def actor_version(self) -> int:
+        """How many times the actor's weights changed since the run started (one per iteration however many
+        optimizer steps it takes), as the servers' weight versions count it."""
+        steps = int(self.actor.global_steps)
+        if steps != self._seen_steps:
+            self._seen_steps, self._version = steps, self._version + (self._seen_steps is not None)
+        return self._version
+
+    def _index(self, url: str) -> int:
+        return [c.url for c in self.clients].index(url)
+
+    def _mark_failed(self, failed: Optional[dict]) -> None:
+        """Rank 0's failed servers marked down on every rank (collective); NoServerUp when none is left."""
+        failed = comm.broadcast_object(failed, group=self.wait_group)
+        for url, why in (failed or {}).items():
+            self.pool.mark_down(self._index(url), why)
+            self.senders.pop(url, None)
+        if failed and self.dist.is_main:
+            log.warning("rollout servers down: %s", "; ".join(f"{u}: {w}" for u, w in failed.items()))
+        if not self.pool.up:
+            from ...errors import RolloutServersLost
+
+            raise RolloutServersLost("no rollout server is up: " + "; ".join(
+                f"{self.clients[i].url}: {why}" for i, why in sorted(self.pool.down.items())))
+
+    def sync_weights(self) -> bool:
+        """Push the actor's weights to every server up if they changed since the last push (collective on the
+        trainer's ranks). Returns whether it pushed."""
+        version = self.actor_version
+        if self._pushed_version == version:
+            return False
+        t0 = time.perf_counter()
+        push = WeightPush(self.senders, sha256=self.hash_pushes) if self.dist.is_main else None
+        if push is not None:
+            push.start()
+        try:
+            for _, values in stream_blocks(self.actor.module):  # every rank: collective under ZeRO-3
+                if push is not None:
+                    push.block(values)
+        except BaseException:
+            if push is not None:
+                push.abort()
+            raise
+        if push is not None:
+            push.finish(version)
+        self._mark_failed(push.failed if push is not None else None)
+        self._pushed_version = version
+        self.pushes += 1
+        self.sync_seconds += time.perf_counter() - t0
+        return True
+
+    def take_sync_seconds(self) -> float:
+        out, self.sync_seconds = self.sync_seconds, 0.0
+        return out
+
+    def take_async_stats(self) -> dict:
+        out = {"time/trainer_wait": self.trainer_wait, "servers/up": len(self.pool.up),
+               "servers/moved_requests": self.pool.moved}
+        self.trainer_wait = 0.0
+        return out
+
+    # ---- generation ----------------------------------------------------------------------------------------
+    @torch.no_grad()
+    def generate(self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, params: SamplingParams) -> Generated:
+        self.sync_weights()
+        prompts, limits_list, seeds, limits = row_requests(prompt_ids, prompt_mask, params)
+        bodies = [(p, request_fields(params, limit, seed)) for p, limit, seed in zip(prompts, limits_list, seeds)]
+        t0 = time.perf_counter()
+        rows, wrong = [], None
+        try:
+            choices = self.pool.map(lambda client, body: client.generate(*body), bodies)
+            rows = [self._row(choice, self.actor_version) for choice in choices]
+        except (NoServerUp, ServerError, ValueError) as e:
+            wrong = str(e)
+        self.trainer_wait += time.perf_counter() - t0
+        wrong = next((w for w in comm.all_gather_object(wrong) if w), None)  # every rank stops, or none
+        if wrong is not None:
+            from ...errors import RolloutServersLost
+
+            raise RolloutServersLost(wrong)
+        return lay_out(prompt_ids, prompt_mask, rows, params, limits, self.device)
+
+    @staticmethod
+    def _row(choice: dict, version: int) -> tuple:
+        """(token ids, their log-probs) of one answer; a ValueError when its tokens are not all of `version`'s
+        weights (max_staleness 0) or a log-prob is missing."""
+        spans = choice.get("weight_versions") or []
+        if {version_of(s.get("version")) for s in spans} != {version}:
+            raise ValueError(f"a rollout server answered with tokens of weight versions "
+                             f"{sorted(str(s.get('version')) for s in spans)}; the trainer is at {version} "
+                             "(max_staleness 0)")
+        tokens = list(choice["token_ids"])
+        logprobs = [float(c["logprob"]) for c in (choice.get("logprobs") or {}).get("content") or []]
+        if len(tokens) != len(logprobs):
+            raise ValueError("a rollout server answered without a log-prob for every token (is it started with "
+                             "launch/rollout_server.py?)")
+        return tokens, logprobs

@@ -1,0 +1,95 @@
+"""Requests spread over the rollout servers (docs/rollout-servers.md): each request goes to the server with the fewest
+outstanding requests among those up (ties: the one least recently chosen), and a server that refuses, times out or
+answers 5xx is marked down and its request goes to another server with the same body (the same seed: the same
+samples wherever it lands; nothing is lost or answered twice). The pool stops a call only when no server is up,
+naming every server and why it went down.
+"""
+from __future__ import annotations
+
+import concurrent.futures
+import itertools
+import threading
+from typing import Callable, Optional
+
+from .client import ServerClient, ServerError
+
+
+class NoServerUp(RuntimeError):
+    """Every rollout server is down (the message names each and why)."""
+
+
+class ServerPool:
+    def __init__(self, clients: list, max_in_flight: int = 64):
+        if not clients:
+            raise ValueError("a server pool needs at least one server")
+        self.clients = list(clients)
+        self.outstanding = [0] * len(self.clients)
+        self.down: dict = {}  # index -> why
+        self.served = [0] * len(self.clients)  # requests answered, per server
+        self.moved = 0  # requests that went to another server after their first failed
+        self._last = [0] * len(self.clients)
+        self._tick = itertools.count(1)
+        self._lock = threading.Lock()
+        self._threads = concurrent.futures.ThreadPoolExecutor(max_in_flight, thread_name_prefix="rollout-request")
+
+    @property
+    def up(self) -> list:
+        return [c for i, c in enumerate(self.clients) if i not in self.down]
+
+    def mark_down(self, index: int, why: str) -> None:
+        with self._lock:
+            self.down.setdefault(index, why)
+
+    def mark_up(self, index: int) -> None:
+        with self._lock:
+            self.down.pop(index, None)
+
+    def _pick(self) -> int:
+        with self._lock:
+            live = [i for i in range(len(self.clients)) if i not in self.down]
+            if not live:
+                raise NoServerUp("no rollout server is up: " + "; ".join(
+                    f"{self.clients[i].url}: {why}" for i, why in sorted(self.down.items())))
+            i = min(live, key=lambda j: (self.outstanding[j], self._last[j]))
+            self.outstanding[i] += 1
+            self._last[i] = next(self._tick)
+            return i
+
+    def call(self, fn: Callable[[ServerClient], object]) -> tuple[int, object]:
+        """(server index, fn(client)) on the least busy server up; a retriable failure marks that server down and
+        tries the next. Raises NoServerUp when none is left, ServerError for a request the server refused (4xx)."""
+        first = True
+        while True:
+            i = self._pick()
+            try:
+                out = fn(self.clients[i])
+            except ServerError as e:
+                if not e.retriable:
+                    raise
+                self.mark_down(i, str(e))
+                if first:
+                    with self._lock:
+                        self.moved += 1
+                first = False
+                continue
+            finally:
+                with self._lock:
+                    self.outstanding[i] -= 1
+            with self._lock:
+                self.served[i] += 1
+            return i, out
+
+    def map(self, fn: Callable[[ServerClient, object], object], items: list) -> list:
+        """[fn(client, item)] for every item, concurrently, each on the least busy server up, in items' order."""
+        futures = [self._threads.submit(self.call, lambda c, it=it: fn(c, it)) for it in items]
+        return [f.result()[1] for f in futures]
+
+    def close(self) -> None:
+        self._threads.shutdown(wait=False, cancel_futures=True)
+
+
+def counts(pool: Optional[ServerPool]) -> dict:
+    """Per-pool counters for the logs."""
+    if pool is None:
+        return {}
+    return {"servers/up": len(pool.up), "servers/moved_requests": pool.moved}
