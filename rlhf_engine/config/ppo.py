@@ -48,8 +48,7 @@ def run_defaults(ppo: Any, backend: str = "", ahead: bool = False) -> dict:
 
 
 def rollouts_ahead_of_training(cfg: Any) -> bool:
-    r = cfg.rollout
-    return bool(r.on and is_number(r.max_staleness) and r.max_staleness >= 1)
+    return cfg.rollout.ahead
 
 
 def apply_estimator_defaults(cfg: Any, explicit: set) -> dict:

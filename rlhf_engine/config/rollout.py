@@ -22,8 +22,9 @@ class RolloutConfig:
                                "of their own group: never the trainer's DeepSpeed group); give the workers the same.")
     max_staleness: int = opt(0, "Policy versions a trained batch may lag behind the trainer's weights. 0 = "
                              "synchronous: every batch is generated with the current weights (equals the "
-                             "colocated run); K >= 1: the workers generate the next K iterations while the trainer "
-                             "trains, and rollout_correction defaults to token_truncate.")
+                             "colocated run); K >= 1: the workers or servers generate the next K iterations while "
+                             "the trainer trains, and rollout_correction defaults to token_truncate. With servers it "
+                             "holds per token: no token older than K versions is trained on.")
     rollout_timeout_s: float = opt(300.0, "Seconds the trainer waits for its workers (to join, to answer a batch, "
                                    "to take the weights) before it stops naming the worker.")
     rollout_group_backend: str = opt("auto", "The process group that carries the weights from the trainer to its "
@@ -37,6 +38,11 @@ class RolloutConfig:
                                "server before it builds an engine and pushes its weights before the first request.")
     rollout_auth_token_env: str = opt("", "The environment variable holding the rollout servers' bearer token (the "
                                       "one their --auth_token_env names); '' = servers without a token.")
+    partial_rollouts: bool = opt(False, "Rollout servers at max_staleness >= 2: a weight push pauses the requests "
+                                 "in flight and they go on with the new weights (vLLM's pause mode keep), so a "
+                                 "response may span two versions, each token scored by the version that sampled "
+                                 "it. Off: a push waits until the requests in flight are done (mode wait), every "
+                                 "response is one version's, and K >= 2 overlaps no more than K = 1.")
 
     @property
     def on(self) -> bool:
@@ -47,6 +53,16 @@ class RolloutConfig:
     def servers_on(self) -> bool:
         return bool(str(self.rollout_servers or "").strip())
 
+    @property
+    def remote(self) -> bool:
+        """Rollouts made outside the trainer's ranks (workers or servers)."""
+        return self.on or self.servers_on
+
+    @property
+    def ahead(self) -> bool:
+        """Rollouts generated ahead of training (max_staleness >= 1 with workers or servers)."""
+        return bool(self.remote and is_number(self.max_staleness) and self.max_staleness >= 1)
+
     def validate(self, p: Problems, prefix: str = "") -> None:
         check_positive(p, prefix, self, "rollout_workers", "max_staleness", allow_zero=True)
         check_positive(p, prefix, self, "rollout_timeout_s")
@@ -56,10 +72,12 @@ class RolloutConfig:
         if self.on and not _host_port(self.rollout_address):
             p.add(prefix + "rollout_address", self.rollout_address, "give HOST:PORT (the trainer's rank 0 listens "
                   "there; start each worker with launch/rollout_worker.py --rollout_address HOST:PORT)")
-        if is_number(self.max_staleness) and self.max_staleness > 0 and not self.on:
-            p.add(prefix + "max_staleness", self.max_staleness, "needs rollout_workers > 0" + (
-                " (rollout_servers generate synchronously in this release: max_staleness 0)" if self.servers_on
-                else ""))
+        if is_number(self.max_staleness) and self.max_staleness > 0 and not self.remote:
+            p.add(prefix + "max_staleness", self.max_staleness, "needs rollout_servers (or rollout_workers): the "
+                  "trainer's own ranks generate with the current weights")
+        if self.partial_rollouts and not self.servers_on:
+            p.add(prefix + "partial_rollouts", self.partial_rollouts, "needs rollout_servers (the pause that keeps "
+                  "requests in flight is vLLM's server's)")
         if self.servers_on:
             if self.on:
                 p.add(prefix + "rollout_servers", self.rollout_servers, "choose rollout_servers or rollout_workers, "

@@ -44,7 +44,8 @@ def rollout_correction(old_logprobs: torch.Tensor, rollout_logprobs: torch.Tenso
         ``(weights [B, R] fp32 (0 on padding and on masked tokens), policy mask [B, R] (action_mask minus masked
         tokens), stats)``, all detached; stats: ``capped`` (truncate modes: real tokens whose weight was cut to C),
         ``masked`` (mask modes: real tokens masked out), ``masked_seqs`` (sequence_mask: responses masked out),
-        0-dim fp32 counts.
+        0-dim fp32 counts, and ``weight_dev_max``: the largest ``|w - 1|`` over the tokens kept (0 when nothing was
+        corrected: the stale-rollout tests' negative control).
     """
     old = _tensor("old_logprobs", old_logprobs, ndim=2).detach()
     roll = _tensor("rollout_logprobs", rollout_logprobs, shape=old.shape, shape_of="old_logprobs").detach()
@@ -56,7 +57,7 @@ def rollout_correction(old_logprobs: torch.Tensor, rollout_logprobs: torch.Tenso
     c = _number("cap", cap, gt=1.0)
     d = torch.where(m, old.float() - roll.float(), 0.0)
     zero = torch.zeros((), device=d.device)
-    stats = {"capped": zero, "masked": zero, "masked_seqs": zero}
+    stats = {"capped": zero, "masked": zero, "masked_seqs": zero, "weight_dev_max": zero}
     if mode == "none":
         return m.float(), m.to(action_mask.dtype), stats
     if mode.startswith("token"):
@@ -73,4 +74,5 @@ def rollout_correction(old_logprobs: torch.Tensor, rollout_logprobs: torch.Tenso
         stats["masked"] = over.sum().float()
         if mode == "sequence_mask":
             stats["masked_seqs"] = over.any(-1).sum().float()
+    stats["weight_dev_max"] = torch.where(keep, (weights - 1.0).abs(), 0.0).max() if keep.any() else zero
     return weights, keep.to(action_mask.dtype), stats

@@ -79,10 +79,13 @@ class ServerPool:
                 self.served[i] += 1
             return i, out
 
+    def submit(self, fn: Callable[[ServerClient, object], object], item) -> concurrent.futures.Future:
+        """A future of fn(client, item) on the least busy server up when a thread takes it (failover as in call)."""
+        return self._threads.submit(lambda: self.call(lambda c: fn(c, item))[1])
+
     def map(self, fn: Callable[[ServerClient, object], object], items: list) -> list:
         """[fn(client, item)] for every item, concurrently, each on the least busy server up, in items' order."""
-        futures = [self._threads.submit(self.call, lambda c, it=it: fn(c, it)) for it in items]
-        return [f.result()[1] for f in futures]
+        return [f.result() for f in [self.submit(fn, it) for it in items]]
 
     def close(self) -> None:
         self._threads.shutdown(wait=False, cancel_futures=True)

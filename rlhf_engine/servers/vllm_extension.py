@@ -142,7 +142,9 @@ class RolloutServerExtension:
         return {"extension": EXTENSION_VERSION, "architectures": list(mc.architectures or []),
                 "max_model_len": int(mc.max_model_len), "dtype": str(mc.dtype).replace("torch.", ""),
                 "logprobs_mode": str(mc.logprobs_mode), "model": str(mc.model),
-                "weight_transfer": type(engine).__name__ if engine is not None else None}
+                "weight_transfer": type(engine).__name__ if engine is not None else None,
+                # a trainer that died mid-push left an update open: the next trainer closes it before its own push
+                "update_active": bool(getattr(self, "_weight_update_active", False))}
 
     def rlhf_weight_receipt(self) -> Optional[dict]:
         engine = getattr(self, "weight_transfer_engine", None)

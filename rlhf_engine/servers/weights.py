@@ -3,7 +3,8 @@
 Per server, one gloo group of the trainer's rank 0 (rank 0, serving the group's TCP store on this host) and the
 server's workers (ranks 1...): a lost server breaks only its own group. A push, on every server at once:
 
-    pause (mode keep: requests in flight wait, the prefix cache is cleared) -> start (vLLM's layer-by-layer reload)
+    pause (mode keep: requests in flight stop where they are and go on with the new weights after the resume; mode
+    wait: they finish first; either way the prefix cache is cleared) -> start (vLLM's layer-by-layer reload)
     -> per block of weights: /update_weights announces its names, dtypes and shapes while the trainer broadcasts the
        tensors in that order -> finish with the version -> resume
 
@@ -33,6 +34,7 @@ class GlooSender:
 
         self.client, self.world = client, 1 + int(workers)
         timeout = datetime.timedelta(seconds=float(timeout_s))
+        recover(client)
         host = client.local_address()
         self.store = TCPStore(host, 0, self.world, is_master=True, timeout=timeout, wait_for_workers=False)
         info = {"master_address": host, "master_port": int(self.store.port), "world_size": self.world,
@@ -54,6 +56,16 @@ class GlooSender:
                 answered.result()
 
 
+def recover(client: ServerClient) -> None:
+    """Close what an earlier trainer left open on a server (killed or preempted mid-push): an update still active
+    is finished (its half-loaded layers are overwritten by this trainer's first push, which comes before any request)
+    and a paused server resumed."""
+    if client.info().get("update_active"):
+        client.finish_weight_update("abandoned")
+    if (client.call("GET", "/is_paused") or {}).get("is_paused"):
+        client.resume()
+
+
 def block_payload(values: list, sha256: bool = False) -> tuple[list, dict]:
     """(contiguous CPU tensors, the update_info announcing them) of one block's (name, tensor) pairs."""
     tensors = [v.detach().to("cpu").contiguous() for _, v in values]
@@ -73,10 +85,10 @@ class WeightPush:
     """One push to a set of servers: `start()`, `block(values)` per block, `finish(version)`. A server that fails at
     any step is left out of the rest of the push and listed in `failed` (url -> reason); the others go on."""
 
-    def __init__(self, senders: dict, sha256: bool = False):
+    def __init__(self, senders: dict, sha256: bool = False, pause_mode: str = "keep"):
         self.senders = dict(senders)  # url -> GlooSender
         self.failed: dict = {}
-        self.sha256 = sha256
+        self.sha256, self.pause_mode = sha256, pause_mode
         self.sent = {"tensors": 0, "elements": 0, "sha256": []}
         self._pool = concurrent.futures.ThreadPoolExecutor(max(1, len(self.senders)))
 
@@ -91,7 +103,7 @@ class WeightPush:
 
     def start(self) -> None:
         def go(s: GlooSender):
-            s.client.pause("keep")
+            s.client.pause(self.pause_mode)
             s.client.start_weight_update()
         self._each(go)
 

@@ -1,4 +1,5 @@
-"""Rollouts generated ahead of training (`--max_staleness K >= 1` with rollout workers, docs/async-rollouts.md).
+"""Rollouts generated ahead of training (`--max_staleness K >= 1` with rollout servers, docs/rollout-servers.md, or
+rollout workers, docs/async-rollouts.md).
 
 At iteration k the trainer takes the batches of iteration k (submitted earlier), then broadcasts its current weights
 and submits iterations up to k + K, which the workers generate while the trainer computes the experience of k and
@@ -14,6 +15,9 @@ again after a resume (their rollouts are discarded). Nothing is submitted past t
 
 With K >= 2 a weight broadcast waits behind the batches already queued at each worker (a worker takes its messages
 in order), so it overlaps no more than K = 1 and each wait counts against `rollout_timeout_s` (docs/async-rollouts.md).
+Servers stamp every token with its weight version: staleness is then counted per token, a response with a token past
+K is generated again by the backend itself (`async/dropped_responses`), and with `--partial_rollouts` a push pauses
+the requests in flight instead of waiting for them (no drain at K >= 2; a response may span two versions).
 """
 from __future__ import annotations
 
@@ -38,7 +42,9 @@ class RolloutsAhead:
         self.max_staleness, self.iterations = max_staleness, iterations
         self.next_iteration = 0  # the iteration the next submission is for
         self.pending: collections.deque = collections.deque()  # per iteration: (data position before it, batches)
-        self.staleness: list = []  # of the last taken iteration's batches
+        # of the last taken iteration: per token where the backend stamps each token's version (servers), else per
+        # batch
+        self.staleness: list = []
         self.dropped = 0
 
     def _draw(self) -> list:
@@ -75,7 +81,11 @@ class RolloutsAhead:
             if version - gen.policy_version > self.max_staleness:  # cannot happen in this pipeline: guarded anyway
                 self.dropped += 1
                 gen = self.backend.generate(ids, mask, self.sampling, self._rows(rows))
-            self.staleness.append(version - gen.policy_version)
+            if gen.token_versions is not None:
+                mask = gen.rollout.action_mask.bool()
+                self.staleness.extend((version - gen.token_versions[mask]).tolist())
+            else:
+                self.staleness.append(version - gen.policy_version)
             if gen.rollout is not None:  # None: an environment failed (gen.failure; the trainer stops with it)
                 gen = dataclasses.replace(gen, rollout=gen.rollout.with_rows(rows))
             gens.append(gen)

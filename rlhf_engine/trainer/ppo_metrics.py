@@ -71,7 +71,9 @@ def add_rollout_check(stats: MetricSums, rollout_logprobs: torch.Tensor, old_log
 def add_correction_stats(stats: MetricSums, mode: str, cs: dict) -> None:
     """rollout/correction_capped_frac (truncate modes: share of real tokens whose weight was cut to the cap),
     rollout/correction_masked_frac (mask modes: share of real tokens masked out of the policy loss),
-    rollout/correction_masked_seq_frac (sequence_mask: share of responses masked out)."""
+    rollout/correction_masked_seq_frac (sequence_mask: share of responses masked out), rollout/correction_weight_dev_max
+    (the largest |weight - 1| of a kept token: 0 when nothing was corrected)."""
+    stats.max("correction_weight_dev_max", cs["weight_dev_max"])
     if mode.endswith("truncate"):
         stats.add("correction_capped", cs["capped"])
         return
@@ -156,6 +158,8 @@ def iteration_record(s: dict, world_size: int) -> dict:
         rec["rollout/correction_capped_frac"] = s["correction_capped"] / tokens if tokens else None
     if "correction_masked" in s:
         rec["rollout/correction_masked_frac"] = s["correction_masked"] / tokens if tokens else None
+    if "correction_weight_dev_max" in s:
+        rec["rollout/correction_weight_dev_max"] = s["correction_weight_dev_max"]
     if "correction_masked_seqs" in s:
         rec["rollout/correction_masked_seq_frac"] = s["correction_masked_seqs"] / n_seq
     for key in ("peak_rss_mib", "peak_device_mib"):  # the largest rank's peak so far

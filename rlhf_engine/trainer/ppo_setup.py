@@ -62,7 +62,8 @@ def reward_source(plan: RunPlan, engine):
 
 def episode_runner(plan: RunPlan, engine):
     """Multi-turn rollouts (rlhf_engine/envs), or None without an environment. With rollout workers the episodes
-    are played on the workers, next to the generation (trainer/remote_episodes.py)."""
+    are played on the workers, next to the generation (trainer/remote_episodes.py); with rollout servers they are
+    played here, each turn's requests sent to the servers."""
     if plan.env_factory is None:
         return None
     from ..envs import EpisodeRunner
@@ -80,10 +81,10 @@ def episode_runner(plan: RunPlan, engine):
 
 
 def rollouts_ahead(plan: RunPlan, engine, cursor, iterations: int):
-    """Rollout batches generated ahead of training by the workers (`max_staleness >= 1`; none past the run's
-    `iterations`), or None."""
+    """Rollout batches generated ahead of training by the workers or servers (`max_staleness >= 1`; none past the
+    run's `iterations`), or None."""
     r = plan.cfg.rollout
-    if not (r.on and r.max_staleness >= 1):
+    if not r.ahead:
         return None
     from .ahead import RolloutsAhead
 

@@ -297,7 +297,7 @@ class PPOTrainer:
             for _ in range(self.iteration, self.total_iterations):
                 # where this iteration starts: a lost rollout worker is noticed before its update
                 start = ({n: copy.deepcopy(self.checkpointer.providers[n].state_dict()) for n in ("data", "rng")}
-                         if self.cfg.rollout.on else None)
+                         if self.cfg.rollout.remote else None)
                 try:
                     rec = self.step()
                 except RolloutWorkerLost:

@@ -4,13 +4,17 @@ vLLM's server with our extension and token) serve every test here.
 * 2 trainer ranks and 2 servers at max_staleness 0, lr > 0, 3 iterations: every logged metric equals the colocated
   vllm run's (one engine per rank) within 1e-5 and the rollouts are equal token for token, greedy at ZeRO-2 and
   sampled at ZeRO-3 (the seeds of the requests are the colocated engine's); both servers answered requests.
-* No route answers without the token; a push lands bitwise and the server then decodes as the pushed weights do;
-  the plan refuses a server that cannot serve the run, naming it.
+* Ahead of training: at max_staleness 1 every token is one version old after the first iteration and the rollout
+  correction acts (none without it: the negative control); at 2 with partial rollouts the batches run two ahead.
+* No route answers without the token; a push lands bitwise and the server then decodes as the pushed weights do; a
+  push while a request generates splits its answer by version, each part its own weights' tokens and log-probs;
+  the plan refuses a server that cannot serve the run, naming it; a server killed mid-run costs nothing.
 Skipped, with the reason, where vLLM is not installed (the trainer's side needs no vLLM; the servers do).
 """
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
 import secrets
 import types
@@ -31,6 +35,8 @@ BASE = dict(generation_backend="vllm", do_sample="false", max_steps=3, seed=3, a
             actor_learning_rate=1e-3, critic_learning_rate=1e-3, per_device_generation_batch_size=4,
             per_device_training_batch_size=2)
 SAMPLED = dict(BASE, do_sample="true", actor_zero_stage=3, reference_zero_stage=3)
+ENV = dict(BASE, environment="_envs:counting", max_turns=2)  # 2-turn episodes played on the trainer's ranks
+AHEAD = dict(BASE, max_staleness=1)  # greedy: the killed-server run must equal it
 
 
 @pytest.fixture(scope="module")
@@ -48,10 +54,22 @@ def runs(servers, tiny_vllm, tmp_path_factory):
     tmp = str(tmp_path_factory.mktemp("server_runs"))
     via = dict(rollout_servers=",".join(servers.urls), rollout_auth_token_env=TOKEN_ENV)
     spec = [{"name": "colocated", "args": ppo_args(tiny_vllm, os.path.join(tmp, "colocated"), **BASE)},
-            {"name": "servers", "args": ppo_args(tiny_vllm, os.path.join(tmp, "servers"), **BASE, **via)},
+            {"name": "servers", "args": ppo_args(tiny_vllm, os.path.join(tmp, "servers"), **BASE, **via,
+                                                 save_interval=2)},
+            # resumed from its checkpoint after 2 iterations, the servers kept alive (holding the later weights)
+            {"name": "servers_resumed", "args": ppo_args(tiny_vllm, os.path.join(tmp, "servers_resumed"), **BASE,
+                                                         **via, resume=os.path.join(tmp, "servers", "checkpoints",
+                                                                                    "iter_000002"))},
             {"name": "colocated_sampled", "args": ppo_args(tiny_vllm, os.path.join(tmp, "colocated_s"), **SAMPLED)},
             {"name": "servers_sampled", "args": ppo_args(tiny_vllm, os.path.join(tmp, "servers_s"), **SAMPLED,
-                                                         **via)}]
+                                                         **via)},
+            {"name": "colocated_env", "args": ppo_args(tiny_vllm, os.path.join(tmp, "colocated_env"), **ENV)},
+            {"name": "servers_env", "args": ppo_args(tiny_vllm, os.path.join(tmp, "servers_env"), **ENV, **via)},
+            {"name": "ahead", "args": ppo_args(tiny_vllm, os.path.join(tmp, "ahead"), **AHEAD, **via)},
+            {"name": "ahead_uncorrected", "args": ppo_args(tiny_vllm, os.path.join(tmp, "ahead_u"), **AHEAD, **via,
+                                                           rollout_correction="none")},
+            {"name": "two_ahead", "args": ppo_args(tiny_vllm, os.path.join(tmp, "two_ahead"), **dict(
+                AHEAD, do_sample="true", max_staleness=2, max_steps=4), partial_rollouts="true", **via)}]
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv(TOKEN_ENV, servers.token)  # the ranks' environment (clean_env copies this process's)
         return run_harness(tmp, "rollout_servers", spec, 2, "torchrun")
@@ -68,6 +86,19 @@ def test_servers_at_staleness_0_equal_the_colocated_vllm_run(runs):
     assert all(r["time/weight_sync"] > 0 for r in _train(runs["servers"]))  # a push every iteration (lr > 0)
 
 
+def test_a_resumed_trainer_pushes_first_and_goes_on_exactly(runs):
+    """K = 0: the trainer resumed from the checkpoint after 2 iterations, the servers still holding the straight
+    run's last weights: its first push gives them the checkpoint's, and iteration 2 is the straight run's exactly
+    (every logged metric but the clocks, every rank's rollout)."""
+    straight, resumed = runs["servers"], runs["servers_resumed"]
+    assert [r["iteration"] for r in _train(resumed)] == [2]
+    want, got = _train(straight)[2], _train(resumed)[0]
+    keys = [k for k in want if not k.startswith(("time/", "throughput/", "memory/"))]
+    assert keys and {k: got[k] for k in keys} == {k: want[k] for k in keys}
+    for rs, rr in zip(straight["ranks"], resumed["ranks"]):
+        assert rr["rollouts"][0] == rs["rollouts"][2]
+
+
 def test_sampled_requests_carry_the_colocated_seeds(runs):
     assert_generated_alike(runs["servers_sampled"], runs["colocated_sampled"], ATOL)
     # sampling really happened: the sampled rollouts are not the greedy ones
@@ -81,6 +112,42 @@ def test_both_servers_answered_requests(runs, servers):
         done = sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
                    if line.startswith("vllm:request_success_total{"))
         assert done > 0, url
+
+
+def test_episodes_through_the_servers_equal_the_colocated_episodes(runs):
+    """K = 0 with a 2-turn environment: each turn's requests go to the servers (the episode runner on the trainer's
+    ranks, as in the colocated run); every metric and rollout equals the colocated run's, every episode took both
+    turns."""
+    assert_generated_alike(runs["servers_env"], runs["colocated_env"], ATOL)
+    assert all(r["env/turns_mean"] == 2 for r in _train(runs["servers_env"]))
+
+
+def test_one_version_ahead_the_correction_acts(runs):
+    """max_staleness 1: each batch is generated while the trainer trains on the one before, so every token is one
+    version old after the first iteration, and the rollout correction moved its weights from 1 (token_truncate, the
+    default ahead of training); the same run without a correction has no weights (the negative control)."""
+    records = _train(runs["ahead"])
+    assert [r["async/staleness_max"] for r in records] == [0, 1, 1]
+    assert all(r["async/dropped_responses"] == 0 and r["async/partial_responses"] == 0 for r in records)
+    with open(os.path.join(runs["ahead"]["output_dir"], "config.json")) as f:
+        assert json.load(f)["rollout_correction"] == "token_truncate"
+    assert records[0]["rollout/correction_weight_dev_max"] < 1e-3  # on-policy: kernel rounding only
+    for r in records[1:]:
+        assert r["rollout/logprob_diff_max"] > 1e-3 and r["rollout/correction_weight_dev_max"] > 1e-3, r
+    uncorrected = _train(runs["ahead_uncorrected"])
+    assert [r["async/staleness_max"] for r in uncorrected] == [0, 1, 1]
+    assert all(r["rollout/logprob_diff_max"] > 1e-3 for r in uncorrected[1:])
+    assert not any("rollout/correction_weight_dev_max" in r for r in uncorrected)
+
+
+def test_two_versions_ahead(runs):
+    """max_staleness 2 with partial rollouts: the batches run two iterations ahead, no token is older than 2
+    versions, nothing is dropped."""
+    records = _train(runs["two_ahead"])
+    assert [r["async/staleness_max"] for r in records] == [0, 1, 2, 2]
+    assert all(0 <= r["async/staleness_mean"] <= r["async/staleness_max"] for r in records)
+    assert all(r["async/dropped_responses"] == 0 for r in records)
+    assert runs["two_ahead"]["max_param_change"]["actor"] > 1e-4
 
 
 @pytest.mark.parametrize("path,body", [("/inference/v1/generate", {"token_ids": [5, 6], "sampling_params": {
@@ -105,42 +172,114 @@ def test_the_token_opens_every_route(servers):
     assert status == 500 and "start_weight_update" in str(answer)
 
 
-def test_a_push_lands_bitwise_and_the_server_decodes_with_it(servers, tiny_vllm, runs):
-    """After the runs (the push replaces the server's weight group): perturbed weights pushed with the servers
-    hashing what they receive; greedy tokens then equal the perturbed model's, log-probs to kernel rounding, every
-    token stamped with the pushed version."""
+def _perturbed(path: str, seed: int = 7):
     from transformers import AutoModelForCausalLM
 
-    from rlhf_engine.engine.policy_weights import stream_blocks
-    from rlhf_engine.servers.client import ServerClient
-    from rlhf_engine.servers.weights import WeightPush, connect_senders
-
-    client = ServerClient(servers.urls[0], servers.token, 120)
-    model = AutoModelForCausalLM.from_pretrained(tiny_vllm.actor, dtype=torch.float32)
-    g = torch.Generator().manual_seed(7)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for p in model.parameters():
             p.add_(torch.randn(p.shape, generator=g) * 0.05)
-    senders, failed = connect_senders([client], {client.url: client.info()["workers"]}, 120)
-    assert failed == {}
-    push = WeightPush(senders, sha256=True)
+    return model
+
+
+def _push(senders: dict, model, version: int, mode: str = "keep"):
+    from rlhf_engine.engine.policy_weights import stream_blocks
+    from rlhf_engine.servers.weights import WeightPush
+
+    push = WeightPush(senders, sha256=True, pause_mode=mode)
     push.start()
     for _, values in stream_blocks(model):
         push.block(values)
-    push.finish(41)
+    push.finish(version)
     assert push.failed == {}  # the receipt's tensors, elements and sha256 equal what was sent
+
+
+def _hf_logprobs(model, prompt: list, tokens: list, banned: tuple = ()) -> torch.Tensor:
+    """Each token's log-prob under `model`, the `banned` ids masked out (what vLLM's processed log-probs are under
+    min_tokens: EOS cannot be sampled, so the rest renormalise)."""
+    with torch.no_grad():
+        logits = model(torch.tensor([prompt + tokens])).logits[0, len(prompt) - 1:-1]
+    logits[:, list(banned)] = -torch.inf
+    return torch.log_softmax(logits, -1).gather(1, torch.tensor(tokens)[:, None])[:, 0]
+
+
+def _greedy(model, prompt: list, n: int) -> list:
+    return model.generate(torch.tensor([prompt]), max_new_tokens=n, min_new_tokens=n, do_sample=False,
+                          eos_token_id=None, pad_token_id=0)[0, len(prompt):].tolist()
+
+
+def test_a_push_lands_bitwise_and_the_server_decodes_with_it(servers, tiny_vllm, runs):
+    """After the runs (the push replaces the server's weight group), on a server that a trainer left paused in the
+    middle of an update (as a killed one would): perturbed weights pushed with the servers hashing what they
+    receive; greedy tokens then equal the perturbed model's, log-probs to kernel rounding, every token stamped with
+    the pushed version."""
+    from rlhf_engine.servers.client import ServerClient
+    from rlhf_engine.servers.weights import connect_senders
+
+    client = ServerClient(servers.urls[0], servers.token, 120)
+    model = _perturbed(tiny_vllm.actor)
+    client.pause("keep")
+    client.start_weight_update()  # the trainer that started this update is gone
+    assert client.info()["update_active"] is True
+    senders, failed = connect_senders([client], {client.url: client.info()["workers"]}, 120)
+    assert failed == {}
+    _push(senders, model, 41)
     assert client.weight_version() == "41"
     prompt = [5, 6, 7, 8, 9]
     choice = client.generate(prompt, {"max_tokens": 10, "temperature": 0, "logprobs": 0, "detokenize": False})
     assert choice["weight_versions"] == [{"version": "41", "start": 0, "end": len(choice["token_ids"])}]
-    expected = model.generate(torch.tensor([prompt]), max_new_tokens=10, do_sample=False, eos_token_id=None,
-                              pad_token_id=0)[0, len(prompt):].tolist()
+    expected = _greedy(model, prompt, 10)
     assert choice["token_ids"] == expected[:len(choice["token_ids"])]
-    with torch.no_grad():
-        logits = model(torch.tensor([prompt + choice["token_ids"]])).logits[0, len(prompt) - 1:-1]
-    ours = torch.log_softmax(logits, -1).gather(1, torch.tensor(choice["token_ids"])[:, None])[:, 0]
     theirs = torch.tensor([c["logprob"] for c in choice["logprobs"]["content"]])
-    assert (ours - theirs).abs().max().item() < 1e-4
+    assert (_hf_logprobs(model, prompt, choice["token_ids"]) - theirs).abs().max().item() < 1e-4
+
+
+def test_a_push_in_flight_splits_a_response_by_version(servers, tiny_vllm, runs):
+    """--partial_rollouts: weights A (version 50) generating a long greedy response when weights B (51) are pushed
+    with the pause in keep mode. The answer spans both versions; the tokens before the switch are A's greedy
+    continuation and those after are B's continuation of the prompt and A's tokens (the KV cache recomputed with B),
+    each token's log-prob the one its own version gives, to kernel rounding."""
+    import concurrent.futures
+    import time
+
+    from transformers import AutoModelForCausalLM
+
+    from rlhf_engine.engine.generation.servers import answer_row
+    from rlhf_engine.servers.client import ServerClient
+    from rlhf_engine.servers.weights import connect_senders
+
+    client = ServerClient(servers.urls[0], servers.token, 120)
+    a = AutoModelForCausalLM.from_pretrained(tiny_vllm.actor, dtype=torch.float32)
+    b = _perturbed(tiny_vllm.actor, seed=11)
+    senders, failed = connect_senders([client], {client.url: client.info()["workers"]}, 120)
+    assert failed == {}
+    _push(senders, a, 50)
+
+    def generated() -> float:
+        text = servers.request(client.url, "/metrics")[1]
+        return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+                   if line.startswith("vllm:generation_tokens_total{"))
+
+    prompt, n = [5, 6, 7, 8, 9], 240  # about 1.5 s of decoding on the test machine: the push lands inside it
+    before = generated()
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        answer = pool.submit(client.generate, prompt, {"max_tokens": n, "min_tokens": n, "temperature": 0,
+                                                       "logprobs": 0, "detokenize": False})
+        deadline = time.monotonic() + 60
+        while generated() <= before and time.monotonic() < deadline:  # A has sampled some tokens
+            time.sleep(0.01)
+        _push(senders, b, 51, mode="keep")
+        choice = answer.result()
+    tokens, logprobs, versions = answer_row(choice)
+    j = versions.index(51)
+    assert 0 < j < n and versions == [50] * j + [51] * (n - j), choice["weight_versions"]
+    assert tokens[:j] == _greedy(a, prompt, j)
+    assert tokens[j:] == _greedy(b, prompt + tokens[:j], n - j)
+    eos = a.generation_config.eos_token_id
+    eos = tuple(eos) if isinstance(eos, (list, tuple)) else (eos,)  # banned throughout: min_tokens = max_tokens
+    ours = torch.cat([_hf_logprobs(a, prompt, tokens[:j], eos), _hf_logprobs(b, prompt + tokens[:j], tokens[j:], eos)])
+    assert (ours - torch.tensor(logprobs)).abs().max().item() < 1e-4
 
 
 def _cfg(tiny, tmp, **flags):
@@ -190,3 +329,81 @@ def test_the_plan_refuses_a_server_naming_it(probe, servers, monkeypatch, case, 
         url = "http://" + free_address()  # nothing listens there
         message = probe(url, rollout_timeout_s=1)
     assert url in message and expect in message, message
+
+
+def _on_first_answer(log: str, act) -> "threading.Thread":
+    """A started thread that calls `act()` once the server writing `log` has answered a generate request it had not
+    answered before this call; `.done` (an Event) ends the wait."""
+    import threading
+    import time
+
+    answered = '"POST /inference/v1/generate HTTP/1.1" 200'
+    with open(log) as f:
+        before = f.read().count(answered)  # earlier tests' requests
+    done = threading.Event()
+
+    def watch():
+        while not done.is_set():
+            with open(log) as f:
+                if f.read().count(answered) > before:
+                    act()
+                    return
+            time.sleep(0.02)
+
+    thread = threading.Thread(target=watch)
+    thread.done = done
+    thread.start()
+    return thread
+
+
+def _ahead_run(servers, tiny_vllm, tmp_path, name: str, act, **flags) -> dict:
+    """The run of `runs["ahead"]` through both servers, `act()` called once server 1 has answered its first
+    request."""
+    spec = [{"name": name, "args": ppo_args(tiny_vllm, str(tmp_path / name), **AHEAD,
+                                            rollout_servers=",".join(servers.urls),
+                                            rollout_auth_token_env=TOKEN_ENV, **flags)}]
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv(TOKEN_ENV, servers.token)
+        watcher = _on_first_answer(servers.logs[1], act)
+        try:
+            return run_harness(str(tmp_path), name, spec, 2, "torchrun")[name]
+        finally:
+            watcher.done.set()
+            watcher.join()
+
+
+def test_a_hung_server_is_left_then_taken_back(servers, tiny_vllm, runs, tmp_path):
+    """Server 1 stopped (SIGSTOP) after its first answer, for longer than --rollout_timeout_s, then continued: its
+    requests time out and go to server 0 with the same body; once it answers again, the next push finds it, gives
+    it the current weights on a new weight group and takes it back. Every metric and rollout equals the run where
+    both served throughout."""
+    import signal
+    import threading
+
+    proc, timeout_s = servers.procs[1], 5
+
+    def hang_then_continue():
+        proc.send_signal(signal.SIGSTOP)
+        threading.Timer(timeout_s + 1.5, proc.send_signal, (signal.SIGCONT,)).start()
+
+    taken_back = _ahead_run(servers, tiny_vllm, tmp_path, "taken_back", hang_then_continue,
+                            rollout_timeout_s=timeout_s)
+    records = _train(taken_back)
+    assert len(records) == 3 and records[-1]["servers/moved_requests"] >= 1 and records[-1]["servers/up"] == 2
+    assert_generated_alike(taken_back, runs["ahead"], ATOL, skip=("servers/",))
+    assert servers.request(servers.urls[1], "/weight_info")[1]["weight_version"] == "2"  # the last push (iteration 2)
+
+
+def test_a_killed_server_costs_nothing(servers, tiny_vllm, runs, tmp_path):
+    """Last in this file (it kills a server the others use): the run of `runs["ahead"]` (max_staleness 1) again,
+    server 1 SIGKILLed as soon as it has answered its first request. The run completes, every request of the dead
+    server goes to the other with the same body, and every metric and rollout equals the run where both lived
+    (nothing lost, nothing trained twice)."""
+    import signal
+
+    proc = servers.procs[1]
+    killed = _ahead_run(servers, tiny_vllm, tmp_path, "killed", lambda: proc.send_signal(signal.SIGKILL))
+    assert proc.wait(timeout=30) == -signal.SIGKILL
+    records = _train(killed)
+    assert len(records) == 3 and records[-1]["servers/up"] == 1 and records[-1]["servers/moved_requests"] >= 1
+    assert_generated_alike(killed, runs["ahead"], ATOL, skip=("servers/",))

@@ -257,7 +257,6 @@ def test_rollout_servers_are_urls_or_a_file_of_them(tmp_path):
 @pytest.mark.parametrize("change, field, says", [
     (dict(generation_backend="lean"), "generation_backend", "add --generation_backend vllm"),
     (dict(rollout_workers=1, rollout_address="127.0.0.1:29611"), "rollout_servers", "not both"),
-    (dict(max_staleness=1), "max_staleness", "synchronously in this release"),
     (dict(rollout_servers="http://a"), "rollout_servers", "port"),
 ])
 def test_rollout_servers_settings_are_checked(change, field, says):
@@ -269,3 +268,23 @@ def test_rollout_servers_settings_are_checked(change, field, says):
         setattr(cfg.engine if k == "generation_backend" else cfg.rollout, k, v)
     p = problems(cfg)[field]
     assert says in p.fix
+
+
+def test_staleness_and_partial_rollouts_need_somewhere_to_generate_ahead():
+    cfg = valid()
+    cfg.rollout.max_staleness, cfg.rollout.partial_rollouts = 2, True
+    p = problems(cfg)
+    assert "rollout_servers" in p["max_staleness"].fix and "rollout_servers" in p["partial_rollouts"].fix
+    cfg.rollout.rollout_servers, cfg.engine.generation_backend = "http://127.0.0.1:8000", "vllm"
+    cfg.validate()  # servers generate ahead, and pause in keep mode
+    assert cfg.rollout.ahead and not valid().rollout.ahead
+
+
+def test_episodes_go_through_the_servers_at_staleness_0_only():
+    cfg = valid()
+    cfg.rollout.rollout_servers, cfg.engine.generation_backend = "http://127.0.0.1:8000", "vllm"
+    cfg.env.environment = "mymodule:make_env"
+    cfg.validate()  # each turn's requests to the servers, with the current weights
+    cfg.rollout.max_staleness = 1
+    p = problems(cfg)["environment"]
+    assert "max_staleness 0" in p.fix

@@ -32,6 +32,9 @@ def test_each_mode_against_hand_numbers(mode):
     assert torch.allclose(w, torch.tensor(want_w), atol=1e-6), w
     assert keep.tolist() == want_keep
     assert (s["capped"].item(), s["masked"].item(), s["masked_seqs"].item()) == (capped, masked, masked_seqs)
+    # the largest |w - 1| of a kept token: the cap's 2 where one is capped, else the farthest kept weight
+    dev = {"token_truncate": 1.0, "token_mask": E(0.5) - 1, "sequence_truncate": 1.0, "sequence_mask": 1 - E(-1)}
+    assert s["weight_dev_max"].item() == pytest.approx(dev[mode], abs=1e-6)
 
 
 @pytest.mark.parametrize("mode", list(CASES))
@@ -68,8 +71,8 @@ def test_the_policy_loss_and_its_gradient_carry_the_weights(mode):
 
 
 def test_none_changes_nothing_and_bad_arguments_are_named():
-    w, keep, _ = rollout_correction(OLD, ROLL, MASK, "none", cap=2.0)
-    assert torch.equal(w, MASK.float()) and torch.equal(keep, MASK)
+    w, keep, s = rollout_correction(OLD, ROLL, MASK, "none", cap=2.0)
+    assert torch.equal(w, MASK.float()) and torch.equal(keep, MASK) and s["weight_dev_max"].item() == 0.0
     with pytest.raises(ValueError, match="cap"):
         rollout_correction(OLD, ROLL, MASK, "token_truncate", cap=1.0)
     with pytest.raises(ValueError, match="mode"):

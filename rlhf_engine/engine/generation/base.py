@@ -64,6 +64,9 @@ class Generated:
     logprobs: Optional[torch.Tensor] = None  # [B, R] generation-time log-probs, None: not available
     episode_stats: Optional[Any] = None  # multi-turn batches: their envs.EpisodeStats (env/* metrics)
     policy_version: Optional[int] = None  # rollout workers: the actor's step count of the weights that made it
+    # rollout servers: [B, R] long, the weight version that sampled each action token (0 on padding); then
+    # policy_version is the oldest of them
+    token_versions: Optional[torch.Tensor] = None
     # multi-turn batches played on a rollout worker: the environment failure that ended them (env_errors 'stop'),
     # and then `rollout` is None; the trainer stops every rank with it
     failure: Optional[str] = None

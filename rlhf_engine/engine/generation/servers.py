@@ -18,6 +18,7 @@ reached over HTTP, token in / token out, their weights pushed through vLLM's wei
 """
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import logging
 import os
@@ -49,6 +50,10 @@ class ServerLink:
     urls: list
     token: str = field(default="", repr=False)
     infos: dict = field(default_factory=dict)  # url -> rlhf_server_info answer (rank 0)
+    # what a server must serve (server_problems' arguments): a server that comes back is checked again
+    arch: list = field(default_factory=list)
+    dtype: str = "fp32"
+    longest: int = 0
 
 
 def server_token(cfg: Any) -> str:
@@ -124,7 +129,8 @@ def probe_servers(cfg: Any, dist: Any, actor_dtype: str, model_config: Any, long
     comm.destroy_group(group)
     if problem is not None:
         raise ConfigError([problem], "cannot start: rollout servers")
-    return ServerLink(urls, token, infos)
+    return ServerLink(urls, token, infos, list(getattr(model_config, "architectures", None) or []), actor_dtype,
+                      longest)
 
 
 class ServersBackend(GenerationBackend):
@@ -136,14 +142,20 @@ class ServersBackend(GenerationBackend):
         super().__init__(ctx)
         r = ctx.cfg.rollout
         self.timeout_s = float(r.rollout_timeout_s)
+        self.link = link
         self.clients = [ServerClient(u, link.token, self.timeout_s) for u in link.urls]
         self.pool = ServerPool(self.clients)
         self.hash_pushes = False  # tests: the servers hash what they receive and the push compares
         self._seen_steps: Optional[int] = None
         self._version = 0
         self._pushed_version: Optional[int] = None
+        self.max_staleness = int(r.max_staleness)
+        # K >= 2 with partial rollouts: a push pauses the requests in flight, which go on with the new weights;
+        # otherwise it waits for them (K <= 1 has none in flight at a push: nothing to wait for)
+        self.pause_mode = "keep" if r.partial_rollouts else "wait"
+        self._ticket, self._tickets = 0, {}
         self.sync_seconds = self.trainer_wait = 0.0
-        self.pushes = 0
+        self.pushes = self.partial = self.dropped = 0
         self.senders: dict = {}
         self.wait_group = comm.new_cpu_group(datetime.timedelta(seconds=self.timeout_s * 4 + 60))
         failed = None
@@ -180,29 +192,60 @@ class ServersBackend(GenerationBackend):
     def _index(self, url: str) -> int:
         return [c.url for c in self.clients].index(url)
 
-    def _mark_failed(self, failed: Optional[dict]) -> None:
-        """Rank 0's failed servers marked down on every rank (collective); NoServerUp when none is left."""
-        failed = comm.broadcast_object(failed, group=self.wait_group)
+    def _mark_failed(self, failed: Optional[dict], admitted: tuple = ()) -> None:
+        """Rank 0's failed servers marked down, and its re-admitted ones up, on every rank (collective);
+        RolloutServersLost when none is up."""
+        failed, admitted = comm.broadcast_object((failed, list(admitted)), group=self.wait_group)
         for url, why in (failed or {}).items():
             self.pool.mark_down(self._index(url), why)
             self.senders.pop(url, None)
-        if failed and self.dist.is_main:
-            log.warning("rollout servers down: %s", "; ".join(f"{u}: {w}" for u, w in failed.items()))
+        for url in admitted:
+            self.pool.mark_up(self._index(url))
+        if self.dist.is_main and (failed or admitted):
+            log.warning("rollout servers: %s", "; ".join([f"{u} down: {w}" for u, w in (failed or {}).items()] +
+                                                          [f"{u} back, with the current weights" for u in admitted]))
         if not self.pool.up:
             from ...errors import RolloutServersLost
 
             raise RolloutServersLost("no rollout server is up: " + "; ".join(
                 f"{self.clients[i].url}: {why}" for i, why in sorted(self.pool.down.items())))
 
+    def _rejoin(self, down: set) -> dict:
+        """Rank 0: {url: GlooSender} of the servers down (on any rank) that answer again and can serve this run, on
+        a new weight group (a restarted server lost the old one; recover() closes what a push left open)."""
+        from ...servers.weights import GlooSender
+
+        out = {}
+        for url in sorted(down):
+            self.senders.pop(url, None)
+            client = self.clients[self._index(url)]
+            try:
+                info = client.info(timeout_s=min(5.0, self.timeout_s))
+                if server_problems(info, url, self.link.arch, self.link.dtype, self.link.longest):
+                    continue
+                out[url] = GlooSender(client, info["workers"], self.timeout_s)
+            except (ServerError, RuntimeError, OSError):
+                continue  # still down: asked again at the next push
+        return out
+
     def sync_weights(self) -> bool:
-        """Push the actor's weights to every server up if they changed since the last push (collective on the
-        trainer's ranks). Returns whether it pushed."""
+        """Push the actor's weights to every server up if they changed since the last push, and to every server
+        that was down and answers again (collective on the trainer's ranks); a server that takes the whole push
+        is (back) up on every rank. Returns whether it pushed."""
         version = self.actor_version
-        if self._pushed_version == version:
+        down = set().union(*comm.all_gather_object(sorted(self.clients[i].url for i in self.pool.down)))
+        newcomers = self._rejoin(down) if self.dist.is_main and down else {}
+        # every rank walks the weight stream (collective under ZeRO-3): all ranks must agree to push, and to whom
+        to = comm.broadcast_object("all" if self._pushed_version != version else "new" if newcomers else None,
+                                   group=self.wait_group)
+        if to is None:
             return False
         t0 = time.perf_counter()
-        push = WeightPush(self.senders, sha256=self.hash_pushes) if self.dist.is_main else None
-        if push is not None:
+        push = None
+        if self.dist.is_main:
+            self.senders.update(newcomers)
+            push = WeightPush(self.senders if to == "all" else newcomers, sha256=self.hash_pushes,
+                              pause_mode=self.pause_mode)
             push.start()
         try:
             for _, values in stream_blocks(self.actor.module):  # every rank: collective under ZeRO-3
@@ -214,7 +257,8 @@ class ServersBackend(GenerationBackend):
             raise
         if push is not None:
             push.finish(version)
-        self._mark_failed(push.failed if push is not None else None)
+        self._mark_failed(push.failed if push is not None else None,
+                          [u for u in newcomers if u not in push.failed] if push is not None else ())
         self._pushed_version = version
         self.pushes += 1
         self.sync_seconds += time.perf_counter() - t0
@@ -227,20 +271,42 @@ class ServersBackend(GenerationBackend):
     def take_async_stats(self) -> dict:
         out = {"time/trainer_wait": self.trainer_wait, "servers/up": len(self.pool.up),
                "servers/moved_requests": self.pool.moved}
-        self.trainer_wait = 0.0
+        if self.max_staleness:
+            out.update({"async/partial_responses": self.partial, "async/dropped_responses": self.dropped})
+        self.trainer_wait, self.partial, self.dropped = 0.0, 0, 0
         return out
 
     # ---- generation ----------------------------------------------------------------------------------------
     @torch.no_grad()
     def generate(self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, params: SamplingParams) -> Generated:
+        """Synchronous (max_staleness 0): the current weights, then this batch, every token of them."""
         self.sync_weights()
+        return self.result(self.submit(prompt_ids, prompt_mask, params), prompt_ids, prompt_mask, params)
+
+    def submit(self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, params: SamplingParams,
+               rows: Optional[list] = None) -> int:
+        """Send this rank's rows (one request each, seeds drawn now) and return at once: a ticket for `result`."""
+        if rows is not None:
+            raise ValueError("episodes through rollout servers are not built yet")
         prompts, limits_list, seeds, limits = row_requests(prompt_ids, prompt_mask, params)
         bodies = [(p, request_fields(params, limit, seed)) for p, limit, seed in zip(prompts, limits_list, seeds)]
+        self._ticket += 1
+        self._tickets[self._ticket] = (bodies, limits, [self.pool.submit(_ask_generate, b) for b in bodies])
+        return self._ticket
+
+    @torch.no_grad()
+    def result(self, ticket: int, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor,
+               params: SamplingParams) -> Generated:
+        """The ticket's batch laid out as the canonical rollout, each token stamped with the weight version that
+        sampled it. A response with a token more than max_staleness versions behind the trainer is generated again
+        (counted in `async/dropped_responses`); at max_staleness 0 every token must be of the current version.
+        Collective: every rank learns whether any rank's requests failed, and then every rank stops."""
+        bodies, limits, futures = self._tickets.pop(ticket)
         t0 = time.perf_counter()
         rows, wrong = [], None
         try:
-            choices = self.pool.map(lambda client, body: client.generate(*body), bodies)
-            rows = [self._row(choice, self.actor_version) for choice in choices]
+            rows = [answer_row(f.result()) for f in futures]
+            rows = self._fresh(rows, bodies)
         except (NoServerUp, ServerError, ValueError) as e:
             wrong = str(e)
         self.trainer_wait += time.perf_counter() - t0
@@ -249,20 +315,53 @@ class ServersBackend(GenerationBackend):
             from ...errors import RolloutServersLost
 
             raise RolloutServersLost(wrong)
-        return lay_out(prompt_ids, prompt_mask, rows, params, limits, self.device)
+        gen = lay_out(prompt_ids, prompt_mask, [(t, lp) for t, lp, _ in rows], params, limits, self.device)
+        versions = torch.zeros(gen.rollout.action_mask.shape, dtype=torch.long)
+        for i, (_, _, v) in enumerate(rows):
+            n = min(len(v), versions.shape[1])
+            versions[i, :n] = torch.tensor(v[:n], dtype=torch.long)
+        mask = gen.rollout.action_mask.cpu().bool()
+        versions = versions * mask
+        self.partial += sum(len(set(v)) > 1 for _, _, v in rows)
+        oldest = int(versions[mask].min()) if bool(mask.any()) else self.actor_version
+        return dataclasses.replace(gen, token_versions=versions.to(self.device), policy_version=oldest)
 
-    @staticmethod
-    def _row(choice: dict, version: int) -> tuple:
-        """(token ids, their log-probs) of one answer; a ValueError when its tokens are not all of `version`'s
-        weights (max_staleness 0) or a log-prob is missing."""
-        spans = choice.get("weight_versions") or []
-        if {version_of(s.get("version")) for s in spans} != {version}:
-            raise ValueError(f"a rollout server answered with tokens of weight versions "
-                             f"{sorted(str(s.get('version')) for s in spans)}; the trainer is at {version} "
-                             "(max_staleness 0)")
-        tokens = list(choice["token_ids"])
-        logprobs = [float(c["logprob"]) for c in (choice.get("logprobs") or {}).get("content") or []]
-        if len(tokens) != len(logprobs):
-            raise ValueError("a rollout server answered without a log-prob for every token (is it started with "
-                             "launch/rollout_server.py?)")
-        return tokens, logprobs
+    def _fresh(self, rows: list, bodies: list) -> list:
+        """`rows` with every response that holds a token past max_staleness generated again (by the servers' current
+        weights, one push behind the trainer at most: within any K >= 1)."""
+        current = self.actor_version
+        stale = [i for i, (_, _, v) in enumerate(rows) if v and current - min(v) > self.max_staleness]
+        if stale and self.max_staleness == 0:
+            raise ValueError(f"a rollout server answered with tokens of weight versions {sorted(set(rows[stale[0]][2]))}; "
+                             f"the trainer is at {current} (max_staleness 0)")
+        if stale:
+            again = self.pool.map(_ask_generate, [bodies[i] for i in stale])
+            rows = list(rows)
+            for i, choice in zip(stale, again):
+                rows[i] = answer_row(choice)
+            self.dropped += len(stale)
+        return rows
+
+
+def _ask_generate(client: ServerClient, body: tuple) -> dict:
+    return client.generate(*body)
+
+
+def answer_row(choice: dict) -> tuple:
+    """(token ids, their log-probs, the weight version that sampled each) of one server answer; a ValueError when a
+    token has no log-prob or no version of this trainer (a server the trainer has not pushed to says 'default')."""
+    tokens = list(choice["token_ids"])
+    logprobs = [float(c["logprob"]) for c in (choice.get("logprobs") or {}).get("content") or []]
+    if len(tokens) != len(logprobs):
+        raise ValueError("a rollout server answered without a log-prob for every token (is it started with "
+                         "launch/rollout_server.py?)")
+    versions = [None] * len(tokens)
+    for span in choice.get("weight_versions") or []:
+        v = version_of(span.get("version"))
+        for t in range(max(0, int(span.get("start", 0))), min(len(tokens), int(span.get("end", 0)))):
+            versions[t] = v
+    if None in versions:
+        labels = sorted(str(s.get("version")) for s in choice.get("weight_versions") or [])
+        raise ValueError(f"a rollout server answered with tokens of no version of this trainer (weight versions "
+                         f"{labels} over {len(tokens)} tokens): were its weights pushed by another trainer?")
+    return tokens, logprobs, versions

@@ -182,3 +182,38 @@ def test_async_rollouts_sbatch_dry_run(tmp_path):
                        f"{sys.executable} -u launch/train_ppo.py --output_dir {env['OUTPUT_DIR']} --resume auto "
                        "--save_interval_minutes 30 --rollout_workers 4 --rollout_address gpu07:18457 "
                        "--max_staleness 1 --max_steps 5")
+
+
+def test_rollout_servers_sbatch_dry_run(tmp_path):
+    """The heterogeneous job with rollout servers: one server per GPU of each rollout node, each task's command bound
+    to its own GPU (the task's command run here as srun would, local id 3, a stand-in interpreter printing what it
+    got) on its own port; the trainer lists every server, reads the job's token from the variable the servers read,
+    and preemption signals no srun step (the servers would get USR1)."""
+    import shlex
+
+    env = _sbatch_env(tmp_path, RLHF_DRY_RUN="1", SLURM_JOB_NODELIST_HET_GROUP_1="gpu[11-12]",
+                      SLURM_NTASKS_PER_NODE_HET_GROUP_1="4(x2)", MODEL="/models/actor",
+                      SERVER_ARGS="--dtype bfloat16 --max_model_len 4096")
+    proc = subprocess.run(["bash", os.path.join(SLURM_DIR, "ppo_rollout_servers.sbatch"), "--max_steps", "5"],
+                          env=env, cwd=str(tmp_path), capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    servers, trainer = proc.stdout.strip().splitlines()[-2:]
+    urls = ",".join(f"http://gpu{n}:{18556 + i}" for n in (11, 12) for i in range(4))
+    assert shlex.split(trainer) == shlex.split(
+        f"DRY RUN: OMP_NUM_THREADS=32 srun --het-group=0 --kill-on-bad-exit=1 --gpu-bind=none {sys.executable} -u "
+        f"launch/train_ppo.py --output_dir {env['OUTPUT_DIR']} --resume auto --save_interval_minutes 30 "
+        f"--generation_backend vllm --rollout_servers {urls} --rollout_auth_token_env RLHF_ROLLOUT_TOKEN "
+        "--max_staleness 1 --max_steps 5")
+    argv = shlex.split(servers.split(":", 1)[1])
+    assert argv[:5] == ["srun", "--het-group=1", "--kill-on-bad-exit=0", "--gpu-bind=none", "bash"]
+    stand_in = tmp_path / "python"
+    stand_in.write_text('#!/bin/bash\necho "GPU=$CUDA_VISIBLE_DEVICES TOKEN=${RLHF_ROLLOUT_TOKEN:+set} $*"\n')
+    stand_in.chmod(0o755)
+    task = subprocess.run(argv[4:6] + [argv[6], str(stand_in)] + argv[8:], capture_output=True, text=True,
+                          env={"PATH": os.environ["PATH"], "SLURM_LOCALID": "3", "RLHF_ROLLOUT_TOKEN": "t"})
+    assert task.returncode == 0, task.stderr
+    assert task.stdout.strip() == ("GPU=3 TOKEN=set -u launch/rollout_server.py /models/actor --device cuda "
+                                   "--port 18559 --auth_token_env RLHF_ROLLOUT_TOKEN --dtype bfloat16 "
+                                   "--max_model_len 4096")
+    with open(os.path.join(SLURM_DIR, "ppo_rollout_servers.sbatch")) as f:
+        assert "RLHF_SIGNAL_STEPS=0" in f.read()
