@@ -1,4 +1,5 @@
-"""Rollout workers of their own: processes that generate for the trainer on their own devices (docs/async-rollouts.md)."""
+"""Where the rollouts are generated: the trainer's ranks, rollout servers (docs/rollout-servers.md) or rollout
+workers (docs/async-rollouts.md), and how far ahead of training."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -11,9 +12,9 @@ GROUP_BACKENDS = ("auto", "gloo", "nccl")
 
 @dataclass
 class RolloutConfig:
-    """Where the rollouts are generated: on the trainer's ranks (the default), or by `rollout_workers` processes
-    started with `python launch/rollout_worker.py --rollout_address HOST:PORT`, which get everything else (model
-    config, sampling, weights) from the trainer."""
+    """Where the rollouts are generated: on the trainer's ranks (the default), by rollout servers (stock vLLM servers
+    started with launch/rollout_server.py, reached over HTTP), or by `rollout_workers` processes started with
+    `python launch/rollout_worker.py --rollout_address HOST:PORT` (to be removed: the servers replace them)."""
 
     rollout_workers: int = opt(0, "Rollout worker processes that generate for this run (0 = the trainer's ranks "
                                "generate). Each is started with launch/rollout_worker.py --rollout_address HOST:PORT "

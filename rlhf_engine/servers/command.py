@@ -45,7 +45,8 @@ def server_command(s: ServerSettings, python: Optional[str] = None) -> tuple[dic
     env = {"VLLM_SERVER_DEV_MODE": "1"}
     argv = [python or sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", s.model,
             "--port", str(int(s.port)), "--host", s.host or ("0.0.0.0" if s.auth_token_env else "127.0.0.1"),
-            "--tokens-only", "--logprobs-mode", "processed_logprobs", "--dtype", s.dtype or ("float32" if s.device == "cpu" else "auto"), "--seed", str(int(s.seed)),
+            "--tokens-only", "--logprobs-mode", "processed_logprobs",
+            "--dtype", s.dtype or ("float32" if s.device == "cpu" else "auto"), "--seed", str(int(s.seed)),
             "--worker-extension-cls", EXTENSION,
             "--weight-transfer-config", json.dumps({"backend": s.weight_backend or (
                 BACKEND_NAME if s.device == "cpu" else "nccl")})]

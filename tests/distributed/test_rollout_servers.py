@@ -23,7 +23,7 @@ import pytest
 import torch
 
 from _servers import TOKEN_ENV, RolloutServers
-from _support import assert_generated_alike, free_address, ppo_args, run_harness
+from _support import assert_generated_alike, assert_resumed_exactly, free_address, ppo_args, run_harness
 
 pytestmark = [pytest.mark.distributed, pytest.mark.vllm,
               pytest.mark.skipif(importlib.util.find_spec("vllm") is None,
@@ -91,12 +91,7 @@ def test_a_resumed_trainer_pushes_first_and_goes_on_exactly(runs):
     run's last weights: its first push gives them the checkpoint's, and iteration 2 is the straight run's exactly
     (every logged metric but the clocks, every rank's rollout)."""
     straight, resumed = runs["servers"], runs["servers_resumed"]
-    assert [r["iteration"] for r in _train(resumed)] == [2]
-    want, got = _train(straight)[2], _train(resumed)[0]
-    keys = [k for k in want if not k.startswith(("time/", "throughput/", "memory/"))]
-    assert keys and {k: got[k] for k in keys} == {k: want[k] for k in keys}
-    for rs, rr in zip(straight["ranks"], resumed["ranks"]):
-        assert rr["rollouts"][0] == rs["rollouts"][2]
+    assert_resumed_exactly(straight, resumed, 2)
 
 
 def test_sampled_requests_carry_the_colocated_seeds(runs):

@@ -15,8 +15,8 @@ import time
 
 import pytest
 
-from _support import ROOT, RolloutWorkers, assert_generated_alike, clean_env, free_address, \
-    ppo_args, run_harness_with_workers
+from _support import ROOT, RolloutWorkers, assert_generated_alike, assert_resumed_exactly, clean_env, \
+    free_address, ppo_args, run_harness_with_workers
 
 ATOL = 1e-5
 BASE = dict(do_sample="false", max_steps=3, seed=3, actor_learning_rate=1e-3, per_device_generation_batch_size=4,
@@ -96,12 +96,7 @@ def test_k0_resume_with_a_worker_started_again_is_bitwise(runs):
     """The resumed run's worker is a new process: it joins, takes the checkpoint's weights, and iteration 2 is the
     straight run's exactly (every logged metric but the clocks, every rank's rollout)."""
     straight, resumed = runs["gae_z3_workers"], runs["gae_z3_resumed"]
-    assert [r["iteration"] for r in _train(resumed)] == [2]
-    want, got = _train(straight)[2], _train(resumed)[0]
-    keys = [k for k in want if not k.startswith(("time/", "throughput/", "memory/"))]
-    assert keys and {k: got[k] for k in keys} == {k: want[k] for k in keys}
-    for rs, rr in zip(straight["ranks"], resumed["ranks"]):
-        assert rr["rollouts"][0] == rs["rollouts"][2]
+    assert_resumed_exactly(straight, resumed, 2)
 
 
 @pytest.mark.distributed

@@ -332,8 +332,8 @@ class ServersBackend(GenerationBackend):
         current = self.actor_version
         stale = [i for i, (_, _, v) in enumerate(rows) if v and current - min(v) > self.max_staleness]
         if stale and self.max_staleness == 0:
-            raise ValueError(f"a rollout server answered with tokens of weight versions {sorted(set(rows[stale[0]][2]))}; "
-                             f"the trainer is at {current} (max_staleness 0)")
+            raise ValueError(f"a rollout server answered with tokens of weight versions "
+                             f"{sorted(set(rows[stale[0]][2]))}; the trainer is at {current} (max_staleness 0)")
         if stale:
             again = self.pool.map(_ask_generate, [bodies[i] for i in stale])
             rows = list(rows)
