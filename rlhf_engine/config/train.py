@@ -136,10 +136,6 @@ class TrainConfig:
         if self.rollout.servers_on and self.engine.requested_backend[0] != "vllm":
             p.add("generation_backend", self.engine.requested_backend[0], "rollout servers are vLLM servers: add "
                   "--generation_backend vllm (the run then plans the rollout correction for vLLM's log-probs)")
-        if self.rollout.servers_on and self.env.on and self.rollout.ahead:
-            p.add("environment", self.env.environment, "episodes through rollout servers ahead of training are not "
-                  "built yet: use max_staleness 0 (each turn's requests go to the servers with the current weights), "
-                  "or rollout_workers")
         if self.rollout.on and self.engine.requested_backend[0] not in ("lean", "vllm"):
             p.add("generation_backend", self.engine.requested_backend[0], "rollout workers generate with lean or "
                   "vllm (hf and hybrid run only on the trainer's ranks)")

@@ -36,6 +36,7 @@ class Episode:
     tokens: list[int] = field(default_factory=list)  # after the prompt: actions and context
     actions: list[int] = field(default_factory=list)  # 1 = the model wrote it
     logprobs: list[float] = field(default_factory=list)  # generation-time, 0 at context
+    versions: list[int] = field(default_factory=list)  # rollout servers: each token's weight version, 0 at context
     rewards: list[float] = field(default_factory=list)  # each turn's reward on its last action
     turn_rewards: list[float] = field(default_factory=list)
     observation_tokens: int = 0
@@ -82,6 +83,8 @@ class EpisodeRunner:
         self.stops, self.pad = set(int(t) for t in stop_token_ids), int(pad_token_id)
         self.calls, self.on_error, self.device = calls, on_error, device or torch.device("cpu")
         self.tokenizer = turns.tokenizer
+        self._stamped = False  # whether the generation stamped its tokens with weight versions (set by a turn)
+        self._sample = sample  # this batch's generation (play's `sample`)
 
     @classmethod
     def for_run(cls, cfg: Any, factory: Callable, tokenizer: Any, sample: Callable[..., Any],
@@ -102,6 +105,15 @@ class EpisodeRunner:
         log-probs (0 at context), the batch's sums, None), or (None, None, sums, the failure) after an environment
         failure under env_errors 'stop': the other episodes end at once and the trainer stops every rank
         together."""
+        return self.play(prompt_ids, prompt_mask, rows)[:4]
+
+    def play(self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, rows: Sequence[PromptRow],
+             sample: Optional[Callable[..., Any]] = None) -> tuple:
+        """As `run`, plus a fifth item: the [B, R] long weight version of every action token (0 at context and
+        padding) where the generation stamps its tokens (`token_versions`: rollout servers), else None. `sample`
+        replaces the runner's generation for this batch (episodes played ahead of training: their own seeds).
+        One batch at a time per runner."""
+        self._stamped, self._sample = False, sample or self.sample
         # one entry per possible turn on every rank: the metric keys must be the same everywhere
         stats = EpisodeStats(episodes=len(rows), turn_reward_sums=[0.0] * self.max_turns,
                              turn_counts=[0] * self.max_turns)
@@ -133,7 +145,7 @@ class EpisodeRunner:
                     episode.over = True
         stats.abandoned_calls = self.calls.abandoned - abandoned_before
         if failure:
-            return None, None, stats, failure[0]
+            return None, None, stats, failure[0], None
         for e in episodes:
             stats.turns += len(e.turn_rewards)
             stats.observation_tokens += e.observation_tokens
@@ -144,9 +156,14 @@ class EpisodeRunner:
                                          actions=[e.actions for e in episodes],
                                          turn_rewards=[e.rewards for e in episodes])
         logprobs = torch.zeros(rollout.action_mask.shape, dtype=torch.float32)
+        versions = torch.zeros(rollout.action_mask.shape, dtype=torch.long) if self._stamped else None
         for i, e in enumerate(episodes):
             logprobs[i, :len(e.logprobs)] = torch.tensor(e.logprobs, dtype=torch.float32)
-        return rollout.to(self.device), logprobs.to(self.device), stats, None
+            if versions is not None:
+                versions[i, :len(e.versions)] = torch.tensor(e.versions, dtype=torch.long)
+        if versions is not None:
+            versions = (versions * rollout.action_mask.cpu().long()).to(self.device)
+        return rollout.to(self.device), logprobs.to(self.device), stats, None, versions
 
     def _start(self, prompt_ids, prompt_mask, rows, stats, failure) -> list[Episode]:
         def start(row: PromptRow) -> tuple[Any, Optional[str]]:
@@ -207,7 +224,7 @@ class EpisodeRunner:
             batch, limits = [(episodes[0].prompt, episodes[0].prompt_mask)], (1,)
         ids, mask = pad_prompts([b[0] for b in batch], self.pad, [b[1] for b in batch])
         # max_new_tokens stays the run's on every rank: lockstep decoding (per-layer ZeRO-3) needs the same bound
-        return self.sample(ids, mask, dataclasses.replace(self.params, row_limits=limits)), limits
+        return self._sample(ids, mask, dataclasses.replace(self.params, row_limits=limits)), limits
 
     def _play_turn(self, live: list[Episode], episodes: list[Episode], turn: int, rows, stats, failure, gen: Any,
                    limits: tuple) -> None:
@@ -215,6 +232,9 @@ class EpisodeRunner:
         responses = r.responses.tolist()
         lengths = r.response_lengths.tolist()
         lps = gen.logprobs.tolist() if gen.logprobs is not None else None
+        stamps = getattr(gen, "token_versions", None)
+        stamps = stamps.tolist() if stamps is not None else None
+        self._stamped = self._stamped or stamps is not None
         texts = []
         for j, e in enumerate(live):
             resp = responses[j][:int(lengths[j])]
@@ -226,6 +246,7 @@ class EpisodeRunner:
             e.tokens += resp
             e.actions += [1] * len(resp)
             e.logprobs += (lps[j][:keep] if lps is not None else [0.0] * keep)
+            e.versions += (stamps[j][:keep] if stamps is not None else [0] * keep)
             e.rewards += [0.0] * len(resp)
             e.ended_with_eos = closed_by is not None
             # the turn filled the episode's room without ending itself: the budget cut the episode (a turn at the
@@ -264,6 +285,7 @@ class EpisodeRunner:
             e.tokens += context
             e.actions += [0] * len(context)
             e.logprobs += [0.0] * len(context)
+            e.versions += [0] * len(context)
             e.rewards += [0.0] * len(context)
             e.observation_tokens += len(context)
         if failure:

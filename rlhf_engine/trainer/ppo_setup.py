@@ -63,7 +63,8 @@ def reward_source(plan: RunPlan, engine):
 def episode_runner(plan: RunPlan, engine):
     """Multi-turn rollouts (rlhf_engine/envs), or None without an environment. With rollout workers the episodes
     are played on the workers, next to the generation (trainer/remote_episodes.py); with rollout servers they are
-    played here, each turn's requests sent to the servers."""
+    played here, each turn's requests sent to the servers (ahead of training: in a thread, trainer/episodes_ahead.py).
+    """
     if plan.env_factory is None:
         return None
     from ..envs import EpisodeRunner
@@ -74,21 +75,34 @@ def episode_runner(plan: RunPlan, engine):
 
         return RemoteEpisodes(engine.generator, engine.sampling)
     env = plan.cfg.env
-    return EpisodeRunner.for_run(plan.cfg, plan.env_factory, engine.tokenizer, engine.sample,
-                                 engine.generator.collective_calls, engine.sampling,
+    collective = engine.generator.collective_calls
+    if plan.cfg.rollout.ahead:  # through servers, in a thread of this rank's: nothing collective there
+        collective = _never
+    return EpisodeRunner.for_run(plan.cfg, plan.env_factory, engine.tokenizer, engine.sample, collective,
+                                 engine.sampling,
                                  EnvCalls(env.env_workers, env.env_timeout_s, env.env_max_abandoned_calls),
                                  device=engine.device)
 
 
-def rollouts_ahead(plan: RunPlan, engine, cursor, iterations: int):
+def _never() -> bool:
+    return False
+
+
+def rollouts_ahead(plan: RunPlan, engine, cursor, iterations: int, episodes=None):
     """Rollout batches generated ahead of training by the workers or servers (`max_staleness >= 1`; none past the
-    run's `iterations`), or None."""
+    run's `iterations`), or None. `episodes`: the run's episode runner; through servers it plays each batch's
+    episodes in a thread of this rank's (trainer/episodes_ahead.py)."""
     r = plan.cfg.rollout
     if not r.ahead:
         return None
     from .ahead import RolloutsAhead
 
-    return RolloutsAhead(engine.generator, cursor, plan.prompts, plan.cfg.batch, engine.sampling, engine.pad_token_id,
+    backend = engine.generator
+    if episodes is not None and r.servers_on:
+        from .episodes_ahead import EpisodesAhead
+
+        backend = EpisodesAhead(backend, episodes)
+    return RolloutsAhead(backend, cursor, plan.prompts, plan.cfg.batch, engine.sampling, engine.pad_token_id,
                          r.max_staleness, iterations, episodes=plan.env_factory is not None)
 
 

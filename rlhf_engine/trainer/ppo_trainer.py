@@ -85,8 +85,9 @@ class PPOTrainer:
         self.hooks = (hooks or TestHooks()).attach(dist.rank, lambda: engine.optimizer_steps("actor"))
         self.sampler = plan.sampler
         self._batches = DataCursor(self.sampler)  # (epoch, k, indices) like sampler.iter_from, with a position
-        # max_staleness >= 1: the workers generate the next iterations while this one trains (trainer/ahead.py)
-        self.ahead = setup.rollouts_ahead(plan, engine, self._batches, plan.iterations)
+        self.episodes = setup.episode_runner(plan, engine)
+        # max_staleness >= 1: the next iterations are generated while this one trains (trainer/ahead.py)
+        self.ahead = setup.rollouts_ahead(plan, engine, self._batches, plan.iterations, self.episodes)
         self.kl_ctl = setup.kl_controller(cfg.ppo)
         self.metrics = metrics or MetricsWriter(cfg.run.output_dir, enabled=dist.is_main)
         self.total_iterations = plan.iterations
@@ -100,7 +101,6 @@ class PPOTrainer:
         self.critic_step = setup.critic_step(engine, cfg.ppo, self.guard, self.hooks)
         self.experience_steps = experience_steps(cfg.ppo, cfg.batch.n_samples_per_prompt)  # correction, filter
         self.reward_source = setup.reward_source(plan, engine)  # what scores the rollouts (trainer/reward_sources)
-        self.episodes = setup.episode_runner(plan, engine)
         self.evaluator = setup.evaluator(plan, engine)
         self.iteration = 0
         self.clock = IterationClock()  # time/iteration split into named parts (trainer/clock.py)

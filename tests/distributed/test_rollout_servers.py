@@ -5,7 +5,8 @@ vLLM's server with our extension and token) serve every test here.
   vllm run's (one engine per rank) within 1e-5 and the rollouts are equal token for token, greedy at ZeRO-2 and
   sampled at ZeRO-3 (the seeds of the requests are the colocated engine's); both servers answered requests.
 * Ahead of training: at max_staleness 1 every token is one version old after the first iteration and the rollout
-  correction acts (none without it: the negative control); at 2 with partial rollouts the batches run two ahead.
+  correction acts (none without it: the negative control); 2-turn episodes are played one version ahead; at 2 with
+  partial rollouts the batches run two ahead.
 * No route answers without the token; a push lands bitwise and the server then decodes as the pushed weights do; a
   push while a request generates splits its answer by version, each part its own weights' tokens and log-probs;
   the plan refuses a server that cannot serve the run, naming it; a server killed mid-run costs nothing.
@@ -65,6 +66,8 @@ def runs(servers, tiny_vllm, tmp_path_factory):
                                                          **via)},
             {"name": "colocated_env", "args": ppo_args(tiny_vllm, os.path.join(tmp, "colocated_env"), **ENV)},
             {"name": "servers_env", "args": ppo_args(tiny_vllm, os.path.join(tmp, "servers_env"), **ENV, **via)},
+            {"name": "env_ahead", "args": ppo_args(tiny_vllm, os.path.join(tmp, "env_ahead"),
+                                                   **dict(ENV, max_staleness=1), **via)},
             {"name": "ahead", "args": ppo_args(tiny_vllm, os.path.join(tmp, "ahead"), **AHEAD, **via)},
             {"name": "ahead_uncorrected", "args": ppo_args(tiny_vllm, os.path.join(tmp, "ahead_u"), **AHEAD, **via,
                                                            rollout_correction="none")},
@@ -115,6 +118,23 @@ def test_episodes_through_the_servers_equal_the_colocated_episodes(runs):
     turns."""
     assert_generated_alike(runs["servers_env"], runs["colocated_env"], ATOL)
     assert all(r["env/turns_mean"] == 2 for r in _train(runs["servers_env"]))
+
+
+def test_episodes_one_version_ahead(runs):
+    """K = 1 with a 2-turn environment: each rank plays iteration k + 1's episodes in a thread while it trains on k.
+    Iteration 0 (the first weights, greedy) is the colocated run's token for token; after it every token is one
+    version old, no episode met a push between its turns (a push waits for the batch taken), and every episode
+    took both turns."""
+    records, colocated = _train(runs["env_ahead"]), _train(runs["colocated_env"])
+    assert [r["async/staleness_max"] for r in records] == [0, 1, 1]
+    assert [r["async/staleness_mean"] for r in records] == [0, 1, 1]
+    assert all(r["async/partial_responses"] == 0 and r["async/dropped_batches"] == 0 for r in records)
+    assert all(r["env/turns_mean"] == 2 and r["env/errors"] == 0 for r in records)
+    for key in ("env/turn1_reward_mean", "env/turn2_reward_mean", "env/observation_tokens_mean"):
+        assert records[0][key] == pytest.approx(colocated[0][key], abs=ATOL), key
+    for ra, rb in zip(runs["env_ahead"]["ranks"], runs["colocated_env"]["ranks"]):
+        assert ra["rollouts"][0] == rb["rollouts"][0]
+    assert runs["env_ahead"]["max_param_change"]["actor"] > 1e-4
 
 
 def test_one_version_ahead_the_correction_acts(runs):

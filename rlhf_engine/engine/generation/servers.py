@@ -287,7 +287,7 @@ class ServersBackend(GenerationBackend):
                rows: Optional[list] = None) -> int:
         """Send this rank's rows (one request each, seeds drawn now) and return at once: a ticket for `result`."""
         if rows is not None:
-            raise ValueError("episodes through rollout servers are not built yet")
+            raise ValueError("episodes are played on the trainer's side: trainer/episodes_ahead.py submits them")
         prompts, limits_list, seeds, limits = row_requests(prompt_ids, prompt_mask, params)
         bodies = [(p, request_fields(params, limit, seed)) for p, limit, seed in zip(prompts, limits_list, seeds)]
         self._ticket += 1
@@ -315,6 +315,12 @@ class ServersBackend(GenerationBackend):
             from ...errors import RolloutServersLost
 
             raise RolloutServersLost(wrong)
+        self.partial += sum(len(set(v)) > 1 for _, _, v in rows)
+        return self._laid_out(prompt_ids, prompt_mask, rows, params, limits)
+
+    def _laid_out(self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, rows: list, params: SamplingParams,
+                  limits) -> Generated:
+        """answer_row's rows as the canonical rollout, each action token stamped with its weight version."""
         gen = lay_out(prompt_ids, prompt_mask, [(t, lp) for t, lp, _ in rows], params, limits, self.device)
         versions = torch.zeros(gen.rollout.action_mask.shape, dtype=torch.long)
         for i, (_, _, v) in enumerate(rows):
@@ -322,9 +328,21 @@ class ServersBackend(GenerationBackend):
             versions[i, :n] = torch.tensor(v[:n], dtype=torch.long)
         mask = gen.rollout.action_mask.cpu().bool()
         versions = versions * mask
-        self.partial += sum(len(set(v)) > 1 for _, _, v in rows)
         oldest = int(versions[mask].min()) if bool(mask.any()) else self.actor_version
         return dataclasses.replace(gen, token_versions=versions.to(self.device), policy_version=oldest)
+
+    # what `request` raises when no server is up or one answered what the run cannot train on
+    lost_errors = (NoServerUp, ServerError, ValueError)
+
+    def request(self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, params: SamplingParams,
+                generator: Optional[torch.Generator] = None) -> Generated:
+        """This rank's rows answered by the servers as their weights stand: no push, nothing collective, the seeds
+        from `generator` (episodes played ahead of training call it from a thread of their own,
+        trainer/episodes_ahead.py). A server error or NoServerUp is raised to the caller."""
+        prompts, limits_list, seeds, limits = row_requests(prompt_ids, prompt_mask, params, generator)
+        bodies = [(p, request_fields(params, limit, seed)) for p, limit, seed in zip(prompts, limits_list, seeds)]
+        rows = [answer_row(choice) for choice in self.pool.map(_ask_generate, bodies)]
+        return self._laid_out(prompt_ids, prompt_mask, rows, params, limits)
 
     def _fresh(self, rows: list, bodies: list) -> list:
         """`rows` with every response that holds a token past max_staleness generated again (by the servers' current

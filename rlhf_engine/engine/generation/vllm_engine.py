@@ -268,14 +268,16 @@ class VLLMBackend(GenerationBackend):
         return lay_out(prompt_ids, prompt_mask, rows, params, limits, self.device)
 
 
-def row_requests(prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, params: SamplingParams) -> tuple:
+def row_requests(prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, params: SamplingParams,
+                 generator: Optional[torch.Generator] = None) -> tuple:
     """(each row's prompt ids without padding, each row's token limit, each row's seed, the limits tensor or None):
     what one generate call asks an engine, request by request. The seeds come from this rank's torch stream
-    (checkpointed): a rerun draws the same samples whatever the engine batches together."""
+    (checkpointed), or from `generator` (episodes played in a thread of their own): a rerun draws the same samples
+    whatever the engine batches together."""
     B = prompt_ids.shape[0]
     limits = params.limits(B, torch.device("cpu"))
     limit_list = limits.tolist() if limits is not None else [params.max_new_tokens] * B
-    seeds = torch.randint(0, 2**31 - 1, (B,)).tolist() if params.do_sample else [None] * B
+    seeds = torch.randint(0, 2**31 - 1, (B,), generator=generator).tolist() if params.do_sample else [None] * B
     ids, mask = prompt_ids.cpu(), prompt_mask.cpu().bool()
     return [ids[i][mask[i]].tolist() for i in range(B)], limit_list, seeds, limits
 

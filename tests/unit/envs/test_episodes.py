@@ -350,3 +350,41 @@ def test_a_turn_that_ends_itself_exactly_at_its_room_is_not_truncated(tiny, dist
     t = trainer_for(tiny, tmp_path / "control", max_episode_tokens=budget, stop_token_ids=[], **flags)
     turns, sent, _, stats = _record(t, prompt)
     assert turns == [first, second[:k]] and stats.truncated == 1
+
+
+def test_play_stamps_each_turns_tokens_with_the_version_that_sampled_them(tiny, dist_single, tmp_path):
+    """A generation that stamps its tokens (rollout servers' `token_versions`; here turn k's tokens say 10 + k):
+    every action token of the played rollout keeps its turn's stamp, context and padding hold 0, and the other four
+    results are `run`'s. Without stamps the fifth result is None."""
+    import dataclasses
+    import json
+
+    from rlhf_engine.rollout import pad_prompts
+
+    t = trainer_for(tiny, tmp_path, max_turns=2, max_answer_seq_len=6, do_sample="false", max_steps=1)
+    tok, runner = t.engine.tokenizer, t.episodes
+    with open(tiny.prompts) as f:
+        rows = t.dataset.rows(list(range(4)))
+        texts = [json.loads(line)["prompt"] for line in f][:4]
+    ids, mask = pad_prompts([tok(p, add_special_tokens=False)["input_ids"] for p in texts], t.engine.pad_token_id)
+    turns = []
+
+    def stamped(i, m, p):
+        gen = t.engine.sample(i, m, p)
+        turns.append(gen.rollout.action_mask.clone())
+        return dataclasses.replace(gen, token_versions=torch.full_like(gen.logprobs, 10 + len(turns),
+                                                                       dtype=torch.long))
+
+    rollout, logprobs, stats, failure, versions = runner.play(ids, mask, rows, sample=stamped)
+    assert failure is None and len(turns) == 2 and versions.shape == rollout.action_mask.shape
+    actions = rollout.action_mask.bool()
+    assert set(versions[actions].tolist()) == {11, 12} and not bool(versions[~actions].any())
+    for i in range(4):  # turn 1's tokens first, then the observation (0), then turn 2's
+        row = [v for v in versions[i].tolist() if v]
+        assert row == sorted(row) and row[0] == 11 and row[-1] == 12, row
+        assert row.count(11) == int(turns[0][i].sum())
+    plain = runner.play(ids, mask, rows)
+    assert plain[4] is None
+    again = runner.run(ids, mask, rows)
+    assert torch.equal(again[0].responses, rollout.responses) and torch.equal(again[1], logprobs)
+    assert torch.equal(plain[0].responses, rollout.responses)
