@@ -3,8 +3,7 @@
 #
 #   bash bench/gpu.sh                  on the GPU machine (offline; its own Python, torch and transformers)
 #   bash bench/gpu.sh --tiny           the same script and code path on CPU with tiny shapes (CI, ~1 minute)
-#   bash bench/gpu.sh --suite async    rollout workers instead (docs/async-rollouts.md): the steps below marked async
-#   options: --out DIR (default bench/results/gpu[-async], or ...-tiny), --budget SECONDS (default 465; async 540)
+#   options: --out DIR (default bench/results/gpu, or ...-tiny), --budget SECONDS (default 465)
 #   env: PYTHON (default python3; --tiny: the repo's .venv when present), WHEELS (default bench/wheels),
 #        BENCH_WORK_DIR (models, JIT cache, carried packages; default $TMPDIR/rlhf_bench_gpu[_tiny])
 #
@@ -21,12 +20,6 @@
 #   hybrid  last, with the time that is left: ZeRO-2 + DeepSpeed Hybrid Engine, first a greedy self-check
 #           (HE kernels against the native HF path on the same weights), then PPO iterations. Skipped, with the
 #           reason recorded, without a GPU or without the CUDA toolkit (its kernels are JIT-compiled)
-#   --suite async, instead of zero2 ... hybrid, each its own launch at ZeRO-2 with one worker process (on the next
-#   GPU when there is one, else sharing GPU 0 over gloo: then the two compete for the one device):
-#   colocated   the trainer's rank generates (the reference)
-#   async_k0    a rollout worker, max_staleness 0 (synchronous: generation, then the broadcast, then training)
-#   async_k1    a rollout worker, max_staleness 1 (the next iteration's rollouts generated during training)
-#   model       bench/async_rollouts.py gpu: the speedup model from colocated's phases beside the measured ratios
 #   summary bench/gpu_summary.py -> $OUT/gpu.json (everything above in one file) and $OUT/gpu.md
 # Optimizer: torch's AdamW through DeepSpeed's `torch_adam` (no JIT build; a FusedAdam build would cost about a
 # minute of the budget). BENCH_ADAM=auto uses DeepSpeed's FusedAdam when the CUDA toolkit (nvcc) is there.
@@ -38,13 +31,13 @@ tiny=0
 suite=main
 out=""
 budget=${BENCH_BUDGET:-465}
-budget_set=$([ -n "${BENCH_BUDGET:-}" ] && echo 1 || echo 0)
+
 while [ $# -gt 0 ]; do
     case "$1" in
         --tiny) tiny=1 ;;
         --suite) suite=${2:-}; shift ;;
         --out) out=${2:-}; shift ;;
-        --budget) budget=${2:-}; budget_set=1; shift ;;
+        --budget) budget=${2:-}; shift ;;
         -h|--help) awk 'NR > 1 && /^#/ { sub(/^# ?/, ""); print; next } NR > 1 { exit }' "$0"; exit 0 ;;
         *) echo "gpu.sh: unknown argument $1 (see --help)" >&2; exit 2 ;;
     esac
@@ -52,16 +45,19 @@ while [ $# -gt 0 ]; do
 done
 py=${PYTHON:-python3}
 if [ "$tiny" = 1 ] && [ -z "${PYTHON:-}" ] && [ -x "$root/.venv/bin/python" ]; then py=$root/.venv/bin/python; fi
-[ "$suite" = main ] || [ "$suite" = async ] || { echo "gpu.sh: --suite main or async" >&2; exit 2; }
-# the async suite's steps want about 9 minutes (a device call may run 10)
-[ "$suite" = async ] && [ "$budget_set" = 0 ] && budget=540
+if [ "$suite" = async ]; then  # it measured the rollout workers, which the rollout servers replaced
+    echo "gpu.sh: --suite async measured the rollout workers, replaced by rollout servers (docs/rollout-servers.md);" \
+         "their GPU suite is not built yet: on CPU, .venv-vllm/bin/python bench/async_rollouts.py servers" >&2
+    exit 2
+fi
+[ "$suite" = main ] || { echo "gpu.sh: --suite main (the only suite)" >&2; exit 2; }
 suffix=$([ "$tiny" = 1 ] && echo "_tiny" || echo "")
-out=${out:-$root/bench/results/gpu$([ "$suite" = async ] && echo "-async")${suffix/_/-}}
-work=${BENCH_WORK_DIR:-${TMPDIR:-/tmp}/rlhf_bench_gpu$suffix}  # both suites: the same models and packages
+out=${out:-$root/bench/results/gpu${suffix/_/-}}
+work=${BENCH_WORK_DIR:-${TMPDIR:-/tmp}/rlhf_bench_gpu$suffix}
 mkdir -p "$out" "$work"
 out=$(cd "$out" && pwd)
 for f in steps.jsonl gpu.json gpu.md; do rm -f "$out/$f"; done
-for step in env models zero2 zero3 vllm hybrid prebuild colocated async_k0 async_k1 model; do rm -f "$out/$step.json" "$out/$step.md" "$out/$step.log"; done
+for step in env models zero2 zero3 vllm hybrid prebuild; do rm -f "$out/$step.json" "$out/$step.md" "$out/$step.log"; done
 start=$(date +%s)
 
 export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 TOKENIZERS_PARALLELISM=false WANDB_MODE=disabled PYTHONUNBUFFERED=1
@@ -133,19 +129,6 @@ if [ "$env_rc" = 0 ]; then
     run_capped models "$(cap_for 120)" "$py" "$root/bench/ppo_iteration.py" --preset "$preset" --work-dir "$work" \
         --prepare-only --out "$out/models.json"
 fi
-if [ "$suite" = async ]; then
-    # one GPU: the worker shares it with the trainer, and NCCL cannot join two processes on one GPU
-    group=$("$py" -c 'import torch; print("auto" if torch.cuda.device_count() > 1 else "gloo")' 2>/dev/null || echo gloo)
-    # the measurement that matters most first: K = 1, then its references
-    bench async_k1 110 --variant "async_k1:zero=2,workers=1,staleness=1,group=$group" --warmup 1 --iterations 3
-    bench colocated 100 --variant colocated:zero=2 --warmup 1 --iterations 3
-    bench async_k0 110 --variant "async_k0:zero=2,workers=1,staleness=0,group=$group" --warmup 1 --iterations 3
-    if [ "$(cap_for 20)" -ge 5 ]; then
-        run_capped model "$(cap_for 20)" "$py" "$root/bench/async_rollouts.py" gpu --dir "$out" --out "$out/model.json"
-    else
-        record model '"skipped: no time left in the budget"' 0 0
-    fi
-else
 bench zero2 170 --variant zero2:zero=2 --warmup 1 --iterations 3
 bench zero3 170 --variant zero3:zero=3 --warmup 1 --iterations 2
 if "$py" -c 'import vllm' >/dev/null 2>&1; then  # the vllm generation backend (docs/rollout-engines.md)
@@ -156,7 +139,6 @@ else
 fi
 bench hybrid rest --variant hybrid:zero=2,hybrid_engine=1 --greedy-check 8 --greedy-tokens 32 --warmup 1 \
     --iterations 2
-fi
 
 if [ -n "$prebuild_pid" ] && kill -0 "$prebuild_pid" 2>/dev/null; then  # still building: stop it (and its compilers)
     echo "prebuild: stopped at the end of the budget" >> "$out/prebuild.log"

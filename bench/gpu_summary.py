@@ -13,7 +13,7 @@ BENCH = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, BENCH)
 import benchlib as bl  # noqa: E402
 
-STEPS = ("zero2", "zero3", "vllm", "hybrid", "colocated", "async_k0", "async_k1")  # --suite main, then async
+STEPS = ("zero2", "zero3", "vllm", "hybrid")
 # DeepSpeed-Chat's figure for this setup, as our issue states it: OPT-1.3B actor + OPT-350M reward, one A100-80G
 REFERENCE = {"source": "DeepSpeed-Chat (figure quoted in our benchmark issue)", "gpu": "1x A100-80G",
              "setup": "OPT-1.3B actor, OPT-350M critic/reward, 256 prompt + 256 generated tokens, Hybrid Engine",
@@ -66,8 +66,7 @@ def build(d: str, budget: float, elapsed: float, tiny: bool) -> dict:
     return {"kind": "gpu_benchmark", "tiny": tiny, "budget_s": budget, "elapsed_s": elapsed,
             "within_budget": elapsed <= budget, "machine": machine, "env": bl.read_json(os.path.join(d, "env.json")),
             "reference": REFERENCE, "hybrid_kernels_prebuild_log": _tail(os.path.join(d, "prebuild.log"), 1500),
-            "flop_formula": bl.FLOP_FORMULA, "steps": steps, "table": rows,
-            "async_model": bl.read_json(os.path.join(d, "model.json"))}
+            "flop_formula": bl.FLOP_FORMULA, "steps": steps, "table": rows}
 
 
 def markdown(summary: dict) -> str:

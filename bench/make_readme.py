@@ -273,36 +273,38 @@ def vllm_generation(r, res):
     return out
 
 
-@section("## 0d. Rollout workers: synchronous against one version ahead (CPU)", "cpu/async_rollouts.json",
-         "`python bench/async_rollouts.py measure --out bench/results/cpu/async_rollouts.json`")
-def async_rollouts(r, res):
-    runs, ratios, model = r["runs"], r["ratios"], r["model_from_colocated"]
+@section("## 0d. Rollout servers: colocated vllm against one server at K = 0, 1, 2 (CPU)", "cpu/rollout_servers.json",
+         "`.venv-vllm/bin/python bench/async_rollouts.py servers --out bench/results/cpu/rollout_servers.json`")
+def rollout_servers(r, res):
+    runs, ratios, pred, inputs = r["runs"], r["ratios"], r["predicted"], r["model_inputs"]
     out = [f"`{r['command']}` — the GRPO example (SmolLM2-135M-Instruct, fp32, 8 prompts x 4 samples x 32 tokens, the "
-           "top 4 blocks trained), one launch per placement in turn: colocated (one trainer rank generates and "
-           "trains on one core), a rollout worker on the second core with max_staleness 0, and with 1. Medians over "
-           f"the iterations after the first; {machine_line(r['machine'])}.", ""]
+           "top 4 blocks trained) on the vllm backend, one launch per placement in turn: colocated (one trainer rank "
+           "with its own vLLM engine, one core), then one rollout server (stock `vllm serve` through "
+           "launch/rollout_server.py) on the second core at max_staleness 0, 1, and 2 with partial rollouts. Medians "
+           f"over the iterations after the first; {machine_line(r['machine'])}.", ""]
     rows = []
     for name, run in runs.items():
         m = run["median"]
-        rows.append([name, fmt(m["time/iteration"]), fmt(m["time/generate"]), fmt(m["time/experience"]),
-                     fmt(m["time/train"]), fmt(m.get("time/weight_broadcast", m.get("time/weight_sync"))), fmt(m.get("time/trainer_wait")),
-                     fmt(m.get("time/worker_idle")), fmt(m.get("async/staleness_max"))])
-    out += table(["placement", "iteration s", "generate s", "experience s", "train s", "weight sync s",
-                  "trainer wait s", "worker idle s", "staleness max"], rows)
-    out += ["", f"K = 1 / K = 0: **{fmt(ratios['k1_over_k0_iteration'])}** of the iteration time; K = 1 / colocated: "
-            f"**{fmt(ratios['k1_over_colocated_iteration'])}** (2 cores bound the overlap: the worker has one core, "
-            "the trainer the other). With K = 1 the trainer waits about nothing for rollouts: generation hides "
-            "behind the experience and the update.", "",
-            "The model (`bench/async_rollouts.py model`), fed the colocated run's generation G, experience + update T "
-            f"and the broadcast S: separate placement synchronous G + S + T = {fmt(model['separate_sync_s'])} s "
-            f"(measured {fmt(runs['workers_k0']['median']['time/iteration'])}), one version ahead max(G, T + S) = "
-            f"{fmt(model['separate_ahead_s'])} s (measured {fmt(runs['workers_k1']['median']['time/iteration'])}). "
-            "Published points beside it (other hardware and models): "
-            + "; ".join(f"{p['who']} ({p['setup']}): x{p['speedup']}" for p in r["published"]) + ".", "",
-            "On a GPU: `bash bench/gpu.sh --suite async` (the prepared check, OPT-1.3B / OPT-350M at ZeRO-2, each "
-            "placement its own launch; `bench/async_rollouts.py gpu` sets the model beside what it measured). "
-            + ("Measured: see `bench/results/gpu-async/model.json`." if bl.read_json(os.path.join(
-                BENCH, "results", "gpu-async", "model.json")) else "Not run yet: no GPU was lent."), ""]
+        its = [e["time/iteration"] for e in run["per_iteration"] if e.get("time/iteration") is not None]
+        spread = f" ({fmt(min(its))}-{fmt(max(its))}, {len(its)})" if its else ""
+        rows.append([name, fmt(m["time/iteration"]) + spread, fmt(m["time/generate"]), fmt(m["time/experience"]),
+                     fmt(m["time/train"]), fmt(m.get("time/weight_sync")), fmt(m.get("time/trainer_wait")),
+                     fmt(m.get("async/staleness_max")), fmt(m.get("async/partial_responses"))])
+    out += table(["placement", "iteration s (min-max, iterations)", "generate s", "experience s", "train s", "weight push s",
+                  "trainer wait s", "staleness max", "partial responses"], rows)
+    hidden = inputs["generate_s"] < inputs["train_s"] + inputs["push_s"]
+    out += ["", "Iteration time over the colocated run's: " + ", ".join(
+                f"{k.replace('_over_colocated', '')} **{fmt(v)}**" for k, v in ratios.items()) + "."
+            + (" Generation is already hidden at K = 1 here (G < T + S below), so K = 2 has nothing more to hide; no "
+               "request was in flight at a push." if hidden else ""), "",
+            "The model (`bench/async_rollouts.py model`), fed the colocated run's generation G = "
+            f"{fmt(inputs['generate_s'])} s, experience + update T = {fmt(inputs['train_s'])} s and the K = 0 run's "
+            f"push S = {fmt(inputs['push_s'])} s (the push falls on the trainer's side): one server synchronous "
+            f"(G + S + T) / (G + T) = {fmt(pred['servers_k0_over_colocated'])}, one version ahead "
+            f"max(G, T + S) / (G + T) = {fmt(pred['servers_k1_over_colocated'])}. Published points beside it (other "
+            "hardware and models): " + "; ".join(f"{p['who']} ({p['setup']}): x{p['speedup']}"
+                                                 for p in r["published"]) + ".", "",
+            "On a GPU: not built yet (the rollout servers' form of `bench/gpu.sh --suite async`).", ""]
     return out
 
 
@@ -527,7 +529,6 @@ def reproduce(r, res):
             "bash bench/fetch_wheels.sh              # here: deepspeed + its pure-Python deps into bench/wheels/",
             "# carry the repository, bench/wheels/ included, to the GPU machine, then there:",
             "bash bench/gpu.sh                       # within --budget seconds; writes bench/results/gpu/gpu.json",
-            "bash bench/gpu.sh --suite async         # rollout workers: bench/results/gpu-async/gpu.json, model.json",
             "# bring bench/results/gpu/gpu.json back and run: python bench/make_readme.py",
             "```", "", "Single runs: `python bench/ppo_iteration.py --help`, `python bench/scaling.py --help`.", ""]
 

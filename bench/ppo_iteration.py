@@ -9,11 +9,8 @@ interleaved (round r starts with variant r mod n), so a noisy machine affects th
 ratios. Keys: zero (actor/critic ZeRO stage; reference/reward follow: 3 if 3, else 0), offload (optimizer offload of
 actor and critic), gather_once (engine.generation_gather_once: auto, replica, on, off; 1/0 = on/off), backend
 (engine.generation_backend: lean, hf), trim (engine.trim_padding), packing (engine.packing: on, off, auto), tokens
-(batch.max_tokens_per_micro_batch), hybrid_engine (engine.enable_hybrid_engine; CUDA only), workers
-(rollout.rollout_workers: rank 0 starts them, on the GPUs after the trainer's or sharing GPU 0, or on the CPU),
-staleness (rollout.max_staleness), group (rollout.rollout_group_backend: gloo where a worker shares the trainer's
-GPU). A variant with workers runs alone in its launch: its workers would generate ahead during the iterations of
-the others.
+(batch.max_tokens_per_micro_batch), hybrid_engine (engine.enable_hybrid_engine; CUDA only). Rollout servers are
+measured by bench/async_rollouts.py (each run its own launch, beside a server).
 """
 from __future__ import annotations
 
@@ -47,10 +44,7 @@ def _gather(s: str) -> str:
 VARIANT_KEYS = {"zero": (int, None), "offload": (_bool, None), "hybrid_engine": (_bool, None),
                 "gather_once": (_gather, GATHER_ONCE_FLAG), "backend": (str, "engine.generation_backend"),
                 "trim": (_bool, "engine.trim_padding"), "packing": (str, "engine.packing"),
-                "tokens": (int, "batch.max_tokens_per_micro_batch"),
-                # rollout workers of their own (docs/async-rollouts.md): this process starts them on rank 0
-                "workers": (int, "rollout.rollout_workers"), "staleness": (int, "rollout.max_staleness"),
-                "group": (str, "rollout.rollout_group_backend")}
+                "tokens": (int, "batch.max_tokens_per_micro_batch")}
 
 
 class Skip(Exception):
@@ -111,8 +105,6 @@ def build_config(args, v: dict, world: int, models: dict, out_dir: str):
             section, attr = field.split(".")
             setattr(getattr(cfg, section), attr, v[key])
             v["_settings"].append(f"{field}={v[key]}")
-    if v.get("workers"):
-        cfg.rollout.rollout_address, cfg.rollout.rollout_timeout_s = v["_address"], 600.0
     if v.get("hybrid_engine"):
         if not bl.on_gpu():
             raise Skip("the Hybrid Engine needs a CUDA GPU (DeepSpeed's inference kernels have no CPU build)")
@@ -139,7 +131,6 @@ class Built:
     def __init__(self, args, v: dict, world: int, models: dict, prompts: list, run_dir: str):
         from rlhf_engine.trainer import build_trainer
 
-        self.workers = start_workers(v, world) if v.get("workers") else []
         cfg = build_config(args, v, world, models, os.path.join(run_dir, v["name"]))
         t0 = time.perf_counter()
         self.v, self.trainer = v, build_trainer(cfg, prompt_data=bl.synthetic_prompt_data(prompts))
@@ -147,31 +138,6 @@ class Built:
         self.build_s = time.perf_counter() - t0
         self.timer = bl.PhaseTimer(self.trainer.engine)
         self.iterations: list[dict] = []
-
-
-def start_workers(v: dict, world: int) -> list:
-    """Rank 0 starts the variant's rollout workers (launch/rollout_worker.py), each on the next GPU after the
-    trainer's ranks when the machine has one, else on the trainer's GPU 0 (shared: then `group=gloo`) or the CPU;
-    every rank learns their address. Returns rank 0's worker processes."""
-    import subprocess
-
-    from rlhf_engine import comm
-    from rlhf_engine.engine.distributed import free_port
-
-    address = comm.broadcast_object(f"127.0.0.1:{free_port()}" if comm.rank() == 0 else None)
-    v["_address"] = address
-    procs = []
-    if comm.rank() == 0:
-        import torch
-
-        gpus = torch.cuda.device_count() if bl.on_gpu() else 0
-        for i in range(v["workers"]):
-            device = f"cuda:{(world + i) % gpus}" if gpus else "cpu"
-            v.setdefault("_worker_devices", []).append(device)
-            procs.append(subprocess.Popen([sys.executable, os.path.join(bl.ROOT, "launch", "rollout_worker.py"),
-                                           "--rollout_address", address, "--device", device]))
-    v["_worker_devices"] = comm.broadcast_object(v.get("_worker_devices"))
-    return procs
 
 
 def run_iteration(b: Built, it: int, warmup: bool, n_params: dict) -> dict:
@@ -209,8 +175,7 @@ def run_iteration(b: Built, it: int, warmup: bool, n_params: dict) -> dict:
                    "overall": sum(sum(x["flops"].values()) / x["wall_s"] for x in ranks) / len(ranks) / 1e12},
         "peak_mem_mib": [x["peak_mem_mib"] for x in ranks], "memory_method": method,
         "metrics": {k: rec.get(k) for k in ("objective/score", "objective/kl", "rollout/response_length",
-                                            "policy/ratio_mean", "throughput/samples_per_s", "time/weight_broadcast",
-                                            "time/trainer_wait", "time/worker_idle", "async/staleness_max")
+                                            "policy/ratio_mean", "throughput/samples_per_s", "time/weight_sync")
                     if k in rec},
     }
     b.iterations.append(entry)
@@ -369,15 +334,12 @@ def main(argv=None) -> int:
     }
     built: list[Built] = []
     variants = [parse_variant(s) for s in args.variant] or [{"name": "default"}]
-    if len(variants) > 1 and any(v.get("workers") for v in variants):
-        raise SystemExit("--variant: a variant with rollout workers runs alone in its launch (its workers generate "
-                         "ahead while the other variants' iterations run)")
     for v in variants:
         entry = {"name": v["name"], "spec": v}
         try:
             b = Built(args, v, world, models, prompts, run_dir)
             actor = b.trainer.engine.actor
-            entry.update(build_s=b.build_s, settings=v["_settings"], worker_devices=v.get("_worker_devices"),
+            entry.update(build_s=b.build_s, settings=v["_settings"],
                          ds_optimizer=type(actor.optimizer).__name__ if actor.optimizer is not None else None,
                          gather_once_active=bool(b.trainer.engine.generator.gather_once_active()))
             if v.get("hybrid_engine"):

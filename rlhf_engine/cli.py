@@ -27,6 +27,7 @@ from typing import Any, Callable, Optional, Sequence
 
 from . import signals
 from .config import TrainConfig, apply_estimator_defaults, flat_fields
+from .config.rollout import RETIRED
 from .errors import (CLEAN_EXIT_CODES, EXIT_FAILED, EXIT_OK, EXIT_USER_ERROR, ConfigError, Problems,
                      TrainingStopped, did_you_mean)
 
@@ -196,7 +197,8 @@ def apply_overrides(cfg: Any, values: dict, source: str, given: Optional[set] = 
     p = Problems()
     for key, value, name in items:
         if key not in leaves:
-            p.add(f"{source}: {key}", value, "unknown key" + did_you_mean(key, list(leaves) + list(aliases)))
+            p.add(f"{source}: {key}", value, RETIRED.get(key) or
+                  "unknown key" + did_you_mean(key, list(leaves) + list(aliases)))
             continue
         owner, f = leaves[key]
         try:
@@ -218,7 +220,8 @@ def parse_args(argv: Optional[Sequence[str]] = None, description: str = "", conf
     args, unknown = parser.parse_known_args(argv)
     if unknown:
         flags = [u.split("=")[0] for u in unknown if u.startswith("--")]
-        hints = "; ".join(f"{u}{did_you_mean(u[2:], known)}" for u in flags) or " ".join(unknown)
+        hints = "; ".join(f"{u}: {RETIRED[u[2:]]}" if u[2:] in RETIRED else f"{u}{did_you_mean(u[2:], known)}"
+                          for u in flags) or " ".join(unknown)
         parser.error(f"unrecognized arguments: {hints}")
     cfg = config_cls()
     ns = vars(args)

@@ -154,57 +154,6 @@ def run_on_main(fn: Callable[[], Any], what: str, timeout: datetime.timedelta = 
     return result
 
 
-class PeerGroup:
-    """A process group of its own over a TCP store (`open_store`), outside the default group and outside any
-    launcher: the trainer's rank 0 and its rollout workers (a worker's default group, if any, belongs to its own
-    engine: vLLM's external launcher takes it). `backend` gloo: tensors travel as CPU tensors; nccl: as tensors on
-    this member's GPU (`device`), GPU to GPU. `self.device` is where a collective's tensors must live."""
-
-    def __init__(self, store: Any, rank: int, size: int, timeout: datetime.timedelta, prefix: str = "peers",
-                 backend: str = "gloo", device: Optional[torch.device] = None):
-        self.rank, self.size, self.backend = rank, size, backend
-        if backend == "gloo":
-            self.device = torch.device("cpu")
-            self.pg = torch.distributed.ProcessGroupGloo(torch.distributed.PrefixStore(prefix, store), rank, size,
-                                                         timeout)
-        elif backend == "nccl":
-            nccl = getattr(torch.distributed, "ProcessGroupNCCL", None)
-            if device is None or device.type != "cuda" or nccl is None:
-                raise ValueError(f"an nccl group needs a GPU and a torch with NCCL (here: device {device}, NCCL "
-                                 f"{'built' if nccl is not None else 'missing'}); use gloo (--rollout_group_backend)")
-            torch.cuda.set_device(device)
-            opts = nccl.Options()
-            opts._timeout = timeout
-            self.device = device
-            self.pg = nccl(torch.distributed.PrefixStore(prefix, store), rank, size, opts)
-            # NCCL connects lazily, at the first collective: connect now, so that a member that never comes is an
-            # error of the join (with its reason), not of the first weight broadcast
-            connect = getattr(self.pg, "eager_connect_single_device", None)
-            if connect is not None:
-                connect(device)
-        else:
-            raise ValueError(f"group backend {backend!r}: gloo or nccl")
-
-    def broadcast_(self, tensor: torch.Tensor, root: int = 0) -> torch.Tensor:
-        """`tensor` (contiguous, on `self.device`) filled with the root's on every member. Collective."""
-        opts = torch.distributed.BroadcastOptions()
-        opts.rootRank = root
-        self.pg.broadcast([tensor], opts).wait()
-        return tensor
-
-
-def gpu_identity(device: torch.device) -> str:
-    """Which physical GPU `device` is (its UUID; '' off a GPU): two members of an NCCL group cannot share one."""
-    if device.type != "cuda":
-        return ""
-    return str(getattr(torch.cuda.get_device_properties(device), "uuid", device))
-
-
-def open_store(host: str, port: int, is_master: bool, timeout: datetime.timedelta) -> Any:
-    """The TCP store of a `PeerGroup`: served by the master (it listens on host:port), joined by the others."""
-    return torch.distributed.TCPStore(host, port, is_master=is_master, wait_for_workers=False, timeout=timeout)
-
-
 _AT_SHUTDOWN: list = []
 
 

@@ -31,14 +31,9 @@ class TrainingStopped(RuntimeError):
     exit_code = EXIT_FAILED
 
 
-class RolloutWorkerLost(TrainingStopped):
-    """A rollout worker died, hung or answered wrongly: every trainer rank stops together, naming it, after a
-    checkpoint of the iterations completed (trainer/ppo_trainer.py)."""
-
-
-class RolloutServersLost(RolloutWorkerLost):
-    """No rollout server is up, or one answered what this run cannot train on: every trainer rank stops together
-    (handled as a lost worker is)."""
+class RolloutServersLost(TrainingStopped):
+    """No rollout server is up, or one answered what this run cannot train on: every trainer rank stops together,
+    naming them, after a checkpoint of the iterations completed (trainer/ppo_trainer.py)."""
 
 
 @dataclass(frozen=True)

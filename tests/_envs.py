@@ -156,3 +156,10 @@ class Recording(Counting):
 
 def recording(row):
     return Recording(row)
+
+
+def raising_on_rank_one(row):
+    """Raising on rank 1 (the RANK variable), Counting elsewhere: an environment failure one rank alone sees."""
+    import os
+
+    return Raising(row) if os.environ.get("RANK", "0") == "1" else Counting(row)

@@ -19,7 +19,6 @@ import matplotlib.figure  # noqa: F401
 import rlhf_engine.cli  # noqa: F401
 import rlhf_engine.hooks  # noqa: F401
 import rlhf_engine.trainer  # noqa: F401
-import rlhf_engine.workers.rollout_worker  # noqa: F401
 
 sys.stdout.flush()
 sys.stderr.flush()

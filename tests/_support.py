@@ -7,8 +7,6 @@ import os
 import shutil
 import subprocess
 import sys
-import threading
-import time
 from dataclasses import dataclass
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -236,7 +234,7 @@ def compare_runs(run: dict, ref: dict) -> tuple[dict, dict]:
 
 
 def assert_generated_alike(remote: dict, colocated: dict, atol: float, skip: tuple = ()) -> None:
-    """Rollout workers against the colocated run (harness results): every numeric logged metric within `atol`
+    """Rollouts made elsewhere (rollout servers) against the colocated run (harness results): every numeric logged metric within `atol`
     (volatile keys and those starting with `skip` aside), the policy moved (later rollouts needed the broadcasts),
     and every rank's rollouts equal token for token."""
     worst = {}
@@ -290,69 +288,10 @@ def run_example(config: str, out: str, *extra: str, timeout: int = 1500) -> list
         return [json.loads(line) for line in f]
 
 
-def run_harness_with_workers(tmp: str, name: str, spec: list, addresses: list, forked: bool = True) -> dict:
-    """`run_harness` of `spec` on 2 ranks with one rollout worker per address started after the trainer; the result
-    carries the workers' exit codes (`worker_exit_codes`), waited for whatever the launch did. Ranks and workers
-    forked from the fork server (tests/_forked.py), or with `forked` False under torchrun and `python` (the vLLM
-    job: its engine is not in the fork server's preload)."""
-    workers = RolloutWorkers(tmp, addresses, forked=forked)
-    try:
-        result = run_harness(tmp, name, spec, 2, "fork" if forked else "torchrun")
-    except BaseException:
-        workers.wait(timeout=0)  # the runs after a failed one never come for their workers
-        raise
-    finally:
-        codes = workers.wait()
-    result["worker_exit_codes"] = codes
-    return result
-
-
-class RolloutWorkers:
-    """One rollout worker process per address (launch/rollout_worker.py), started `delay` seconds from now (after
-    the trainer: a worker that comes late joins); `wait()` gives their exit codes. Forked from the tests' fork
-    server (tests/_forked.py) unless `forked` is False: then `python launch/rollout_worker.py`, as a user starts it."""
-
-    def __init__(self, tmp: str, addresses: list, delay: float = 3.0, forked: bool = True):
-        self.tmp, self.addresses, self.forked, self.procs, self.logs = tmp, addresses, forked, [], []
-        self.thread = threading.Thread(target=self._start, args=(delay,))
-        self.thread.start()
-
-    def _start(self, delay: float) -> None:
-        time.sleep(delay)
-        script = os.path.join(ROOT, "launch", "rollout_worker.py")
-        for i, address in enumerate(self.addresses):
-            args = ["--rollout_address", address, "--rollout_timeout_s", "600"]
-            path = os.path.join(self.tmp, f"worker_{i}.log")
-            if self.forked:
-                import _forked
-
-                self.procs.append(_forked.spawn(script, args, clean_env(), ROOT, path, path))
-                continue
-            log = open(path, "w")
-            self.logs.append(log)
-            self.procs.append(subprocess.Popen([sys.executable, script, *args], cwd=ROOT, env=clean_env(), stdout=log,
-                                               stderr=subprocess.STDOUT))
-
-    def wait(self, timeout: float = 60) -> list:
-        self.thread.join()
-        codes = []
-        for w in self.procs:
-            try:
-                codes.append(w.wait(timeout=timeout))
-            except subprocess.TimeoutExpired:
-                codes.append(None)
-            if codes[-1] is None:  # still running after the timeout
-                w.kill()
-                codes[-1] = "hung"
-        for log in self.logs:
-            log.close()
-        return codes
-
-
 def free_address() -> str:
-    """A local HOST:PORT for a trainer's rollout workers, from 20000-29999: below Linux's ephemeral range, so no
-    port the system hands out meanwhile (a launcher's free MASTER_PORT, gloo's connections) can take it before the
-    trainer listens there."""
+    """A local HOST:PORT for a rollout server, from 20000-29999: below Linux's ephemeral range, so no port the
+    system hands out meanwhile (a launcher's free MASTER_PORT, gloo's connections) can take it before the server
+    listens there."""
     import random
     import socket
 

@@ -39,7 +39,8 @@ class TrainConfig:
     run: RunConfig = opt(None, "Run directory, checkpoints and resume, timeouts, preemption signals.")
     scoring: ScoringConfig = opt(None, "What scores the rollouts when it is not a reward model.")
     ptx: PtxConfig = opt(None, "PPO-ptx: a language-modelling loss on unsupervised text.")
-    rollout: RolloutConfig = opt(None, "Rollout workers of their own (processes that generate for the trainer).")
+    rollout: RolloutConfig = opt(None, "Rollout servers (stock vLLM servers that generate for the trainer) and how "
+                                 "far ahead of training they run.")
     max_steps: int = opt(10, "PPO iterations to run (one iteration = rollouts + ppo_epochs of updates).")
     num_train_epochs: int = opt(0, "Passes over the prompt data: the run stops after min(max_steps, "
                                 "floor(num_train_epochs x batches_per_epoch / generation_batches)) iterations, "
@@ -136,9 +137,6 @@ class TrainConfig:
         if self.rollout.servers_on and self.engine.requested_backend[0] != "vllm":
             p.add("generation_backend", self.engine.requested_backend[0], "rollout servers are vLLM servers: add "
                   "--generation_backend vllm (the run then plans the rollout correction for vLLM's log-probs)")
-        if self.rollout.on and self.engine.requested_backend[0] not in ("lean", "vllm"):
-            p.add("generation_backend", self.engine.requested_backend[0], "rollout workers generate with lean or "
-                  "vllm (hf and hybrid run only on the trainer's ranks)")
         check_choice(p, "", self, "dtype", DTYPES)
         check_positive(p, "", self, "max_steps")
         check_positive(p, "", self, "eval_interval", allow_zero=True)

@@ -43,7 +43,6 @@ class EnginePlan:
     num_training_steps: int = 0
     packing: str = "off"  # --packing resolved against the models' sliding windows (`check_packing`): auto may be off
     longest_sequence: int = 0  # max_prompt_seq_len + the response budget: the length the packing probe runs at
-    # --rollout_workers: the workers as the plan joined and probed them (generation/remote.py: join_workers);
     # --rollout_servers: the servers as the plan checked them (generation/servers.py: probe_servers)
     rollout_link: Any = field(default=None, repr=False)
 
@@ -364,8 +363,8 @@ def plan_generation(cfg: TrainConfig, configs: dict, p: Problems) -> tuple[str, 
                   "--generation_backend hf, or hybrid_engine_fallback true to generate with Hugging Face instead "
                   "(logged as a warning)")
         fallback_reasons = reasons
-    elif "actor" in configs and not cfg.rollout.on and not cfg.rollout.servers_on:
-        # rollout workers each ask their own environment at setup; rollout servers are checked by the plan's probe
+    elif "actor" in configs and not cfg.rollout.servers_on:
+        # rollout servers are checked by the plan's probe instead (they run the engine, not this process)
         for reason in BACKENDS[backend].unavailable(configs["actor"]):
             p.add(backend_field, backend, reason)
     if backend in BACKENDS and cfg.ppo.rollout_correction != "none" and not BACKENDS[backend].gives_logprobs:

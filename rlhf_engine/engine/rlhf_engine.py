@@ -23,7 +23,6 @@ from .distributed import DistInfo
 from .freezing import mirror_requires_grad
 from .models import ScalarHeadModel, accepts_logits_to_keep, adapter_disabled, unwrap_peft
 from .generation import BACKENDS, GenerationContext, Generated, SamplingParams
-from .generation.remote import RemoteBackend
 from .generation.servers import ServersBackend
 from .models import load_tokenizer  # noqa: F401  (re-exported)
 from .preflight import EnginePlan, RolePlan, resolve_dtype
@@ -83,11 +82,9 @@ class RLHFEngine:
         actor = self.plans["actor"]
         ctx = GenerationContext(self.actor, dist, actor.stage, cfg, model_path=actor.path, dtype=actor.dtype,
                                 max_len=plan.longest_sequence)
-        # with rollout workers the backend runs in them; here a remote one hands them the batches; rollout servers
-        # are asked over HTTP
+        # rollout servers are asked over HTTP
         self.generator = self.hooks.wrap_generator(
-            RemoteBackend(ctx, plan.generation_backend, self.tokenizer, plan.rollout_link) if cfg.rollout.on
-            else ServersBackend(ctx, plan.rollout_link) if cfg.rollout.servers_on else backend(ctx))
+            ServersBackend(ctx, plan.rollout_link) if cfg.rollout.servers_on else backend(ctx))
         # packing: forwards on packed rows where every model computes them right (engine/packed_forward.py)
         self.packing = self._resolve_packing(plan.packing)  # preflight turned auto off for a too-short sliding window
         # with trimmed or packed rows the experience forwards run on the training micro-batches' rows exactly, so

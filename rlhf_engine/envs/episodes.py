@@ -90,8 +90,7 @@ class EpisodeRunner:
     def for_run(cls, cfg: Any, factory: Callable, tokenizer: Any, sample: Callable[..., Any],
                 collective: Callable[[], bool], params: Any, calls: EnvCalls,
                 device: Optional[torch.device] = None) -> "EpisodeRunner":
-        """The runner of a run's config (`cfg`: TrainConfig) wherever episodes are played: on the trainer's ranks,
-        or on a rollout worker (workers/rollout_worker.py), which builds it from the config the trainer sent."""
+        """The runner of a run's config (`cfg`: TrainConfig)."""
         env, g = cfg.env, cfg.generation
         return cls(factory, TurnFormat(tokenizer, bool(cfg.data.use_chat_template)), sample, collective, params,
                    max_turns=env.max_turns, max_episode_tokens=cfg.response_budget, max_prompt_len=g.max_prompt_seq_len,

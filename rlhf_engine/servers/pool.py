@@ -34,7 +34,13 @@ class ServerPool:
 
     @property
     def up(self) -> list:
-        return [c for i, c in enumerate(self.clients) if i not in self.down]
+        with self._lock:
+            return [c for i, c in enumerate(self.clients) if i not in self.down]
+
+    def down_now(self) -> dict:
+        """{index: why} of the servers down now (a copy: request threads may mark one down meanwhile)."""
+        with self._lock:
+            return dict(self.down)
 
     def mark_down(self, index: int, why: str) -> None:
         with self._lock:

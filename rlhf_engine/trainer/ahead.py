@@ -1,23 +1,20 @@
-"""Rollouts generated ahead of training (`--max_staleness K >= 1` with rollout servers, docs/rollout-servers.md, or
-rollout workers, docs/async-rollouts.md).
+"""Rollouts generated ahead of training (`--max_staleness K >= 1` with rollout servers, docs/rollout-servers.md).
 
-At iteration k the trainer takes the batches of iteration k (submitted earlier), then broadcasts its current weights
-and submits iterations up to k + K, which the workers generate while the trainer computes the experience of k and
-trains on it. A batch's staleness is the trainer's policy version when it trains on it minus the version that made
-it: at most K by construction (a batch past K would be dropped and generated again, counted in
+At iteration k the trainer takes the batches of iteration k (submitted earlier), then pushes its current weights and
+submits iterations up to k + K, which the servers generate while the trainer computes the experience of k and trains
+on it. Servers stamp every token with the weight version that sampled it: a token's staleness is the trainer's
+version when it trains on it minus that version, at most K by construction (a response with a token past K is
+generated again by the backend, `async/dropped_responses`; a batch still past K here is generated again whole,
 `async/dropped_batches`). The PPO objective is decoupled, as AReaL's: the proximal policy is the trainer's own
-recompute at the start of the update (the old log-probs), the behaviour policy the workers' log-probs, corrected by
+recompute at the start of the update (the old log-probs), the behaviour policy the servers' log-probs, corrected by
 `--rollout_correction` (token_truncate by default with K >= 1). With an environment each batch goes with its data
-rows and the worker plays its episodes ahead in the same way (every turn of an episode on one version's weights).
+rows and its episodes are played ahead in a thread of this rank's (trainer/episodes_ahead.py).
 
 The data position a checkpoint saves is the first prompt not trained on: the prompts of batches in flight are drawn
 again after a resume (their rollouts are discarded). Nothing is submitted past the run's last iteration.
 
-With K >= 2 a weight broadcast waits behind the batches already queued at each worker (a worker takes its messages
-in order), so it overlaps no more than K = 1 and each wait counts against `rollout_timeout_s` (docs/async-rollouts.md).
-Servers stamp every token with its weight version: staleness is then counted per token, a response with a token past
-K is generated again by the backend itself (`async/dropped_responses`), and with `--partial_rollouts` a push pauses
-the requests in flight instead of waiting for them (no drain at K >= 2; a response may span two versions).
+A push waits for the requests in flight (vLLM's pause mode wait), so without `--partial_rollouts` K >= 2 overlaps no
+more than K = 1; with it the push pauses them where they are (mode keep) and a response may span two versions.
 """
 from __future__ import annotations
 
@@ -25,11 +22,12 @@ import collections
 import dataclasses
 from typing import Any
 
+from .. import comm
 from ..data.prompts import collate_prompts
 
 
 class RolloutsAhead:
-    """Iterations of rollout batches in flight on the workers; `take(iteration)` gives one iteration's, as
+    """Iterations of rollout batches in flight on the servers; `take(iteration)` gives one iteration's, as
     `PPOTrainer.rollout_phase` would have generated them."""
 
     strict_on_resume = True  # takes the checkpointer's strict flag (--resume_force remaps the data position)
@@ -37,13 +35,12 @@ class RolloutsAhead:
     def __init__(self, backend: Any, cursor: Any, dataset: Any, batch_cfg: Any, sampling: Any, pad_token_id: int,
                  max_staleness: int, iterations: int, episodes: bool = False):
         self.backend, self.cursor, self.dataset = backend, cursor, dataset
-        self.episodes = episodes  # an environment: the workers play each batch's episodes (its rows go along)
+        self.episodes = episodes  # an environment: each batch's episodes are played ahead (its rows go along)
         self.batch_cfg, self.sampling, self.pad = batch_cfg, sampling, pad_token_id
         self.max_staleness, self.iterations = max_staleness, iterations
         self.next_iteration = 0  # the iteration the next submission is for
         self.pending: collections.deque = collections.deque()  # per iteration: (data position before it, batches)
-        # of the last taken iteration: per token where the backend stamps each token's version (servers), else per
-        # batch
+        # of the last taken iteration: per token where the backend stamps each token's version, else per batch
         self.staleness: list = []
         self.dropped = 0
 
@@ -75,10 +72,14 @@ class RolloutsAhead:
             self._submit()
         _, batches = self.pending.popleft()
         version = self.backend.actor_version
+        taken = [self.backend.result(ticket, ids, mask, self.sampling) for ticket, ids, mask, _ in batches]
+        # a batch played again and an environment failure both lead into collectives: every rank takes the same path
+        every = comm.all_gather_object(([version - g.policy_version > self.max_staleness for g in taken],
+                                        any(g.failure is not None for g in taken)))
+        failed = any(f for _, f in every)
         gens, self.staleness = [], []
-        for ticket, ids, mask, rows in batches:
-            gen = self.backend.result(ticket, ids, mask, self.sampling)
-            if version - gen.policy_version > self.max_staleness:  # cannot happen in this pipeline: guarded anyway
+        for i, (gen, (_, ids, mask, rows)) in enumerate(zip(taken, batches)):
+            if not failed and any(stale[i] for stale, _ in every):  # cannot happen in this pipeline: guarded anyway
                 self.dropped += 1
                 gen = self.backend.generate(ids, mask, self.sampling, self._rows(rows))
             if gen.token_versions is not None:
@@ -89,7 +90,7 @@ class RolloutsAhead:
             if gen.rollout is not None:  # None: an environment failed (gen.failure; the trainer stops with it)
                 gen = dataclasses.replace(gen, rollout=gen.rollout.with_rows(rows))
             gens.append(gen)
-        if any(g.failure is not None for g in gens):  # an environment failed: the trainer stops with it
+        if failed:  # an environment failed on some rank: the trainer stops every rank with it
             return gens
         self.backend.sync_weights()  # the weights of this iteration's update are the next batches' policy
         while len(self.pending) < self.max_staleness and self.next_iteration < self.iterations:

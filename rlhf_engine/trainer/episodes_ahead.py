@@ -37,6 +37,8 @@ class EpisodesAhead:
         comm.at_shutdown(self.close)
 
     def close(self) -> None:
+        """Batches not started are dropped; one being played ends with its current request or environment call
+        (bounded by rollout_timeout_s / env_timeout_s: the interpreter joins the thread at exit)."""
         self._thread.shutdown(wait=False, cancel_futures=True)
 
     @property
@@ -84,6 +86,8 @@ class EpisodesAhead:
         if failure is not None:  # the trainer stops every rank with it
             return Generated(None, episode_stats=stats, policy_version=now, failure=str(failure))
         mask = rollout.action_mask.bool()
+        if versions is None:  # no turn was generated (every episode failed at its start under score_zero)
+            versions = torch.zeros(mask.shape, dtype=torch.long, device=mask.device)
         spans = [set(versions[i][mask[i]].tolist()) for i in range(versions.shape[0])]
         self.backend.partial += sum(len(s) > 1 for s in spans)  # episodes whose turns met a push
         oldest = int(versions[mask].min()) if bool(mask.any()) else now

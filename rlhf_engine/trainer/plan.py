@@ -252,26 +252,14 @@ def plan_ppo(cfg: TrainConfig, prompt_data: Optional[PromptData] = None) -> RunP
     # --resume: find the checkpoint, and refuse one of another run (naming every differing key), before any weight
     fingerprint = run_fingerprint(cfg, engine.roles, dist.world_size, len(data.train))
     resume_path = resolve_and_check(cfg, dist, fingerprint)
-    # last before any weight: the rollout workers join and say whether they can serve this run, or the rollout
-    # servers are asked what they serve
-    link = (join_rollout_workers(cfg, dist, engine) if cfg.rollout.on
-            else check_rollout_servers(cfg, dist, engine) if cfg.rollout.servers_on else None)
+    # last before any weight: the rollout servers are asked what they serve
+    link = check_rollout_servers(cfg, dist, engine) if cfg.rollout.servers_on else None
     return RunPlan(cfg=cfg, dist=dist, engine=dataclasses.replace(engine, num_training_steps=iterations * updates,
                                                                   rollout_link=link),
                    prompts=data.train, eval_prompts=eval_prompts if cfg.eval_interval else None, sampler=sampler,
                    iterations=iterations, updates_per_iteration=updates, ptx=ptx, reward=reward,
                    env_factory=env_factory,
                    fingerprint=fingerprint, resume_path=resume_path, run_dir=run_dir)
-
-
-def join_rollout_workers(cfg: TrainConfig, dist: DistInfo, engine: EnginePlan) -> Any:
-    """The rollout workers joined and probed (collective; a worker that cannot serve is a ConfigError here)."""
-    from transformers import AutoConfig
-
-    from ..engine.generation.remote import join_workers
-
-    config = AutoConfig.from_pretrained(engine.roles["actor"].path) if dist.is_main else None
-    return join_workers(cfg, dist, engine.generation_backend, config)
 
 
 def check_rollout_servers(cfg: TrainConfig, dist: DistInfo, engine: EnginePlan) -> Any:

@@ -61,19 +61,14 @@ def reward_source(plan: RunPlan, engine):
 
 
 def episode_runner(plan: RunPlan, engine):
-    """Multi-turn rollouts (rlhf_engine/envs), or None without an environment. With rollout workers the episodes
-    are played on the workers, next to the generation (trainer/remote_episodes.py); with rollout servers they are
-    played here, each turn's requests sent to the servers (ahead of training: in a thread, trainer/episodes_ahead.py).
-    """
+    """Multi-turn rollouts (rlhf_engine/envs), or None without an environment. Played on the trainer's ranks; with
+    rollout servers each turn's rows go to the servers as requests (ahead of training in a thread of each rank's,
+    trainer/episodes_ahead.py)."""
     if plan.env_factory is None:
         return None
     from ..envs import EpisodeRunner
     from ..envs.calls import EnvCalls
 
-    if plan.cfg.rollout.on:
-        from .remote_episodes import RemoteEpisodes
-
-        return RemoteEpisodes(engine.generator, engine.sampling)
     env = plan.cfg.env
     collective = engine.generator.collective_calls
     if plan.cfg.rollout.ahead:  # through servers, in a thread of this rank's: nothing collective there
@@ -89,7 +84,7 @@ def _never() -> bool:
 
 
 def rollouts_ahead(plan: RunPlan, engine, cursor, iterations: int, episodes=None):
-    """Rollout batches generated ahead of training by the workers or servers (`max_staleness >= 1`; none past the
+    """Rollout batches generated ahead of training by the rollout servers (`max_staleness >= 1`; none past the
     run's `iterations`), or None. `episodes`: the run's episode runner; through servers it plays each batch's
     episodes in a thread of this rank's (trainer/episodes_ahead.py)."""
     r = plan.cfg.rollout
@@ -98,7 +93,7 @@ def rollouts_ahead(plan: RunPlan, engine, cursor, iterations: int, episodes=None
     from .ahead import RolloutsAhead
 
     backend = engine.generator
-    if episodes is not None and r.servers_on:
+    if episodes is not None:
         from .episodes_ahead import EpisodesAhead
 
         backend = EpisodesAhead(backend, episodes)

@@ -36,7 +36,8 @@ import torch
 
 from ..data.prompts import collate_prompts
 from ..engine.generation import Generated
-from ..errors import RolloutWorkerLost
+from ..envs import EnvironmentFailure
+from ..errors import RolloutServersLost
 from ..hooks import TestHooks
 from ..data.sampler import DataCursor
 from ..outputs.metrics import MetricsWriter
@@ -49,7 +50,6 @@ from .metric_sums import MetricSums
 from .objectives import experience_steps
 from .ppo_metrics import add_experience_stats, add_rollout_check, add_value_moments, iteration_record
 from .ptx import build_ptx
-from .remote_episodes import environment_failure
 from . import ppo_setup as setup
 from .update import RATIO_TRACE
 from .plan import RunPlan
@@ -128,8 +128,8 @@ class PPOTrainer:
         if self.ahead is not None:
             gens = self.ahead.take(self.iteration)
             if self.episodes is not None:  # every rank learns whether an environment failed on any rank
-                self.guard.agree(self.iteration, errors={"environment": environment_failure(next(
-                    (g.failure for g in gens if g.failure is not None), None))})
+                self.guard.agree(self.iteration, errors={"environment": next(
+                    (EnvironmentFailure(g.failure) for g in gens if g.failure is not None), None)})
             return gens
         n = self.cfg.batch.n_samples_per_prompt
         rollouts = []
@@ -252,7 +252,7 @@ class PPOTrainer:
         sync = self.engine.generator.take_sync_seconds()  # weights loaded into the backend's own engine (vllm)
         if sync is not None:
             rec["time/weight_sync"] = sync
-        rec.update(self.engine.generator.take_async_stats())  # rollout workers: the waits on either side
+        rec.update(self.engine.generator.take_async_stats())  # rollout servers: the wait, servers up, async/*
         if self.ahead is not None:
             st = self.ahead.staleness
             rec.update({"async/staleness_mean": sum(st) / len(st), "async/staleness_max": max(st),
@@ -271,7 +271,7 @@ class PPOTrainer:
         return rec
 
     def _save_before(self, start: dict) -> None:
-        """A rollout worker was lost during this iteration's generation (before its update), or during the final
+        """The rollout servers were lost during this iteration's generation (before its update), or during the final
         evaluation: the checkpoint of the completed iterations, with the data position and random generators of
         the iteration's start (`start`: provider name -> its state then)."""
         if self.iteration in (0, self.checkpointer.last_saved):
@@ -279,7 +279,7 @@ class PPOTrainer:
         for name, state in start.items():
             self.checkpointer.providers[name].load_state_dict(state)
         path = self.checkpointer.save(self.iteration)
-        log.warning("a rollout worker was lost: checkpoint %s written (iterations 0-%d)", path, self.iteration - 1)
+        log.warning("the rollout servers were lost: checkpoint %s written (iterations 0-%d)", path, self.iteration - 1)
 
     def evaluate(self) -> dict:
         """Greedy generation on the held-out prompts -> eval/* metrics; rank 0 appends samples to eval_samples.jsonl."""
@@ -295,12 +295,12 @@ class PPOTrainer:
         try:
             self.checkpointer.before_first(self.iteration)  # a preemption during start-up: exit 75, nothing saved
             for _ in range(self.iteration, self.total_iterations):
-                # where this iteration starts: a lost rollout worker is noticed before its update
+                # where this iteration starts: lost rollout servers are noticed before its update
                 start = ({n: copy.deepcopy(self.checkpointer.providers[n].state_dict()) for n in ("data", "rng")}
-                         if self.cfg.rollout.remote else None)
+                         if self.cfg.rollout.servers_on else None)
                 try:
                     rec = self.step()
-                except RolloutWorkerLost:
+                except RolloutServersLost:
                     self._save_before(start)
                     raise
                 except NonFiniteError as e:
@@ -320,7 +320,7 @@ class PPOTrainer:
             if self.evaluator and self.iteration == self.total_iterations:  # "after": one record of eval/* keys only
                 try:
                     evaluated = self.evaluate()
-                except RolloutWorkerLost:
+                except RolloutServersLost:
                     self._save_before({})  # every iteration is done: their checkpoint, then the named error
                     raise
                 rec = {"iteration": self.iteration, **evaluated}

@@ -3,7 +3,8 @@ vLLM's server with our extension and token) serve every test here.
 
 * 2 trainer ranks and 2 servers at max_staleness 0, lr > 0, 3 iterations: every logged metric equals the colocated
   vllm run's (one engine per rank) within 1e-5 and the rollouts are equal token for token, greedy at ZeRO-2 and
-  sampled at ZeRO-3 (the seeds of the requests are the colocated engine's); both servers answered requests.
+  sampled at ZeRO-3 with a LoRA actor (the seeds of the requests are the colocated engine's, the adapter merged
+  into the pushed weights); both servers answered requests.
 * Ahead of training: at max_staleness 1 every token is one version old after the first iteration and the rollout
   correction acts (none without it: the negative control); 2-turn episodes are played one version ahead; at 2 with
   partial rollouts the batches run two ahead.
@@ -24,7 +25,7 @@ import pytest
 import torch
 
 from _servers import TOKEN_ENV, RolloutServers
-from _support import assert_generated_alike, assert_resumed_exactly, free_address, ppo_args, run_harness
+from _support import ROOT, assert_generated_alike, assert_resumed_exactly, free_address, ppo_args, run_harness
 
 pytestmark = [pytest.mark.distributed, pytest.mark.vllm,
               pytest.mark.skipif(importlib.util.find_spec("vllm") is None,
@@ -35,7 +36,9 @@ ATOL = 1e-5
 BASE = dict(generation_backend="vllm", do_sample="false", max_steps=3, seed=3, actor_zero_stage=2,
             actor_learning_rate=1e-3, critic_learning_rate=1e-3, per_device_generation_batch_size=4,
             per_device_training_batch_size=2)
-SAMPLED = dict(BASE, do_sample="true", actor_zero_stage=3, reference_zero_stage=3)
+# a LoRA actor: the push carries the adapter merged into the plain weights (gathered under ZeRO-3)
+SAMPLED = dict(BASE, do_sample="true", actor_zero_stage=3, reference_zero_stage=3, actor_lora_dim=4,
+               actor_lora_alpha=8.0)
 ENV = dict(BASE, environment="_envs:counting", max_turns=2)  # 2-turn episodes played on the trainer's ranks
 AHEAD = dict(BASE, max_staleness=1)  # greedy: the killed-server run must equal it
 
@@ -346,9 +349,9 @@ def test_the_plan_refuses_a_server_naming_it(probe, servers, monkeypatch, case, 
     assert url in message and expect in message, message
 
 
-def _on_first_answer(log: str, act) -> "threading.Thread":
-    """A started thread that calls `act()` once the server writing `log` has answered a generate request it had not
-    answered before this call; `.done` (an Event) ends the wait."""
+def _on_first_answer(log: str, act, answers: int = 1) -> "threading.Thread":
+    """A started thread that calls `act()` once the server writing `log` has answered `answers` generate requests it
+    had not answered before this call; `.done` (an Event) ends the wait."""
     import threading
     import time
 
@@ -360,7 +363,7 @@ def _on_first_answer(log: str, act) -> "threading.Thread":
     def watch():
         while not done.is_set():
             with open(log) as f:
-                if f.read().count(answered) > before:
+                if f.read().count(answered) >= before + answers:
                     act()
                     return
             time.sleep(0.02)
@@ -387,6 +390,21 @@ def _ahead_run(servers, tiny_vllm, tmp_path, name: str, act, **flags) -> dict:
             watcher.join()
 
 
+def test_an_environment_failing_on_one_rank_ahead_of_training_stops_every_rank(servers, tiny_vllm, tmp_path):
+    """K = 1 with an environment that raises on rank 1 only: rank 1's episodes played ahead fail, and both ranks
+    stop together with the environment's error naming the step (rank 0 does not go on to push alone)."""
+    from _support import launch
+
+    out = tmp_path / "env_fails"
+    args = ppo_args(tiny_vllm, str(out), **dict(ENV, max_staleness=1, environment="_envs:raising_on_rank_one"),
+                    rollout_servers=",".join(servers.urls), rollout_auth_token_env=TOKEN_ENV)
+    done = launch(os.path.join(ROOT, "launch", "train_ppo.py"), args, 2, "torchrun",
+                  env={TOKEN_ENV: servers.token})
+    text = done.stdout + done.stderr
+    assert done.returncode != 0 and "environment step 1" in text and "the tool is broken" in text, text[-3000:]
+    assert "timed out" not in text.lower(), text[-3000:]  # a rank left alone in a collective would time out
+
+
 def test_a_hung_server_is_left_then_taken_back(servers, tiny_vllm, runs, tmp_path):
     """Server 1 stopped (SIGSTOP) after its first answer, for longer than --rollout_timeout_s, then continued: its
     requests time out and go to server 0 with the same body; once it answers again, the next push finds it, gives
@@ -410,7 +428,7 @@ def test_a_hung_server_is_left_then_taken_back(servers, tiny_vllm, runs, tmp_pat
 
 
 def test_a_killed_server_costs_nothing(servers, tiny_vllm, runs, tmp_path):
-    """Last in this file (it kills a server the others use): the run of `runs["ahead"]` (max_staleness 1) again,
+    """Next to last in this file (it kills a server the others use): the run of `runs["ahead"]` (max_staleness 1) again,
     server 1 SIGKILLed as soon as it has answered its first request. The run completes, every request of the dead
     server goes to the other with the same body, and every metric and rollout equals the run where both lived
     (nothing lost, nothing trained twice)."""
@@ -422,3 +440,32 @@ def test_a_killed_server_costs_nothing(servers, tiny_vllm, runs, tmp_path):
     records = _train(killed)
     assert len(records) == 3 and records[-1]["servers/up"] == 1 and records[-1]["servers/moved_requests"] >= 1
     assert_generated_alike(killed, runs["ahead"], ATOL, skip=("servers/",))
+
+
+def test_with_no_server_left_the_run_stops_after_a_checkpoint(servers, tiny_vllm, tmp_path):
+    """After the killed server only server 0 is left; a run on it alone, the server stopped (SIGSTOP) once it has
+    answered iteration 0's 8 requests and one more: its requests and pushes time out (--rollout_timeout_s 3), no
+    server is up, and every rank stops with the error naming it, after a checkpoint of the iterations completed
+    (wherever the stop lands, iteration 1 or 2)."""
+    import signal
+
+    from _support import launch
+
+    proc, url = servers.procs[0], servers.urls[0]
+    out = tmp_path / "lost"
+    args = ppo_args(tiny_vllm, str(out), **dict(BASE, max_steps=4), rollout_servers=url,
+                    rollout_auth_token_env=TOKEN_ENV, rollout_timeout_s=3)
+    watcher = _on_first_answer(servers.logs[0], lambda: proc.send_signal(signal.SIGSTOP), answers=9)
+    try:
+        done = launch(os.path.join(ROOT, "launch", "train_ppo.py"), args, 2, "torchrun",
+                      env={TOKEN_ENV: servers.token})
+    finally:
+        watcher.done.set()
+        watcher.join()
+        proc.send_signal(signal.SIGKILL)  # the last test here: nothing uses the servers after it
+    text = done.stdout + done.stderr
+    assert done.returncode == 1 and "no rollout server is up" in text and url in text, text[-3000:]
+    with open(out / "metrics.jsonl") as f:
+        completed = sum("objective/kl" in json.loads(line) for line in f)
+    assert completed in (1, 2), completed
+    assert sorted(os.listdir(out / "checkpoints")) == [f"iter_{completed:06d}"]

@@ -246,7 +246,7 @@ def test_launch_processes_freeze_their_start_up_and_still_collect_new_cycles():
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True).stdout
     frozen, collected = out.split()
     assert int(frozen) > 100_000 and collected == "True"  # torch's import alone leaves a few hundred thousand
-    for script in ("train_ppo.py", "train_sft.py", "train_reward.py", "rollout_worker.py"):
+    for script in ("train_ppo.py", "train_sft.py", "train_reward.py"):
         with open(os.path.join(ROOT, "launch", script)) as f:
             main_block = f.read().split('if __name__ == "__main__":')[1]
         assert main_block.lstrip().startswith("freeze_startup()"), script

@@ -222,23 +222,25 @@ def test_explicit_flags_and_config_file_keys_win_over_the_family_defaults(tmp_pa
     assert (ppo.kl_coef, ppo.kl_loss_coef) == (0.0, 0.0)
 
 
-@pytest.mark.parametrize("backend, refused", [("lean", False), ("vllm", False), ("hf", True), ("hybrid", True)])
-def test_rollout_workers_generate_with_lean_or_vllm_only(backend, refused):
-    cfg = valid()
-    cfg.rollout.rollout_workers, cfg.rollout.rollout_address = 1, "127.0.0.1:29611"
-    cfg.engine.generation_backend = backend
-    if refused:
-        p = problems(cfg)["generation_backend"]
-        assert p.value == backend and "rollout workers generate with lean or vllm" in p.fix
-    else:
-        cfg.validate()
+@pytest.mark.parametrize("flag", ["rollout_workers", "rollout_address", "rollout_group_backend"])
+def test_the_rollout_workers_flags_name_the_servers(flag, tmp_path, capsys):
+    """The rollout workers' flags are gone: on the command line (argparse's error) and in a config file (the config's
+    error), each names the rollout servers instead of a bare "unrecognized"."""
+    from rlhf_engine.cli import parse_args
 
-
-def test_the_rollout_group_backend_is_one_of_the_choices():
-    cfg = valid()
-    cfg.rollout.rollout_group_backend = "mpi"
-    p = problems(cfg)["rollout_group_backend"]
-    assert p.value == "mpi" and "gloo" in p.fix and "nccl" in p.fix
+    base = ["--actor_model_name_or_path", "/x", "--data_path", "/x.jsonl"]
+    with pytest.raises(SystemExit):
+        parse_args(base + [f"--{flag}", "1"])
+    err = capsys.readouterr().err
+    assert f"--{flag}: " in err and "docs/rollout-servers.md" in err, err
+    cfg_file = tmp_path / "c.yaml"
+    cfg_file.write_text(f"{flag}: 1\n")
+    with pytest.raises(ConfigError) as e:
+        parse_args(base + ["--config", str(cfg_file)])
+    assert flag in str(e.value) and "docs/rollout-servers.md" in str(e.value) and "unknown key" not in str(e.value)
+    with pytest.raises(SystemExit):  # the control: an unknown flag still gets argparse's own words
+        parse_args(base + ["--rollout_workerz", "1"])
+    assert "unrecognized arguments" in capsys.readouterr().err
 
 
 def test_rollout_servers_are_urls_or_a_file_of_them(tmp_path):
@@ -256,7 +258,6 @@ def test_rollout_servers_are_urls_or_a_file_of_them(tmp_path):
 
 @pytest.mark.parametrize("change, field, says", [
     (dict(generation_backend="lean"), "generation_backend", "add --generation_backend vllm"),
-    (dict(rollout_workers=1, rollout_address="127.0.0.1:29611"), "rollout_servers", "not both"),
     (dict(rollout_servers="http://a"), "rollout_servers", "port"),
 ])
 def test_rollout_servers_settings_are_checked(change, field, says):

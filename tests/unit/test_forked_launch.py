@@ -143,8 +143,8 @@ def test_a_spawned_process_can_be_signalled_and_reports_the_signal(script, tmp_p
 
 
 def test_requests_from_several_threads_at_once_all_start(script, tmp_path):
-    """Ranks and rollout workers are spawned from different threads: requests that reach the server together are
-    each served."""
+    """Processes spawned from different threads at once: requests that reach the server together are each
+    served."""
     procs, errors = [], []
 
     def one(i):

@@ -35,7 +35,6 @@ ALLOWED = {
                 "ppo_math", "pretrained",
                 "rewards", "rollout", "faults", "hooks", "signals"},
     "cli": {"comm", "config", "engine", "errors", "rewards", "signals"},
-    "workers": {"comm", "config", "engine", "envs", "errors"},
 }
 
 

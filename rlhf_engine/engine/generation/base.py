@@ -7,7 +7,7 @@ import contextlib
 import dataclasses
 from dataclasses import dataclass
 import logging
-from typing import Any, Iterable, Iterator, Optional
+from typing import Any, Iterator, Optional
 
 import torch
 from transformers import GenerationConfig
@@ -63,11 +63,11 @@ class Generated:
     rollout: Rollout
     logprobs: Optional[torch.Tensor] = None  # [B, R] generation-time log-probs, None: not available
     episode_stats: Optional[Any] = None  # multi-turn batches: their envs.EpisodeStats (env/* metrics)
-    policy_version: Optional[int] = None  # rollout workers: the actor's step count of the weights that made it
+    policy_version: Optional[int] = None  # rollout servers: the oldest weight version of its tokens
     # rollout servers: [B, R] long, the weight version that sampled each action token (0 on padding); then
     # policy_version is the oldest of them
     token_versions: Optional[torch.Tensor] = None
-    # multi-turn batches played on a rollout worker: the environment failure that ended them (env_errors 'stop'),
+    # multi-turn batches played ahead of training: the environment failure that ended them (env_errors 'stop'),
     # and then `rollout` is None; the trainer stops every rank with it
     failure: Optional[str] = None
 
@@ -92,8 +92,8 @@ class GenerationBackend:
 
     name = ""
     gives_logprobs = True  # `Generated.logprobs` is filled (a rollout correction needs them; the plan checks)
-    # an inference engine of its own (vllm): it holds its own copy of the weights (`take_weights` loads them), joins
-    # the process's default group, and a rollout worker keeps no weights of its own beside it
+    # an inference engine of its own (vllm): it holds its own copy of the weights, loaded after every step, and joins
+    # the process's default group
     has_engine = False
 
     def __init__(self, ctx: GenerationContext):
@@ -123,21 +123,12 @@ class GenerationBackend:
     def generate(self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, params: SamplingParams) -> Generated:
         raise NotImplementedError
 
-    @torch.no_grad()
-    def take_weights(self, weights: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
-        """Weights from elsewhere (a rollout worker's copy of the trainer's broadcast), (Hugging Face name, tensor)
-        in `policy_weights.weight_groups` order, consumed whole: copied into the plain model decoded with."""
-        params = dict(self.actor.module.named_parameters())
-        for name, value in weights:
-            params[name].data.copy_(value)
-
     def release(self) -> None:
         """Called after an iteration's rollouts: a backend with an engine of its own may free its memory for the
         training phase (vllm on a GPU: sleep mode)."""
 
     def take_async_stats(self) -> dict:
-        """Rollout workers: time/trainer_wait, time/worker_idle and time/weight_broadcast since the last call ({}
-        otherwise)."""
+        """Rollout servers: time/trainer_wait, servers/* and async/* since the last call ({} otherwise)."""
         return {}
 
     def take_sync_seconds(self) -> Optional[float]:

@@ -43,6 +43,11 @@ SERVER_COMMAND = "python launch/rollout_server.py MODEL_FOLDER --port PORT [--au
 _DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
 
 
+class BadAnswer(ValueError):
+    """A server answered what this run cannot train on (no log-prob for a token, a weight version not this
+    trainer's, a token past max_staleness 0)."""
+
+
 @dataclass
 class ServerLink:
     """The servers as the plan checked them: their URLs, the token, and (rank 0) what each said it serves."""
@@ -233,7 +238,7 @@ class ServersBackend(GenerationBackend):
         that was down and answers again (collective on the trainer's ranks); a server that takes the whole push
         is (back) up on every rank. Returns whether it pushed."""
         version = self.actor_version
-        down = set().union(*comm.all_gather_object(sorted(self.clients[i].url for i in self.pool.down)))
+        down = set().union(*comm.all_gather_object(sorted(self.clients[i].url for i in self.pool.down_now())))
         newcomers = self._rejoin(down) if self.dist.is_main and down else {}
         # every rank walks the weight stream (collective under ZeRO-3): all ranks must agree to push, and to whom
         to = comm.broadcast_object("all" if self._pushed_version != version else "new" if newcomers else None,
@@ -307,7 +312,7 @@ class ServersBackend(GenerationBackend):
         try:
             rows = [answer_row(f.result()) for f in futures]
             rows = self._fresh(rows, bodies)
-        except (NoServerUp, ServerError, ValueError) as e:
+        except (NoServerUp, ServerError, BadAnswer) as e:
             wrong = str(e)
         self.trainer_wait += time.perf_counter() - t0
         wrong = next((w for w in comm.all_gather_object(wrong) if w), None)  # every rank stops, or none
@@ -316,33 +321,24 @@ class ServersBackend(GenerationBackend):
 
             raise RolloutServersLost(wrong)
         self.partial += sum(len(set(v)) > 1 for _, _, v in rows)
-        return self._laid_out(prompt_ids, prompt_mask, rows, params, limits)
-
-    def _laid_out(self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, rows: list, params: SamplingParams,
-                  limits) -> Generated:
-        """answer_row's rows as the canonical rollout, each action token stamped with its weight version."""
-        gen = lay_out(prompt_ids, prompt_mask, [(t, lp) for t, lp, _ in rows], params, limits, self.device)
-        versions = torch.zeros(gen.rollout.action_mask.shape, dtype=torch.long)
-        for i, (_, _, v) in enumerate(rows):
-            n = min(len(v), versions.shape[1])
-            versions[i, :n] = torch.tensor(v[:n], dtype=torch.long)
-        mask = gen.rollout.action_mask.cpu().bool()
-        versions = versions * mask
-        oldest = int(versions[mask].min()) if bool(mask.any()) else self.actor_version
-        return dataclasses.replace(gen, token_versions=versions.to(self.device), policy_version=oldest)
+        gen = _laid_out(prompt_ids, prompt_mask, rows, params, limits, self.device)
+        mask = gen.rollout.action_mask.bool()
+        oldest = int(gen.token_versions[mask].min()) if bool(mask.any()) else self.actor_version
+        return dataclasses.replace(gen, policy_version=oldest)
 
     # what `request` raises when no server is up or one answered what the run cannot train on
-    lost_errors = (NoServerUp, ServerError, ValueError)
+    lost_errors = (NoServerUp, ServerError, BadAnswer)
 
     def request(self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, params: SamplingParams,
                 generator: Optional[torch.Generator] = None) -> Generated:
         """This rank's rows answered by the servers as their weights stand: no push, nothing collective, the seeds
         from `generator` (episodes played ahead of training call it from a thread of their own,
-        trainer/episodes_ahead.py). A server error or NoServerUp is raised to the caller."""
+        trainer/episodes_ahead.py). Laid out on the CPU (the thread never waits on the trainer's device), without a
+        policy_version. `lost_errors` (no server up, a bad answer) are raised to the caller."""
         prompts, limits_list, seeds, limits = row_requests(prompt_ids, prompt_mask, params, generator)
         bodies = [(p, request_fields(params, limit, seed)) for p, limit, seed in zip(prompts, limits_list, seeds)]
         rows = [answer_row(choice) for choice in self.pool.map(_ask_generate, bodies)]
-        return self._laid_out(prompt_ids, prompt_mask, rows, params, limits)
+        return _laid_out(prompt_ids, prompt_mask, rows, params, limits, torch.device("cpu"))
 
     def _fresh(self, rows: list, bodies: list) -> list:
         """`rows` with every response that holds a token past max_staleness generated again (by the servers' current
@@ -350,7 +346,7 @@ class ServersBackend(GenerationBackend):
         current = self.actor_version
         stale = [i for i, (_, _, v) in enumerate(rows) if v and current - min(v) > self.max_staleness]
         if stale and self.max_staleness == 0:
-            raise ValueError(f"a rollout server answered with tokens of weight versions "
+            raise BadAnswer(f"a rollout server answered with tokens of weight versions "
                              f"{sorted(set(rows[stale[0]][2]))}; the trainer is at {current} (max_staleness 0)")
         if stale:
             again = self.pool.map(_ask_generate, [bodies[i] for i in stale])
@@ -365,13 +361,26 @@ def _ask_generate(client: ServerClient, body: tuple) -> dict:
     return client.generate(*body)
 
 
+def _laid_out(prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, rows: list, params: SamplingParams, limits,
+              device: torch.device) -> Generated:
+    """answer_row's rows as the canonical rollout on `device`, each action token stamped with its weight version
+    (`token_versions`, 0 on padding)."""
+    gen = lay_out(prompt_ids, prompt_mask, [(t, lp) for t, lp, _ in rows], params, limits, device)
+    versions = torch.zeros(gen.rollout.action_mask.shape, dtype=torch.long)
+    for i, (_, _, v) in enumerate(rows):
+        n = min(len(v), versions.shape[1])
+        versions[i, :n] = torch.tensor(v[:n], dtype=torch.long)
+    versions = versions * gen.rollout.action_mask.cpu().long()
+    return dataclasses.replace(gen, token_versions=versions.to(device))
+
+
 def answer_row(choice: dict) -> tuple:
-    """(token ids, their log-probs, the weight version that sampled each) of one server answer; a ValueError when a
+    """(token ids, their log-probs, the weight version that sampled each) of one server answer; BadAnswer when a
     token has no log-prob or no version of this trainer (a server the trainer has not pushed to says 'default')."""
     tokens = list(choice["token_ids"])
     logprobs = [float(c["logprob"]) for c in (choice.get("logprobs") or {}).get("content") or []]
     if len(tokens) != len(logprobs):
-        raise ValueError("a rollout server answered without a log-prob for every token (is it started with "
+        raise BadAnswer("a rollout server answered without a log-prob for every token (is it started with "
                          "launch/rollout_server.py?)")
     versions = [None] * len(tokens)
     for span in choice.get("weight_versions") or []:
@@ -380,6 +389,6 @@ def answer_row(choice: dict) -> tuple:
             versions[t] = v
     if None in versions:
         labels = sorted(str(s.get("version")) for s in choice.get("weight_versions") or [])
-        raise ValueError(f"a rollout server answered with tokens of no version of this trainer (weight versions "
+        raise BadAnswer(f"a rollout server answered with tokens of no version of this trainer (weight versions "
                          f"{labels} over {len(tokens)} tokens): were its weights pushed by another trainer?")
     return tokens, logprobs, versions

@@ -207,15 +207,12 @@ class VLLMBackend(GenerationBackend):
                 self._pushed_version = None
         if self._pushed_version == self.actor_version:
             return False
-        if any(p.is_meta for p in self.actor.module.parameters()):  # a rollout worker's names-only model
-            raise RuntimeError("generation_backend vllm: the engine needs weights and its model holds none here (a "
-                               "rollout worker's engine is loaded by take_weights, from the trainer's broadcast)")
         self.take_weights(stream_weights(self.actor.module), self.actor_version)
         return True
 
     def take_weights(self, weights, version: int) -> None:
         """`weights` ((Hugging Face name, tensor), block by block) into the engine in one `reload_weights` call over
-        the stream (a block is gathered, merged or received and handed over before the next is read), then the
+        the stream (a block is gathered or merged and handed over before the next is read), then the
         prefix cache reset; the engine now holds `version`."""
         t0 = time.perf_counter()
         self.load_weights(weights)

@@ -31,7 +31,6 @@ from __future__ import annotations
 import dataclasses
 import os
 import sys
-import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))))
 
@@ -111,11 +110,6 @@ def run_one(spec: dict) -> dict | None:
     from rlhf_engine.hooks import TestHooks
     from rlhf_engine.trainer import build_trainer
 
-    if spec.get("kind") == "broadcast_checks":  # rollout_worker_checks.py's checks, in this launch
-        from rollout_worker_checks import broadcast_checks
-
-        found = broadcast_checks(spec["actor"], spec["prompts"], spec["workdir"], spec["addresses"])
-        return {"name": spec["name"], **found} if torch.distributed.get_rank() == 0 else None
     cfg = parse_args(spec["args"])
     hooks = spec.get("hooks", {})
     trainer = build_trainer(cfg, hooks=TestHooks(use_position_ids=bool(hooks.get("use_position_ids", True)),
@@ -154,7 +148,7 @@ def run_one(spec: dict) -> dict | None:
 
     trainer.rollout_phase = rollout_phase
     generate_calls = []  # an episode runner's generate calls on this rank: (rows, prompt width, row limits)
-    if getattr(trainer.episodes, "sample", None) is not None:  # played here, not on a rollout worker
+    if getattr(trainer.episodes, "sample", None) is not None:  # an episode runner of the trainer's own
         orig_episode_sample = trainer.episodes.sample
 
         def episode_sample(ids, mask, params):
@@ -167,8 +161,6 @@ def run_one(spec: dict) -> dict | None:
 
     def train_phase(exp, stats):
         minibatch_tokens.append([int(m.rollout.action_mask.sum()) for m in exp.split(cfg.batch.mini_batch_size)])
-        if hooks.get("slow_train_s"):  # a deliberately slow trainer (rollout workers generate meanwhile)
-            time.sleep(float(hooks["slow_train_s"]))
         return orig_train_phase(exp, stats)
 
     trainer.train_phase = train_phase

@@ -167,23 +167,6 @@ def test_sbatch_signals_the_ranks_and_requeues_only_a_preempted_run(tmp_path, ma
     assert ("requeueing job 123456" in out) == requeued, out
 
 
-def test_async_rollouts_sbatch_dry_run(tmp_path):
-    """The heterogeneous job: the workers of component 1 and the trainer of component 0 agree on the address (the
-    first trainer node, the job's port + 1); the trainer is told how many workers to wait for."""
-    env = _sbatch_env(tmp_path, RLHF_DRY_RUN="1", SLURM_JOB_NODELIST_HET_GROUP_0="gpu[07-08]",
-                      SLURM_NTASKS_HET_GROUP_1="4")
-    proc = subprocess.run(["bash", os.path.join(SLURM_DIR, "ppo_async_rollouts.sbatch"), "--max_steps", "5"],
-                          env=env, cwd=str(tmp_path), capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 0, proc.stderr
-    workers, trainer = proc.stdout.strip().splitlines()[-2:]
-    assert workers == (f"DRY RUN (workers): srun --het-group=1 --kill-on-bad-exit=0 --gpu-bind=none "
-                       f"{sys.executable} -u launch/rollout_worker.py --rollout_address gpu07:18457")
-    assert trainer == (f"DRY RUN: OMP_NUM_THREADS=32 srun --het-group=0 --kill-on-bad-exit=1 --gpu-bind=none "
-                       f"{sys.executable} -u launch/train_ppo.py --output_dir {env['OUTPUT_DIR']} --resume auto "
-                       "--save_interval_minutes 30 --rollout_workers 4 --rollout_address gpu07:18457 "
-                       "--max_staleness 1 --max_steps 5")
-
-
 def test_rollout_servers_sbatch_dry_run(tmp_path):
     """The heterogeneous job with rollout servers: one server per GPU of each rollout node, each task's command bound
     to its own GPU (the task's command run here as srun would, local id 3, a stand-in interpreter printing what it
