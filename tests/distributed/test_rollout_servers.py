@@ -320,7 +320,7 @@ def probe(tiny_vllm, servers, tmp_path, monkeypatch):
     def run(urls, dtype="fp32", longest=72, **flags):
         cfg = _cfg(tiny_vllm, str(tmp_path), rollout_servers=urls, **flags)
         try:
-            probe_servers(cfg, types.SimpleNamespace(is_main=True), dtype, config, longest)
+            run.link = probe_servers(cfg, types.SimpleNamespace(is_main=True), dtype, config, longest)
         except ConfigError as e:
             return str(e)
         return ""
@@ -329,6 +329,17 @@ def probe(tiny_vllm, servers, tmp_path, monkeypatch):
 
 def test_the_plan_accepts_servers_that_can_serve(probe, servers):
     assert probe(",".join(servers.urls)) == ""
+    assert sorted(probe.link.infos) == sorted(servers.urls) and not probe.link.late
+
+
+def test_a_server_not_up_at_start_is_late_not_refused(probe, servers):
+    """One server answers and another does not (nothing listens there yet): the plan goes on, the silent one late
+    (the pushes ask it again); with no server answering it refuses, naming them (the control)."""
+    nobody = "http://" + free_address()
+    assert probe(f"{servers.urls[0]},{nobody}", rollout_timeout_s=1) == ""
+    assert list(probe.link.infos) == [servers.urls[0]] and list(probe.link.late) == [nobody]
+    message = probe(nobody, rollout_timeout_s=1)
+    assert "no server answered" in message and nobody in message, message
 
 
 @pytest.mark.parametrize("case,expect", [
@@ -374,15 +385,15 @@ def _on_first_answer(log: str, act, answers: int = 1) -> "threading.Thread":
     return thread
 
 
-def _ahead_run(servers, tiny_vllm, tmp_path, name: str, act, **flags) -> dict:
-    """The run of `runs["ahead"]` through both servers, `act()` called once server 1 has answered its first
+def _ahead_run(servers, tiny_vllm, tmp_path, name: str, act, watch: int = 1, **flags) -> dict:
+    """The run of `runs["ahead"]` through both servers, `act()` called once server `watch` has answered its first
     request."""
     spec = [{"name": name, "args": ppo_args(tiny_vllm, str(tmp_path / name), **AHEAD,
                                             rollout_servers=",".join(servers.urls),
                                             rollout_auth_token_env=TOKEN_ENV, **flags)}]
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv(TOKEN_ENV, servers.token)
-        watcher = _on_first_answer(servers.logs[1], act)
+        watcher = _on_first_answer(servers.logs[watch], act)
         try:
             return run_harness(str(tmp_path), name, spec, 2, "torchrun")[name]
         finally:
@@ -403,6 +414,31 @@ def test_an_environment_failing_on_one_rank_ahead_of_training_stops_every_rank(s
     text = done.stdout + done.stderr
     assert done.returncode != 0 and "environment step 1" in text and "the tool is broken" in text, text[-3000:]
     assert "timed out" not in text.lower(), text[-3000:]  # a rank left alone in a collective would time out
+
+
+def test_a_server_late_at_start_is_taken_in(servers, tiny_vllm, runs, tmp_path):
+    """Server 1 stopped (SIGSTOP) before the trainer starts: the plan finds it silent for --rollout_timeout_s and goes
+    on with server 0 alone; server 1 continued once server 0 has answered, and the next push takes it in with the
+    current weights. Every metric and rollout equals the run where both served throughout."""
+    import signal
+
+    proc = servers.procs[1]
+
+    def answered() -> int:
+        with open(servers.logs[1]) as f:
+            return f.read().count('"POST /inference/v1/generate HTTP/1.1" 200')
+
+    before = answered()
+    proc.send_signal(signal.SIGSTOP)  # before the plan asks: silent at start, whatever the timing after
+    try:
+        late = _ahead_run(servers, tiny_vllm, tmp_path, "late", lambda: proc.send_signal(signal.SIGCONT), watch=0,
+                          rollout_timeout_s=3)
+    finally:
+        proc.send_signal(signal.SIGCONT)
+    assert answered() > before  # taken in: it served this run's later requests
+    assert servers.request(servers.urls[1], "/weight_info")[1]["weight_version"] == "2"  # and took every push since
+    assert all(r["servers/up"] == 2 for r in _train(late)[1:])
+    assert_generated_alike(late, runs["ahead"], ATOL, skip=("servers/",))
 
 
 def test_a_hung_server_is_left_then_taken_back(servers, tiny_vllm, runs, tmp_path):

@@ -2,9 +2,10 @@
 reached over HTTP, token in / token out, their weights pushed through vLLM's weight-transfer routes.
 
 * At the end of the plan, before any engine is built (`probe_servers`, collective): rank 0 asks every server what
-  it serves (`/collective_rpc rlhf_server_info`, our extension) and stops the run, naming the server, when one does
-  not answer within `--rollout_timeout_s`, refuses the token, runs without our extension, serves another
-  architecture or dtype, is shorter than the run's longest sequence, or does not give processed log-probs.
+  it serves (`/collective_rpc rlhf_server_info`, our extension) and stops the run, naming the server, when one
+  refuses the token, runs without our extension, serves another architecture or dtype, is shorter than the run's
+  longest sequence, or does not give processed log-probs, or when none answers within `--rollout_timeout_s`. A
+  server silent at start (still starting) is late: down until a push finds it answering.
 * Every trainer rank sends its own rows straight to the servers, one request per row with its own seed (from the
   rank's checkpointed torch stream, as the colocated vllm backend draws them), spread by least outstanding requests
   (servers/pool.py); nothing passes through rank 0. The answers are laid out exactly as the colocated vllm backend
@@ -55,6 +56,7 @@ class ServerLink:
     urls: list
     token: str = field(default="", repr=False)
     infos: dict = field(default_factory=dict)  # url -> rlhf_server_info answer (rank 0)
+    late: dict = field(default_factory=dict)  # url -> why it did not answer at start (taken in once it does)
     # what a server must serve (server_problems' arguments): a server that comes back is checked again
     arch: list = field(default_factory=list)
     dtype: str = "fp32"
@@ -103,39 +105,64 @@ def _ask(url: str, token: str, timeout_s: float) -> dict:
 
 
 def probe_servers(cfg: Any, dist: Any, actor_dtype: str, model_config: Any, longest: int) -> ServerLink:
-    """Check every `--rollout_servers` entry for this run (rank 0 asks; collective: every rank raises the same
-    ConfigError naming the first server that cannot serve). `model_config`: the actor's (read on rank 0)."""
+    """Check every `--rollout_servers` entry for this run (rank 0 asks them all at once, each given
+    `--rollout_timeout_s` to answer; collective: every rank raises the same ConfigError naming the first server that
+    cannot serve). A server that answers must serve this run; one that does not answer (refused, timed out: still
+    starting) is late, taken in at a later push once it answers, as long as one server answered now.
+    `model_config`: the actor's (read on rank 0)."""
+    import concurrent.futures
+
     from ...config.rollout import server_urls
     from ...errors import ConfigError, Problem
 
     r = cfg.rollout
     urls, token = server_urls(r.rollout_servers), server_token(cfg)
     timeout_s = float(r.rollout_timeout_s)
-    group = comm.new_cpu_group(datetime.timedelta(seconds=timeout_s * len(urls) + 60))
-    problem, infos = None, {}
+    group = comm.new_cpu_group(datetime.timedelta(seconds=timeout_s + 120))
+    problem, infos, late = None, {}, {}
     if dist.is_main:
         if r.rollout_auth_token_env and not token:
             problem = Problem("rollout_auth_token_env", r.rollout_auth_token_env, "the variable is empty or unset: "
                               "put the servers' bearer token there")
         arch = list(getattr(model_config, "architectures", None) or [])
-        for url in urls if problem is None else []:
-            try:
-                infos[url] = info = _ask(url, token, timeout_s)
-            except ServerError as e:
-                hint = (" (set --rollout_auth_token_env to the variable holding the servers' token)"
-                        if e.status == 401 else f"; start one with `{SERVER_COMMAND}`")
-                problem = Problem("rollout_servers", r.rollout_servers, f"{e}{hint}")
-                break
-            wrong = server_problems(info, url, arch, actor_dtype, longest)
-            if wrong:
-                problem = Problem("rollout_servers", r.rollout_servers, wrong[0])
-                break
+        if problem is None:
+            with concurrent.futures.ThreadPoolExecutor(len(urls)) as ask:
+                answers = list(ask.map(lambda u: _answer(u, token, timeout_s), urls))
+            for url, (info, error) in zip(urls, answers):
+                if error is not None and error.retriable and error.status is None:
+                    late[url] = str(error)  # nothing answered: a server still starting, or one not started yet
+                    continue
+                if error is not None:
+                    hint = (" (set --rollout_auth_token_env to the variable holding the servers' token)"
+                            if error.status == 401 else f"; start one with `{SERVER_COMMAND}`")
+                    problem = Problem("rollout_servers", r.rollout_servers, f"{error}{hint}")
+                    break
+                wrong = server_problems(info, url, arch, actor_dtype, longest)
+                if wrong:
+                    problem = Problem("rollout_servers", r.rollout_servers, wrong[0])
+                    break
+                infos[url] = info
+            if problem is None and not infos:
+                problem = Problem("rollout_servers", r.rollout_servers, "no server answered within "
+                                  f"--rollout_timeout_s {timeout_s:g}: " + "; ".join(late.values())
+                                  + f"; start them with `{SERVER_COMMAND}`")
     problem = comm.broadcast_object(problem, group=group)
     comm.destroy_group(group)
     if problem is not None:
         raise ConfigError([problem], "cannot start: rollout servers")
-    return ServerLink(urls, token, infos, list(getattr(model_config, "architectures", None) or []), actor_dtype,
-                      longest)
+    if late and dist.is_main:
+        log.warning("rollout servers not up at start, taken in once they answer (asked again at every push): %s",
+                    "; ".join(late.values()))
+    return ServerLink(urls, token, infos, late=late, arch=list(getattr(model_config, "architectures", None) or []),
+                      dtype=actor_dtype, longest=longest)
+
+
+def _answer(url: str, token: str, timeout_s: float) -> tuple:
+    """(info, None) of a server, or (None, the ServerError)."""
+    try:
+        return _ask(url, token, timeout_s), None
+    except ServerError as e:
+        return None, e
 
 
 class ServersBackend(GenerationBackend):
@@ -165,8 +192,9 @@ class ServersBackend(GenerationBackend):
         self.wait_group = comm.new_cpu_group(datetime.timedelta(seconds=self.timeout_s * 4 + 60))
         failed = None
         if self.dist.is_main:
-            self.senders, failed = connect_senders(self.clients, {u: i["workers"] for u, i in link.infos.items()},
-                                                   self.timeout_s)
+            self.senders, failed = connect_senders([c for c in self.clients if c.url in link.infos],
+                                                   {u: i["workers"] for u, i in link.infos.items()}, self.timeout_s)
+            failed = {**link.late, **failed}  # late servers start down: the pushes ask them again (_rejoin)
         self._mark_failed(failed)
         comm.at_shutdown(self.close)
 
