@@ -107,3 +107,35 @@ def pytest_collection_modifyitems(config, items):
             return 0 if path in shared else 1 if path.startswith("tests/distributed/") else 2
 
         items.sort(key=rank)
+
+
+REQUIRE_VLLM = "RLHF_ENGINE_TEST_REQUIRE_VLLM"  # scripts/test.sh --vllm sets it: the vLLM job
+
+
+def vllm_job_shortfall(stats: dict) -> str:
+    """Why a vLLM job's results (the terminal reporter's `stats`: outcome -> reports) do not count as one ('': they
+    do): no vllm-marked test passed, or one was skipped (a job whose every test skips would otherwise pass)."""
+    def vllm(reports):
+        return [r for r in reports if "vllm" in getattr(r, "keywords", {}) and getattr(r, "when", "call") != "teardown"]
+
+    passed, skipped = vllm(stats.get("passed", [])), vllm(stats.get("skipped", []))
+    if skipped:
+        first = skipped[0]
+        reason = first.longrepr[-1] if isinstance(first.longrepr, tuple) else str(first.longrepr)
+        return f"{len(skipped)} vllm test(s) skipped in the vLLM job, e.g. {first.nodeid}: {reason}"
+    if not passed:
+        return "the vLLM job ran no vllm test"
+    return ""
+
+
+def pytest_sessionfinish(session, exitstatus):
+    """In the vLLM job (REQUIRE_VLLM set), fail the session when its vllm tests did not all run (vllm_job_shortfall).
+    Under pytest-xdist this runs in the controller too, which holds every process's reports."""
+    if not os.environ.get(REQUIRE_VLLM) or hasattr(session.config, "workerinput"):
+        return
+    reporter = session.config.pluginmanager.get_plugin("terminalreporter")
+    why = vllm_job_shortfall(reporter.stats if reporter is not None else {})
+    if why:
+        if reporter is not None:
+            reporter.write_line(f"vLLM job: {why}", red=True)
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED
