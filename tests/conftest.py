@@ -19,6 +19,7 @@ if "RLHF_ENGINE_DATA_CACHE" not in os.environ:
 import pytest  # noqa: E402
 
 from _support import make_tiny_setup  # noqa: E402
+from _vllm_job import REQUIRE_VLLM, vllm_job_shortfall  # noqa: E402
 
 
 @pytest.fixture(scope="session")
@@ -107,25 +108,6 @@ def pytest_collection_modifyitems(config, items):
             return 0 if path in shared else 1 if path.startswith("tests/distributed/") else 2
 
         items.sort(key=rank)
-
-
-REQUIRE_VLLM = "RLHF_ENGINE_TEST_REQUIRE_VLLM"  # scripts/test.sh --vllm sets it: the vLLM job
-
-
-def vllm_job_shortfall(stats: dict) -> str:
-    """Why a vLLM job's results (the terminal reporter's `stats`: outcome -> reports) do not count as one ('': they
-    do): no vllm-marked test passed, or one was skipped (a job whose every test skips would otherwise pass)."""
-    def vllm(reports):
-        return [r for r in reports if "vllm" in getattr(r, "keywords", {}) and getattr(r, "when", "call") != "teardown"]
-
-    passed, skipped = vllm(stats.get("passed", [])), vllm(stats.get("skipped", []))
-    if skipped:
-        first = skipped[0]
-        reason = first.longrepr[-1] if isinstance(first.longrepr, tuple) else str(first.longrepr)
-        return f"{len(skipped)} vllm test(s) skipped in the vLLM job, e.g. {first.nodeid}: {reason}"
-    if not passed:
-        return "the vLLM job ran no vllm test"
-    return ""
 
 
 def pytest_sessionfinish(session, exitstatus):

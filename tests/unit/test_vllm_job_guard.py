@@ -1,4 +1,4 @@
-"""The vLLM job fails when its vllm tests did not all run (tests/conftest.py: vllm_job_shortfall): a job whose every
+"""The vLLM job fails when its vllm tests did not all run (tests/_vllm_job.py, applied by tests/conftest.py): a job whose every
 test skipped, because vLLM no longer imports in its environment, would otherwise pass."""
 import os
 import subprocess
@@ -6,7 +6,7 @@ import sys
 import types
 
 from _support import ROOT
-from conftest import REQUIRE_VLLM, vllm_job_shortfall
+from _vllm_job import REQUIRE_VLLM, vllm_job_shortfall
 
 
 def _report(nodeid, vllm=True, when="call", longrepr=None):
