@@ -443,7 +443,8 @@ def test_a_server_late_at_start_is_taken_in(servers, tiny_vllm, runs, tmp_path):
 
 def test_a_hung_server_is_left_then_taken_back(servers, tiny_vllm, runs, tmp_path):
     """Server 1 stopped (SIGSTOP) after its first answer, for longer than --rollout_timeout_s, then continued: its
-    requests time out and go to server 0 with the same body; once it answers again, the next push finds it, gives
+    requests time out and go to server 0 with the same body (or, where it had answered them all, a push finds it
+    silent); once it answers again, the next push finds it, gives
     it the current weights on a new weight group and takes it back. Every metric and rollout equals the run where
     both served throughout."""
     import signal
@@ -458,7 +459,11 @@ def test_a_hung_server_is_left_then_taken_back(servers, tiny_vllm, runs, tmp_pat
     taken_back = _ahead_run(servers, tiny_vllm, tmp_path, "taken_back", hang_then_continue,
                             rollout_timeout_s=timeout_s)
     records = _train(taken_back)
-    assert len(records) == 3 and records[-1]["servers/moved_requests"] >= 1 and records[-1]["servers/up"] == 2
+    # left: its requests moved to server 0, or (when it had answered them all before it stopped) a push found it
+    # silent and an iteration ended with server 0 alone; then taken back
+    left = records[-1]["servers/moved_requests"] >= 1 or any(r["servers/up"] == 1 for r in records)
+    assert len(records) == 3 and left and records[-1]["servers/up"] == 2, [
+        (r["servers/up"], r["servers/moved_requests"]) for r in records]
     assert_generated_alike(taken_back, runs["ahead"], ATOL, skip=("servers/",))
     assert servers.request(servers.urls[1], "/weight_info")[1]["weight_version"] == "2"  # the last push (iteration 2)
 
