@@ -104,12 +104,12 @@ def broadcast_object(obj: Any, src: int = 0, group: Any = None) -> Any:
     return box[0]
 
 
-def all_gather_object(obj: Any) -> list:
-    """Every rank's `obj`, in rank order."""
+def all_gather_object(obj: Any, group: Any = None) -> list:
+    """Every rank's `obj`, in rank order (over `group`, e.g. a new_cpu_group, else the default group)."""
     if world_size() <= 1:
         return [obj]
     out = [None] * world_size()
-    torch.distributed.all_gather_object(out, obj)
+    torch.distributed.all_gather_object(out, obj, group=group)
     return out
 
 

@@ -31,8 +31,9 @@ class RolloutConfig:
                              "trainer trains, no token older than K versions is trained on, and rollout_correction "
                              "defaults to token_truncate.")
     rollout_timeout_s: float = opt(300.0, "Seconds the trainer waits for a rollout server (to answer the plan's "
-                                   "check, a request, a weight push) before it marks the server down; the run stops "
-                                   "when none is up.")
+                                   "check, a request, a weight push) before it marks the server down; with none "
+                                   "up, requests wait for one to answer again, and the run stops when none has been "
+                                   "up this long.")
 
     rollout_servers: str = opt("", "Rollout servers that generate for this run: URL[,URL...] or @FILE (one URL a "
                                "line), each a stock vLLM server started with launch/rollout_server.py "

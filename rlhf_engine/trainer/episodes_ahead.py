@@ -63,18 +63,20 @@ class EpisodesAhead:
 
     def result(self, ticket: int, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor,
                params: SamplingParams) -> Generated:
-        """The ticket's episodes (waited for) with each action token's weight version. Collective: every rank learns
-        whether any rank's thread failed (a server, or a bug), and then every rank stops; an environment failure is
-        returned in `failure` as the trainer expects it."""
+        """The ticket's episodes (waited for: ServersBackend.await_answers) with each action token's weight version.
+        Collective: every rank learns whether any rank's thread failed (a server, or a bug), and then every rank
+        stops; an environment failure is returned in `failure` as the trainer expects it."""
         t0 = time.perf_counter()
         played, wrong = None, None
+        future = self._tickets.pop(ticket)
+        self.backend.await_answers([future])  # with no server up, the ranks re-admit one that answers again
         try:
-            played = self._tickets.pop(ticket).result()
+            played = future.result()
         except Exception as e:  # noqa: BLE001  (the peers must learn of it, or they wait in the gather below)
             lost = isinstance(e, self.backend.lost_errors)  # no server up, or an answer the run cannot train on
             wrong = ("servers", str(e)) if lost else ("bug", f"{type(e).__name__}: {e}")
         self.backend.trainer_wait += time.perf_counter() - t0
-        wrong = next((w for w in comm.all_gather_object(wrong) if w), None)
+        wrong = next((w for w in comm.all_gather_object(wrong, group=self.backend.wait_group) if w), None)
         if wrong is not None:
             from ..errors import RolloutServersLost
 

@@ -1,5 +1,6 @@
 """Rollout servers (`--rollout_servers`, docs/rollout-servers.md): two real `launch/rollout_server.py` processes (stock
-vLLM's server with our extension and token) serve every test here.
+vLLM's server with our extension and token) serve every test here, on a tiny Llama whose LM head is tied to its
+embedding (SmolLM2's layout: the server repacks the tied head after every push, servers/repack.py).
 
 * 2 trainer ranks and 2 servers at max_staleness 0, lr > 0, 3 iterations: every logged metric equals the colocated
   vllm run's (one engine per rank) within 1e-5 and the rollouts are equal token for token, greedy at ZeRO-2 and
@@ -25,7 +26,8 @@ import pytest
 import torch
 
 from _servers import TOKEN_ENV, RolloutServers
-from _support import ROOT, assert_generated_alike, assert_resumed_exactly, free_address, ppo_args, run_harness
+from _support import (ROOT, VOLATILE, assert_generated_alike, assert_resumed_exactly, free_address, ppo_args,
+                      run_harness)
 
 pytestmark = [pytest.mark.distributed, pytest.mark.vllm,
               pytest.mark.skipif(importlib.util.find_spec("vllm") is None,
@@ -44,8 +46,8 @@ AHEAD = dict(BASE, max_staleness=1)  # greedy: the killed-server run must equal 
 
 
 @pytest.fixture(scope="module")
-def servers(tiny_vllm, tmp_path_factory):
-    s = RolloutServers(str(tmp_path_factory.mktemp("rollout_servers")), 2, tiny_vllm.actor, secrets.token_hex(16))
+def servers(tiny_vllm_tied, tmp_path_factory):
+    s = RolloutServers(str(tmp_path_factory.mktemp("rollout_servers")), 2, tiny_vllm_tied.actor, secrets.token_hex(16))
     try:
         s.wait_ready()
         yield s
@@ -54,27 +56,27 @@ def servers(tiny_vllm, tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def runs(servers, tiny_vllm, tmp_path_factory):
-    tmp = str(tmp_path_factory.mktemp("server_runs"))
+def runs(servers, tiny_vllm_tied, tmp_path_factory):
+    tmp, tiny = str(tmp_path_factory.mktemp("server_runs")), tiny_vllm_tied
     via = dict(rollout_servers=",".join(servers.urls), rollout_auth_token_env=TOKEN_ENV)
-    spec = [{"name": "colocated", "args": ppo_args(tiny_vllm, os.path.join(tmp, "colocated"), **BASE)},
-            {"name": "servers", "args": ppo_args(tiny_vllm, os.path.join(tmp, "servers"), **BASE, **via,
+    spec = [{"name": "colocated", "args": ppo_args(tiny, os.path.join(tmp, "colocated"), **BASE)},
+            {"name": "servers", "args": ppo_args(tiny, os.path.join(tmp, "servers"), **BASE, **via,
                                                  save_interval=2)},
             # resumed from its checkpoint after 2 iterations, the servers kept alive (holding the later weights)
-            {"name": "servers_resumed", "args": ppo_args(tiny_vllm, os.path.join(tmp, "servers_resumed"), **BASE,
+            {"name": "servers_resumed", "args": ppo_args(tiny, os.path.join(tmp, "servers_resumed"), **BASE,
                                                          **via, resume=os.path.join(tmp, "servers", "checkpoints",
                                                                                     "iter_000002"))},
-            {"name": "colocated_sampled", "args": ppo_args(tiny_vllm, os.path.join(tmp, "colocated_s"), **SAMPLED)},
-            {"name": "servers_sampled", "args": ppo_args(tiny_vllm, os.path.join(tmp, "servers_s"), **SAMPLED,
+            {"name": "colocated_sampled", "args": ppo_args(tiny, os.path.join(tmp, "colocated_s"), **SAMPLED)},
+            {"name": "servers_sampled", "args": ppo_args(tiny, os.path.join(tmp, "servers_s"), **SAMPLED,
                                                          **via)},
-            {"name": "colocated_env", "args": ppo_args(tiny_vllm, os.path.join(tmp, "colocated_env"), **ENV)},
-            {"name": "servers_env", "args": ppo_args(tiny_vllm, os.path.join(tmp, "servers_env"), **ENV, **via)},
-            {"name": "env_ahead", "args": ppo_args(tiny_vllm, os.path.join(tmp, "env_ahead"),
+            {"name": "colocated_env", "args": ppo_args(tiny, os.path.join(tmp, "colocated_env"), **ENV)},
+            {"name": "servers_env", "args": ppo_args(tiny, os.path.join(tmp, "servers_env"), **ENV, **via)},
+            {"name": "env_ahead", "args": ppo_args(tiny, os.path.join(tmp, "env_ahead"),
                                                    **dict(ENV, max_staleness=1), **via)},
-            {"name": "ahead", "args": ppo_args(tiny_vllm, os.path.join(tmp, "ahead"), **AHEAD, **via)},
-            {"name": "ahead_uncorrected", "args": ppo_args(tiny_vllm, os.path.join(tmp, "ahead_u"), **AHEAD, **via,
+            {"name": "ahead", "args": ppo_args(tiny, os.path.join(tmp, "ahead"), **AHEAD, **via)},
+            {"name": "ahead_uncorrected", "args": ppo_args(tiny, os.path.join(tmp, "ahead_u"), **AHEAD, **via,
                                                            rollout_correction="none")},
-            {"name": "two_ahead", "args": ppo_args(tiny_vllm, os.path.join(tmp, "two_ahead"), **dict(
+            {"name": "two_ahead", "args": ppo_args(tiny, os.path.join(tmp, "two_ahead"), **dict(
                 AHEAD, do_sample="true", max_staleness=2, max_steps=4), partial_rollouts="true", **via)}]
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv(TOKEN_ENV, servers.token)  # the ranks' environment (clean_env copies this process's)
@@ -227,7 +229,7 @@ def _greedy(model, prompt: list, n: int) -> list:
                           eos_token_id=None, pad_token_id=0)[0, len(prompt):].tolist()
 
 
-def test_a_push_lands_bitwise_and_the_server_decodes_with_it(servers, tiny_vllm, runs):
+def test_a_push_lands_bitwise_and_the_server_decodes_with_it(servers, tiny_vllm_tied, runs):
     """After the runs (the push replaces the server's weight group), on a server that a trainer left paused in the
     middle of an update (as a killed one would): perturbed weights pushed with the servers hashing what they
     receive; greedy tokens then equal the perturbed model's, log-probs to kernel rounding, every token stamped with
@@ -236,7 +238,7 @@ def test_a_push_lands_bitwise_and_the_server_decodes_with_it(servers, tiny_vllm,
     from rlhf_engine.servers.weights import connect_senders
 
     client = ServerClient(servers.urls[0], servers.token, 120)
-    model = _perturbed(tiny_vllm.actor)
+    model = _perturbed(tiny_vllm_tied.actor)
     client.pause("keep")
     client.start_weight_update()  # the trainer that started this update is gone
     assert client.info()["update_active"] is True
@@ -253,7 +255,7 @@ def test_a_push_lands_bitwise_and_the_server_decodes_with_it(servers, tiny_vllm,
     assert (_hf_logprobs(model, prompt, choice["token_ids"]) - theirs).abs().max().item() < 1e-4
 
 
-def test_a_push_in_flight_splits_a_response_by_version(servers, tiny_vllm, runs):
+def test_a_push_in_flight_splits_a_response_by_version(servers, tiny_vllm_tied, runs):
     """--partial_rollouts: weights A (version 50) generating a long greedy response when weights B (51) are pushed
     with the pause in keep mode. The answer spans both versions; the tokens before the switch are A's greedy
     continuation and those after are B's continuation of the prompt and A's tokens (the KV cache recomputed with B),
@@ -268,8 +270,8 @@ def test_a_push_in_flight_splits_a_response_by_version(servers, tiny_vllm, runs)
     from rlhf_engine.servers.weights import connect_senders
 
     client = ServerClient(servers.urls[0], servers.token, 120)
-    a = AutoModelForCausalLM.from_pretrained(tiny_vllm.actor, dtype=torch.float32)
-    b = _perturbed(tiny_vllm.actor, seed=11)
+    a = AutoModelForCausalLM.from_pretrained(tiny_vllm_tied.actor, dtype=torch.float32)
+    b = _perturbed(tiny_vllm_tied.actor, seed=11)
     senders, failed = connect_senders([client], {client.url: client.info()["workers"]}, 120)
     assert failed == {}
     _push(senders, a, 50)
@@ -307,7 +309,7 @@ def _cfg(tiny, tmp, **flags):
 
 
 @pytest.fixture
-def probe(tiny_vllm, servers, tmp_path, monkeypatch):
+def probe(tiny_vllm_tied, servers, tmp_path, monkeypatch):
     """probe_servers in this process (one rank), its errors as text."""
     from transformers import AutoConfig
 
@@ -315,10 +317,10 @@ def probe(tiny_vllm, servers, tmp_path, monkeypatch):
     from rlhf_engine.errors import ConfigError
 
     monkeypatch.setenv(TOKEN_ENV, servers.token)
-    config = AutoConfig.from_pretrained(tiny_vllm.actor)
+    config = AutoConfig.from_pretrained(tiny_vllm_tied.actor)
 
     def run(urls, dtype="fp32", longest=72, **flags):
-        cfg = _cfg(tiny_vllm, str(tmp_path), rollout_servers=urls, **flags)
+        cfg = _cfg(tiny_vllm_tied, str(tmp_path), rollout_servers=urls, **flags)
         try:
             run.link = probe_servers(cfg, types.SimpleNamespace(is_main=True), dtype, config, longest)
         except ConfigError as e:
@@ -385,10 +387,10 @@ def _on_first_answer(log: str, act, answers: int = 1) -> "threading.Thread":
     return thread
 
 
-def _ahead_run(servers, tiny_vllm, tmp_path, name: str, act, watch: int = 1, **flags) -> dict:
+def _ahead_run(servers, tiny_vllm_tied, tmp_path, name: str, act, watch: int = 1, **flags) -> dict:
     """The run of `runs["ahead"]` through both servers, `act()` called once server `watch` has answered its first
     request."""
-    spec = [{"name": name, "args": ppo_args(tiny_vllm, str(tmp_path / name), **AHEAD,
+    spec = [{"name": name, "args": ppo_args(tiny_vllm_tied, str(tmp_path / name), **AHEAD,
                                             rollout_servers=",".join(servers.urls),
                                             rollout_auth_token_env=TOKEN_ENV, **flags)}]
     with pytest.MonkeyPatch.context() as mp:
@@ -401,13 +403,13 @@ def _ahead_run(servers, tiny_vllm, tmp_path, name: str, act, watch: int = 1, **f
             watcher.join()
 
 
-def test_an_environment_failing_on_one_rank_ahead_of_training_stops_every_rank(servers, tiny_vllm, tmp_path):
+def test_an_environment_failing_on_one_rank_ahead_of_training_stops_every_rank(servers, tiny_vllm_tied, tmp_path):
     """K = 1 with an environment that raises on rank 1 only: rank 1's episodes played ahead fail, and both ranks
     stop together with the environment's error naming the step (rank 0 does not go on to push alone)."""
     from _support import launch
 
     out = tmp_path / "env_fails"
-    args = ppo_args(tiny_vllm, str(out), **dict(ENV, max_staleness=1, environment="_envs:raising_on_rank_one"),
+    args = ppo_args(tiny_vllm_tied, str(out), **dict(ENV, max_staleness=1, environment="_envs:raising_on_rank_one"),
                     rollout_servers=",".join(servers.urls), rollout_auth_token_env=TOKEN_ENV)
     done = launch(os.path.join(ROOT, "launch", "train_ppo.py"), args, 2, "torchrun",
                   env={TOKEN_ENV: servers.token})
@@ -416,7 +418,7 @@ def test_an_environment_failing_on_one_rank_ahead_of_training_stops_every_rank(s
     assert "timed out" not in text.lower(), text[-3000:]  # a rank left alone in a collective would time out
 
 
-def test_a_server_late_at_start_is_taken_in(servers, tiny_vllm, runs, tmp_path):
+def test_a_server_late_at_start_is_taken_in(servers, tiny_vllm_tied, runs, tmp_path):
     """Server 1 stopped (SIGSTOP) before the trainer starts: the plan finds it silent for --rollout_timeout_s and goes
     on with server 0 alone; server 1 continued once server 0 has answered, and the next push takes it in with the
     current weights. Every metric and rollout equals the run where both served throughout."""
@@ -431,7 +433,7 @@ def test_a_server_late_at_start_is_taken_in(servers, tiny_vllm, runs, tmp_path):
     before = answered()
     proc.send_signal(signal.SIGSTOP)  # before the plan asks: silent at start, whatever the timing after
     try:
-        late = _ahead_run(servers, tiny_vllm, tmp_path, "late", lambda: proc.send_signal(signal.SIGCONT), watch=0,
+        late = _ahead_run(servers, tiny_vllm_tied, tmp_path, "late", lambda: proc.send_signal(signal.SIGCONT), watch=0,
                           rollout_timeout_s=3)
     finally:
         proc.send_signal(signal.SIGCONT)
@@ -441,7 +443,7 @@ def test_a_server_late_at_start_is_taken_in(servers, tiny_vllm, runs, tmp_path):
     assert_generated_alike(late, runs["ahead"], ATOL, skip=("servers/",))
 
 
-def test_a_hung_server_is_left_then_taken_back(servers, tiny_vllm, runs, tmp_path):
+def test_a_hung_server_is_left_then_taken_back(servers, tiny_vllm_tied, runs, tmp_path):
     """Server 1 stopped (SIGSTOP) after its first answer, for longer than --rollout_timeout_s, then continued: its
     requests time out and go to server 0 with the same body (or, where it had answered them all, a push finds it
     silent); once it answers again, the next push finds it, gives
@@ -456,7 +458,7 @@ def test_a_hung_server_is_left_then_taken_back(servers, tiny_vllm, runs, tmp_pat
         proc.send_signal(signal.SIGSTOP)
         threading.Timer(timeout_s + 1.5, proc.send_signal, (signal.SIGCONT,)).start()
 
-    taken_back = _ahead_run(servers, tiny_vllm, tmp_path, "taken_back", hang_then_continue,
+    taken_back = _ahead_run(servers, tiny_vllm_tied, tmp_path, "taken_back", hang_then_continue,
                             rollout_timeout_s=timeout_s)
     records = _train(taken_back)
     # left: its requests moved to server 0, or (when it had answered them all before it stopped) a push found it
@@ -468,7 +470,7 @@ def test_a_hung_server_is_left_then_taken_back(servers, tiny_vllm, runs, tmp_pat
     assert servers.request(servers.urls[1], "/weight_info")[1]["weight_version"] == "2"  # the last push (iteration 2)
 
 
-def test_a_killed_server_costs_nothing(servers, tiny_vllm, runs, tmp_path):
+def test_a_killed_server_costs_nothing(servers, tiny_vllm_tied, runs, tmp_path):
     """Next to last in this file (it kills a server the others use): the run of `runs["ahead"]` (max_staleness 1) again,
     server 1 SIGKILLed as soon as it has answered its first request. The run completes, every request of the dead
     server goes to the other with the same body, and every metric and rollout equals the run where both lived
@@ -476,37 +478,64 @@ def test_a_killed_server_costs_nothing(servers, tiny_vllm, runs, tmp_path):
     import signal
 
     proc = servers.procs[1]
-    killed = _ahead_run(servers, tiny_vllm, tmp_path, "killed", lambda: proc.send_signal(signal.SIGKILL))
+    killed = _ahead_run(servers, tiny_vllm_tied, tmp_path, "killed", lambda: proc.send_signal(signal.SIGKILL))
     assert proc.wait(timeout=30) == -signal.SIGKILL
     records = _train(killed)
     assert len(records) == 3 and records[-1]["servers/up"] == 1 and records[-1]["servers/moved_requests"] >= 1
     assert_generated_alike(killed, runs["ahead"], ATOL, skip=("servers/",))
 
 
-def test_with_no_server_left_the_run_stops_after_a_checkpoint(servers, tiny_vllm, tmp_path):
-    """After the killed server only server 0 is left; a run on it alone, the server stopped (SIGSTOP) once it has
-    answered iteration 0's 8 requests and one more: its requests and pushes time out (--rollout_timeout_s 3), no
-    server is up, and every rank stops with the error naming it, after a checkpoint of the iterations completed
-    (wherever the stop lands, iteration 1 or 2)."""
+def test_with_no_server_up_the_run_waits_then_stops_after_a_checkpoint(servers, tiny_vllm_tied, runs, tmp_path):
+    """After the killed server only server 0 is left; a run on it alone (K = 0, greedy, 4 iterations,
+    --rollout_timeout_s 6). Server 0 stopped (SIGSTOP) once it has answered iteration 0's 8 requests and one more, and
+    continued 7 s later: its requests time out, no server is up, the requests wait, and once it answers again the
+    ranks push it the current weights and go on; the iterations across the outage equal the run where it served
+    throughout. Then stopped for good once 2 iterations are logged: after 6 s with no server up every rank stops,
+    naming it, after a checkpoint of the iterations completed (2 or 3, wherever the stop lands)."""
     import signal
+    import threading
+    import time
 
     from _support import launch
 
-    proc, url = servers.procs[0], servers.urls[0]
+    proc, url, timeout_s = servers.procs[0], servers.urls[0], 6
     out = tmp_path / "lost"
-    args = ppo_args(tiny_vllm, str(out), **dict(BASE, max_steps=4), rollout_servers=url,
-                    rollout_auth_token_env=TOKEN_ENV, rollout_timeout_s=3)
-    watcher = _on_first_answer(servers.logs[0], lambda: proc.send_signal(signal.SIGSTOP), answers=9)
+    args = ppo_args(tiny_vllm_tied, str(out), **dict(BASE, max_steps=4), rollout_servers=url,
+                    rollout_auth_token_env=TOKEN_ENV, rollout_timeout_s=timeout_s)
+
+    def outage():
+        proc.send_signal(signal.SIGSTOP)
+        threading.Timer(timeout_s + 1, proc.send_signal, (signal.SIGCONT,)).start()
+
+    def stop_after_two_iterations():
+        while not done_event.is_set():
+            if (out / "metrics.jsonl").exists() and len((out / "metrics.jsonl").read_text().splitlines()) >= 2:
+                proc.send_signal(signal.SIGSTOP)
+                return
+            time.sleep(0.05)
+
+    done_event = threading.Event()
+    watcher = _on_first_answer(servers.logs[0], outage, answers=9)
+    stopper = threading.Thread(target=stop_after_two_iterations)
+    stopper.start()
     try:
         done = launch(os.path.join(ROOT, "launch", "train_ppo.py"), args, 2, "torchrun",
                       env={TOKEN_ENV: servers.token})
     finally:
         watcher.done.set()
+        done_event.set()
         watcher.join()
+        stopper.join()
         proc.send_signal(signal.SIGKILL)  # the last test here: nothing uses the servers after it
     text = done.stdout + done.stderr
-    assert done.returncode == 1 and "no rollout server is up" in text and url in text, text[-3000:]
+    assert "none is up: requests wait" in text and f"{url} back, with the current weights" in text, text[-3000:]
+    assert done.returncode == 1 and f"no rollout server has been up for {timeout_s} s" in text and url in text, (
+        text[-3000:])
     with open(out / "metrics.jsonl") as f:
-        completed = sum("objective/kl" in json.loads(line) for line in f)
-    assert completed in (1, 2), completed
-    assert sorted(os.listdir(out / "checkpoints")) == [f"iter_{completed:06d}"]
+        records = [r for r in map(json.loads, f) if "objective/kl" in r]
+    assert len(records) in (2, 3), len(records)
+    assert sorted(os.listdir(out / "checkpoints")) == [f"iter_{len(records):06d}"]
+    worst = max(abs(got[k] - want[k]) for got, want in zip(records, _train(runs["servers"]))
+                for k in want if isinstance(want[k], (int, float)) and not isinstance(want[k], bool)
+                and not k.startswith(VOLATILE + ("servers/",)))
+    assert worst <= ATOL, worst  # iteration 1 (across the outage) as where the server served throughout

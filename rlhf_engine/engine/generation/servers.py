@@ -19,6 +19,7 @@ reached over HTTP, token in / token out, their weights pushed through vLLM's wei
 """
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import datetime
 import logging
@@ -176,7 +177,7 @@ class ServersBackend(GenerationBackend):
         self.timeout_s = float(r.rollout_timeout_s)
         self.link = link
         self.clients = [ServerClient(u, link.token, self.timeout_s) for u in link.urls]
-        self.pool = ServerPool(self.clients)
+        self.pool = ServerPool(self.clients, wait_s=self.timeout_s)
         self.hash_pushes = False  # tests: the servers hash what they receive and the push compares
         self._seen_steps: Optional[int] = None
         self._version = 0
@@ -226,22 +227,21 @@ class ServersBackend(GenerationBackend):
         return [c.url for c in self.clients].index(url)
 
     def _mark_failed(self, failed: Optional[dict], admitted: tuple = ()) -> None:
-        """Rank 0's failed servers marked down, and its re-admitted ones up, on every rank (collective);
-        RolloutServersLost when none is up."""
+        """Rank 0's failed servers marked down, and its re-admitted ones up, on every rank (collective). With none up,
+        requests wait for one (await_answers re-admits a server that answers again)."""
         failed, admitted = comm.broadcast_object((failed, list(admitted)), group=self.wait_group)
+        news = []
         for url, why in (failed or {}).items():
+            if self._index(url) not in self.pool.down_now():
+                news.append(f"{url} down: {why}")
             self.pool.mark_down(self._index(url), why)
             self.senders.pop(url, None)
         for url in admitted:
             self.pool.mark_up(self._index(url))
-        if self.dist.is_main and (failed or admitted):
-            log.warning("rollout servers: %s", "; ".join([f"{u} down: {w}" for u, w in (failed or {}).items()] +
-                                                          [f"{u} back, with the current weights" for u in admitted]))
-        if not self.pool.up:
-            from ...errors import RolloutServersLost
-
-            raise RolloutServersLost("no rollout server is up: " + "; ".join(
-                f"{self.clients[i].url}: {why}" for i, why in sorted(self.pool.down.items())))
+        news += [f"{u} back, with the current weights" for u in admitted]
+        if self.dist.is_main and news:
+            log.warning("rollout servers: %s%s", "; ".join(news), "" if self.pool.up else (
+                f"; none is up: requests wait up to --rollout_timeout_s {self.timeout_s:g} for one to answer again"))
 
     def _rejoin(self, down: set) -> dict:
         """Rank 0: {url: GlooSender} of the servers down (on any rank) that answer again and can serve this run, on
@@ -261,17 +261,23 @@ class ServersBackend(GenerationBackend):
                 continue  # still down: asked again at the next push
         return out
 
-    def sync_weights(self) -> bool:
+    def sync_weights(self, rescue: bool = False) -> bool:
         """Push the actor's weights to every server up if they changed since the last push, and to every server
         that was down and answers again (collective on the trainer's ranks); a server that takes the whole push
-        is (back) up on every rank. Returns whether it pushed."""
+        is (back) up on every rank, and one down on any rank that does not answer is down on every rank (no rank
+        sends it requests it would answer with old weights). `rescue` (await_answers, no server up on a rank): only
+        the servers coming back are pushed, with the actor's current weights. Returns whether it pushed."""
         version = self.actor_version
-        down = set().union(*comm.all_gather_object(sorted(self.clients[i].url for i in self.pool.down_now())))
+        down = set().union(*comm.all_gather_object(sorted(self.clients[i].url for i in self.pool.down_now()),
+                                                   group=self.wait_group))
         newcomers = self._rejoin(down) if self.dist.is_main and down else {}
         # every rank walks the weight stream (collective under ZeRO-3): all ranks must agree to push, and to whom
-        to = comm.broadcast_object("all" if self._pushed_version != version else "new" if newcomers else None,
-                                   group=self.wait_group)
+        whole = self._pushed_version != version and not rescue
+        to = comm.broadcast_object("all" if whole else "new" if newcomers else None, group=self.wait_group)
+        silent = {u: "down on a trainer rank and silent at a push" for u in down if u not in newcomers}
         if to is None:
+            if down:
+                self._mark_failed(silent if self.dist.is_main else None)
             return False
         t0 = time.perf_counter()
         push = None
@@ -290,12 +296,27 @@ class ServersBackend(GenerationBackend):
             raise
         if push is not None:
             push.finish(version)
-        self._mark_failed(push.failed if push is not None else None,
+        self._mark_failed({**silent, **push.failed} if push is not None else None,
                           [u for u in newcomers if u not in push.failed] if push is not None else ())
-        self._pushed_version = version
+        if to == "all":
+            self._pushed_version = version
         self.pushes += 1
         self.sync_seconds += time.perf_counter() - t0
         return True
+
+    def await_answers(self, futures: list, poll_s: float = 1.0) -> None:
+        """Wait until every rank's `futures` are done (collective: each rank polls, and all learn each other's state
+        every `poll_s`). While a rank has requests waiting with no server up, the ranks re-admit together any
+        server that answers again, pushing it the current weights (sync_weights rescue); a request fails only
+        when no server has been up for --rollout_timeout_s (the pool's wait)."""
+        while True:
+            concurrent.futures.wait(futures, timeout=poll_s)
+            done = all(f.done() for f in futures)
+            states = comm.all_gather_object((done, self.pool.waiting > 0), group=self.wait_group)
+            if all(d for d, _ in states):
+                return
+            if any(w for _, w in states):
+                self.sync_weights(rescue=True)
 
     def take_sync_seconds(self) -> float:
         out, self.sync_seconds = self.sync_seconds, 0.0
@@ -337,13 +358,14 @@ class ServersBackend(GenerationBackend):
         bodies, limits, futures = self._tickets.pop(ticket)
         t0 = time.perf_counter()
         rows, wrong = [], None
+        self.await_answers(futures)
         try:
             rows = [answer_row(f.result()) for f in futures]
             rows = self._fresh(rows, bodies)
         except (NoServerUp, ServerError, BadAnswer) as e:
             wrong = str(e)
         self.trainer_wait += time.perf_counter() - t0
-        wrong = next((w for w in comm.all_gather_object(wrong) if w), None)  # every rank stops, or none
+        wrong = next((w for w in comm.all_gather_object(wrong, group=self.wait_group) if w), None)  # all stop, or none
         if wrong is not None:
             from ...errors import RolloutServersLost
 

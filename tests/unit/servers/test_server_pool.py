@@ -89,3 +89,39 @@ def test_a_refused_request_is_not_retried_elsewhere():
     with pytest.raises(ServerError) as e:
         pool.map(_gen, [1])  # the first pick is server 0 (ties: the least recently chosen)
     assert e.value.status == 400 and not e.value.retriable and good.bodies == [] and pool.down == {}
+
+
+def _waiting(pool, n=1):
+    """Block until `n` requests of `pool` wait for a server (bounded: a pool that never waits fails the test)."""
+    for _ in range(500):
+        if pool.waiting >= n:
+            return
+        time.sleep(0.01)
+    raise AssertionError(f"no request waited for a server: {pool.waiting}")
+
+
+def test_with_no_server_up_a_request_waits_for_one_marked_up():
+    server = Fake(status=503)
+    pool = ServerPool([ServerClient(server.url, "", 5)], max_in_flight=2, wait_s=60)
+    future = pool.submit(_gen, 7)
+    _waiting(pool)  # its first try failed, the only server is down: it waits rather than failing
+    assert not future.done() and 0 in pool.down
+    server.status = 200  # the server came back; the trainer re-admits it (servers.py: after a push)
+    pool.mark_up(0)
+    assert future.result(timeout=10)["token_ids"] == [7] and server.bodies[0]["sampling_params"]["seed"] == 7
+    assert pool.down == {} and pool.waiting == 0 and pool.served == [1]
+
+
+def test_no_server_up_for_wait_s_fails_naming_them_and_close_ends_a_wait():
+    a = Fake(status=500)
+    pool = ServerPool([ServerClient(a.url, "", 5)], max_in_flight=2, wait_s=0.3)
+    with pytest.raises(NoServerUp) as e:
+        pool.map(_gen, [1])
+    assert "for 0.3 s" in str(e.value) and a.url in str(e.value) and "500" in str(e.value)
+    # a long wait ended by close (the trainer stopping): the request fails then, not after wait_s
+    pool = ServerPool([ServerClient(a.url, "", 5)], max_in_flight=2, wait_s=600)
+    future = pool.submit(_gen, 1)
+    _waiting(pool)
+    pool.close()
+    with pytest.raises(NoServerUp):
+        future.result(timeout=10)
