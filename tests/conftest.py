@@ -19,6 +19,7 @@ if "RLHF_ENGINE_DATA_CACHE" not in os.environ:
 import pytest  # noqa: E402
 
 from _support import make_tiny_setup  # noqa: E402
+from _running import finished, started  # noqa: E402
 from _vllm_job import REQUIRE_VLLM, vllm_job_shortfall  # noqa: E402
 
 
@@ -108,6 +109,14 @@ def pytest_collection_modifyitems(config, items):
             return 0 if path in shared else 1 if path.startswith("tests/distributed/") else 2
 
         items.sort(key=rank)
+
+
+def pytest_runtest_logstart(nodeid, location):
+    started(nodeid)  # tests/_running.py: what .ci/run names when it stops at its time limit
+
+
+def pytest_runtest_logfinish(nodeid, location):
+    finished(nodeid)
 
 
 def pytest_sessionfinish(session, exitstatus):
