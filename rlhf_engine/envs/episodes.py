@@ -83,8 +83,6 @@ class EpisodeRunner:
         self.stops, self.pad = set(int(t) for t in stop_token_ids), int(pad_token_id)
         self.calls, self.on_error, self.device = calls, on_error, device or torch.device("cpu")
         self.tokenizer = turns.tokenizer
-        self._stamped = False  # whether the generation stamped its tokens with weight versions (set by a turn)
-        self._sample = sample  # this batch's generation (play's `sample`)
 
     @classmethod
     def for_run(cls, cfg: Any, factory: Callable, tokenizer: Any, sample: Callable[..., Any],
@@ -110,9 +108,9 @@ class EpisodeRunner:
              sample: Optional[Callable[..., Any]] = None) -> tuple:
         """As `run`, plus a fifth item: the [B, R] long weight version of every action token (0 at context and
         padding) where the generation stamps its tokens (`token_versions`: rollout servers), else None. `sample`
-        replaces the runner's generation for this batch (episodes played ahead of training: their own seeds).
-        One batch at a time per runner."""
-        self._stamped, self._sample = False, sample or self.sample
+        replaces the runner's generation for this batch (episodes played ahead of training: their own seeds)."""
+        sample = sample or self.sample
+        stamped = False  # whether the generation stamped its tokens with weight versions (rollout servers)
         # one entry per possible turn on every rank: the metric keys must be the same everywhere
         stats = EpisodeStats(episodes=len(rows), turn_reward_sums=[0.0] * self.max_turns,
                              turn_counts=[0] * self.max_turns)
@@ -132,9 +130,10 @@ class EpisodeRunner:
             # not inside the try: a failing generate call is not the environment's, and where generation is
             # collective the peers wait inside it, so this rank must not go on to the next turn's all-reduce (the
             # error ends this process, and the launcher the job)
-            gen, limits = self._generate(live, episodes)
+            gen, limits = self._generate(live, episodes, sample)
             if not live:
                 continue
+            stamped = stamped or getattr(gen, "token_versions", None) is not None
             try:
                 self._play_turn(live, episodes, turn, rows, stats, failure, gen, limits)
             except Exception as e:  # noqa: BLE001  (this rank's own step: it ends its episodes and keeps the
@@ -155,7 +154,7 @@ class EpisodeRunner:
                                          actions=[e.actions for e in episodes],
                                          turn_rewards=[e.rewards for e in episodes])
         logprobs = torch.zeros(rollout.action_mask.shape, dtype=torch.float32)
-        versions = torch.zeros(rollout.action_mask.shape, dtype=torch.long) if self._stamped else None
+        versions = torch.zeros(rollout.action_mask.shape, dtype=torch.long) if stamped else None
         for i, e in enumerate(episodes):
             logprobs[i, :len(e.logprobs)] = torch.tensor(e.logprobs, dtype=torch.float32)
             if versions is not None:
@@ -214,8 +213,9 @@ class EpisodeRunner:
         flag = torch.tensor([float(live)], device=self.device)
         return all_reduce(flag, "max").item() > 0
 
-    def _generate(self, live: list[Episode], episodes: list[Episode]) -> tuple[Any, tuple]:
-        """The turn's generate call: (its output, each live row's token limit)."""
+    def _generate(self, live: list[Episode], episodes: list[Episode], sample: Callable[..., Any]
+                  ) -> tuple[Any, tuple]:
+        """The turn's generate call through `sample`: (its output, each live row's token limit)."""
         if live:  # each row to its own room: no context outgrows the positions checked at start-up
             batch = [(e.prompt + e.tokens, e.prompt_mask + [1] * len(e.tokens)) for e in live]
             limits = tuple(min(self.budget - len(e.tokens), self.params.max_new_tokens) for e in live)
@@ -223,7 +223,7 @@ class EpisodeRunner:
             batch, limits = [(episodes[0].prompt, episodes[0].prompt_mask)], (1,)
         ids, mask = pad_prompts([b[0] for b in batch], self.pad, [b[1] for b in batch])
         # max_new_tokens stays the run's on every rank: lockstep decoding (per-layer ZeRO-3) needs the same bound
-        return self._sample(ids, mask, dataclasses.replace(self.params, row_limits=limits)), limits
+        return sample(ids, mask, dataclasses.replace(self.params, row_limits=limits)), limits
 
     def _play_turn(self, live: list[Episode], episodes: list[Episode], turn: int, rows, stats, failure, gen: Any,
                    limits: tuple) -> None:
@@ -233,7 +233,6 @@ class EpisodeRunner:
         lps = gen.logprobs.tolist() if gen.logprobs is not None else None
         stamps = getattr(gen, "token_versions", None)
         stamps = stamps.tolist() if stamps is not None else None
-        self._stamped = self._stamped or stamps is not None
         texts = []
         for j, e in enumerate(live):
             resp = responses[j][:int(lengths[j])]

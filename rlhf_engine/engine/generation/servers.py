@@ -342,8 +342,7 @@ class ServersBackend(GenerationBackend):
         """Send this rank's rows (one request each, seeds drawn now) and return at once: a ticket for `result`."""
         if rows is not None:
             raise ValueError("episodes are played on the trainer's side: trainer/episodes_ahead.py submits them")
-        prompts, limits_list, seeds, limits = row_requests(prompt_ids, prompt_mask, params)
-        bodies = [(p, request_fields(params, limit, seed)) for p, limit, seed in zip(prompts, limits_list, seeds)]
+        bodies, limits = request_bodies(prompt_ids, prompt_mask, params)
         self._ticket += 1
         self._tickets[self._ticket] = (bodies, limits, [self.pool.submit(_ask_generate, b) for b in bodies])
         return self._ticket
@@ -385,8 +384,7 @@ class ServersBackend(GenerationBackend):
         from `generator` (episodes played ahead of training call it from a thread of their own,
         trainer/episodes_ahead.py). Laid out on the CPU (the thread never waits on the trainer's device), without a
         policy_version. `lost_errors` (no server up, a bad answer) are raised to the caller."""
-        prompts, limits_list, seeds, limits = row_requests(prompt_ids, prompt_mask, params, generator)
-        bodies = [(p, request_fields(params, limit, seed)) for p, limit, seed in zip(prompts, limits_list, seeds)]
+        bodies, limits = request_bodies(prompt_ids, prompt_mask, params, generator)
         rows = [answer_row(choice) for choice in self.pool.map(_ask_generate, bodies)]
         return _laid_out(prompt_ids, prompt_mask, rows, params, limits, torch.device("cpu"))
 
@@ -405,6 +403,14 @@ class ServersBackend(GenerationBackend):
                 rows[i] = answer_row(choice)
             self.dropped += len(stale)
         return rows
+
+
+def request_bodies(prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, params: SamplingParams,
+                   generator: Optional[torch.Generator] = None) -> tuple:
+    """(one (prompt token ids, sampling fields) body per row, the rows' response limits): each row's seed drawn as
+    the colocated vllm backend draws it (`row_requests`), from `generator` or this thread's torch stream."""
+    prompts, limits_list, seeds, limits = row_requests(prompt_ids, prompt_mask, params, generator)
+    return [(p, request_fields(params, limit, seed)) for p, limit, seed in zip(prompts, limits_list, seeds)], limits
 
 
 def _ask_generate(client: ServerClient, body: tuple) -> dict:
