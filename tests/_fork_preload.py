@@ -1,7 +1,9 @@
 """What the forkserver of tests/_forked.py imports once, before it forks any rank: the modules every rank of a tiny
 run imports (torch, DeepSpeed and its ZeRO optimizers, transformers' two tiny architectures, the package, the plot's
 matplotlib). A fresh interpreter spends several CPU-seconds importing them; a forked rank finds them loaded. Imports
-only: nothing here may start a thread or change a library's state (a rank must start as a fresh process would)."""
+only: nothing here may start a thread or change a library's state (a rank must start as a fresh process would; the
+server refuses to fork with a second thread or CUDA initialised, and what these imports set in the environment is
+set in every rank, as in a fresh one after them: tests/_forked.py)."""
 import sys
 
 import numpy  # noqa: F401

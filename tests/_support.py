@@ -121,7 +121,9 @@ def launch(script: str, args: list[str], nproc: int = 2, launcher: str = "deepsp
     if launcher == "fork":
         import _forked
 
-        return _forked.run(script, args, nproc, clean_env(**(env or {})), ROOT, timeout)
+        if _forked.AVAILABLE:
+            return _forked.run(script, args, nproc, clean_env(**(env or {})), ROOT, timeout)
+        launcher = "torchrun" if nproc > 1 else "python"  # Linux only: the launchers it stands for
     bindir = os.path.dirname(sys.executable)
     port = str(free_port())
     if launcher == "deepspeed":
