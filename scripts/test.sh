@@ -1,15 +1,25 @@
 #!/usr/bin/env bash
 # The test suite: installs what it needs (idempotent, see scripts/install.sh), then runs the default suite
-# (everything not marked slow or gpu; the vllm tests skip, saying why, in this environment). `--slow` runs the slow
-# tests instead; `--vllm` installs the vLLM environment (.venv-vllm) and runs the vllm tests in it. Other arguments
-# go to pytest, e.g. `bash scripts/test.sh tests/unit -q`; the selection below applies unless they give their own -m.
-# Without a path, the default suite (or the vLLM job) runs in one pytest call on two processes (pytest-xdist).
+# (everything not marked slow or gpu; the vllm tests skip, saying why, in this environment). Other modes:
+#   --learning  the learning job (.ci/run runs it after the default suite): the tests marked `learning`, real runs of
+#               what users run: the GRPO example learns (shortened), the three steps of docs/three-steps.md as
+#               scripts under the deepspeed launcher (2 ranks);
+#   --release   the other slow tests (release checks: the full learning examples with their learning-rate-0
+#               controls, elastic and launcher-signal runs, both launchers' equal metrics, bench/gpu.sh --tiny);
+#   --slow      both of the above;
+#   --vllm      installs the vLLM environment (.venv-vllm) and runs the vllm tests in it (the vLLM job).
+# Other arguments go to pytest, e.g. `bash scripts/test.sh tests/unit -q`; the selection below applies unless they
+# give their own -m. Without a path, the default suite (or the vLLM job) runs in one pytest call on two processes
+# (pytest-xdist).
 set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 mode=default
-if [ "${1:-}" = "--slow" ] || [ "${1:-}" = "--vllm" ]; then mode=${1#--}; shift; fi
+case "${1:-}" in --slow|--release|--learning|--vllm) mode=${1#--}; shift ;; esac
 case $mode in
   slow) bash "$root/scripts/install.sh" --demo; venv=${RLHF_VENV:-$root/.venv}; select="slow and not gpu" ;;
+  release) bash "$root/scripts/install.sh" --demo; venv=${RLHF_VENV:-$root/.venv}
+           select="slow and not learning and not gpu" ;;
+  learning) bash "$root/scripts/install.sh" --demo; venv=${RLHF_VENV:-$root/.venv}; select="learning and not gpu" ;;
   vllm) bash "$root/scripts/install.sh" --vllm; venv=${RLHF_VLLM_VENV:-$root/.venv-vllm}
         select="vllm and not slow and not gpu"
         export RLHF_ENGINE_TEST_REQUIRE_VLLM=1 ;;  # a vllm test that skips fails the job (tests/conftest.py)
@@ -24,7 +34,7 @@ for a in "$@"; do
   case $a in -*) ;; *) [ -e "${a%%::*}" ] && given_path=1 ;; esac
 done
 if [ "$given_m" = 0 ]; then set -- -m "$select" "$@"; fi
-if [ "$mode" != slow ] && [ "$given_path" = 0 ] && "$venv/bin/python" -c "import xdist" 2>/dev/null; then
+if { [ "$mode" = default ] || [ "$mode" = vllm ]; } && [ "$given_path" = 0 ] && "$venv/bin/python" -c "import xdist" 2>/dev/null; then
   # The whole default suite (or the vLLM job) in two processes (pytest-xdist), whole files per process
   # (tests/conftest.py keeps the files of the shared PPO launches in one process): a multi-rank launch spends much of
   # its time with a core idle (process start-up, one rank saving, a worker waiting for its trainer, a timeout waited

@@ -227,7 +227,8 @@ def _readme_block() -> str:
     return m.group(1)
 
 
-@pytest.mark.slow  # a release check of the README's flow (100 s on 2 cores); each step has its own default test
+@pytest.mark.slow  # the learning job's run of the README's flow (100 s on 2 cores); each step has its own default test
+@pytest.mark.learning
 @pytest.mark.distributed
 def test_readme_three_steps_run_end_to_end(tmp_path):
     """SFT -> reward model -> PPO through launch/*.py exactly as docs/three-steps.md writes them, on examples/data,

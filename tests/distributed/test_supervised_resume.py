@@ -59,7 +59,7 @@ def runs(tmp_path_factory):
                                        os.path.join(d["rm"], "checkpoints", "iter_000003")]],
     ]}
     (root / "spec.json").write_text(json.dumps(spec))
-    proc = check(launch(os.path.join(SCRIPTS, "entry_points.py"), ["--spec", str(root / "spec.json")], launcher="torchrun",
+    proc = check(launch(os.path.join(SCRIPTS, "entry_points.py"), ["--spec", str(root / "spec.json")], launcher="fork",
                         timeout=600))
     return dict(dirs=d, stdout=proc.stdout + proc.stderr)
 
