@@ -7,18 +7,19 @@ iteration is the accuracy of its training rollouts). Needs the demo packages (sc
 * Release (`--release`): the example's 12 iterations, and the same run at actor learning rate 0 (the control), which
   must not rise by GRPO_MARGIN.
 
-Measured (2026-12-06, AMD EPYC 2 cores, OMP_NUM_THREADS=1, the example's 12 iterations, seeds 1234, 1 and 2): the
-gain of iterations 6-9 over 0-3 was 0.375, 0.367 and 0.398, and over the 12 iterations (8-11 over 0-3) 0.52, 0.52
-and 0.44; at learning rate 0, seed 1234, -0.04 over the 12 iterations (README table). SHORT_MARGIN 0.15 leaves 0.22
-below the weakest seed; a trainer that does not learn gains 0 +- 0.06 (the standard error of a difference of two
-4-iteration means of 32 samples each at an accuracy near 0.35).
+Measured (2026-12-06, a 2-core Intel Xeon with AVX-512 and AMX, OMP_NUM_THREADS=1, the example's 12 iterations,
+seeds 1234, 1 and 2): the gain of iterations 6-9 over 0-3 was 0.375, 0.367 and 0.398, and over the 12 iterations
+(8-11 over 0-3) 0.52, 0.52 and 0.44. At learning rate 0 (seed 1234, stopped after 9 iterations) the scores stayed
+at 0.32 +- 0.10 per iteration (0.41 .13 .34 .31 .19 .41 .38 .34 .34), and iterations 5-8 over 0-3 gained 0.07: a
+trainer that does not learn gains 0 +- 0.07 over two 4-iteration means. SHORT_MARGIN 0.20 leaves 0.17 below the
+weakest learning seed and about 2 standard deviations above a run that does not learn.
 """
 import pytest
 
 from _support import run_example
 
 GRPO_MARGIN = 0.12  # the example's 12 iterations, last 4 over first 4: measured +0.44..0.52 over 3 seeds, -0.04 at lr 0
-SHORT_MARGIN = 0.15  # 10 iterations, 6-9 over 0-3: measured +0.367..0.398 over 3 seeds (module docstring)
+SHORT_MARGIN = 0.20  # 10 iterations, 6-9 over 0-3: measured +0.367..0.398 over 3 seeds (module docstring)
 
 
 def _gain(records: list, k: int = 4) -> float:
@@ -28,7 +29,7 @@ def _gain(records: list, k: int = 4) -> float:
 
 @pytest.mark.slow
 @pytest.mark.learning
-@pytest.mark.timeout(1200)  # about 4 minutes on the 2-core CPU (10 iterations of about 18 s, and the start)
+@pytest.mark.timeout(1800)  # about 4-6 minutes on the 2-core CPU (10 iterations of 18-31 s, and the start)
 def test_grpo_arithmetic_learns_in_10_iterations(tmp_path):
     records = run_example("examples/grpo_arithmetic.yaml", str(tmp_path / "learn"), "--max_steps", "10")
     scores = [round(r["objective/score"], 3) for r in records if "objective/score" in r]
