@@ -36,8 +36,15 @@ BACKEND_DEFAULTS = {"vllm": {"rollout_correction": "token_truncate"}}
 
 
 # Rollouts generated ahead of training (max_staleness >= 1) come from an older policy: AReaL's decoupled objective
-# weights them by the trainer's over the behaviour policy's probability; capped, as above.
-AHEAD_DEFAULTS = {"rollout_correction": "token_truncate"}
+# weights them by the trainer's over the behaviour policy's probability; capped, as above. Their log-prob difference
+# is the policy's own change over the versions in between, not an engine's error: the mismatch guard is off.
+AHEAD_DEFAULTS = {"rollout_correction": "token_truncate", "max_rollout_logprob_diff": 0.0}
+
+
+# The default of max_rollout_logprob_diff (nats): far above what an engine that holds the actor's weights gives
+# (fp32: 1e-6; bf16: 0.13-0.34 measured on SmolLM2-135M, a few nats published for large bf16 MoE pairs), below what
+# a broken one gives (docs/rollout-engines.md, "A push that proves itself", has the measurements).
+MAX_ROLLOUT_LOGPROB_DIFF = 10.0
 
 
 def run_defaults(ppo: Any, backend: str = "", ahead: bool = False) -> dict:
@@ -125,6 +132,14 @@ class PPOConfig:
                                   "critic still trains on them); none. (tis and mis were renamed token_truncate and "
                                   "sequence_mask.)")
     rollout_correction_cap: float = opt(2.0, "The cap C of rollout_correction (> 1).")
+    max_rollout_logprob_diff: float = opt(MAX_ROLLOUT_LOGPROB_DIFF, "Stop the run when rollout/logprob_diff_max (the "
+                                          "largest |generation-time - trainer| log-prob of a sampled token in an "
+                                          "iteration, nats) exceeds this for 3 iterations in a row (warned the "
+                                          "first time): the generation backend samples from another policy (a "
+                                          "missed weight push, other kernels, a dtype mismatch). fp32 measures "
+                                          "1e-6, bf16 up to a few nats on large models; 0 = off, and off by "
+                                          "default with rollouts ahead of training (their difference is the "
+                                          "policy's own change).")
     whiten_advantages: Optional[bool] = opt(None, "Whiten GAE advantages (global masked mean/std across ranks) before "
                                             "the update; None = on with gae. Only for gae (the other estimators "
                                             "normalize themselves): set with another one, it is an error.")
@@ -175,6 +190,7 @@ class PPOConfig:
         if self.advantage_estimator != "gae" and self.whiten_advantages is not None:
             p.add(prefix + "whiten_advantages", self.whiten_advantages, f"applies to gae only; "
                   f"{self.advantage_estimator} normalizes its own advantages: drop it")
+        check_positive(p, prefix, self, "max_rollout_logprob_diff", allow_zero=True)
         if not (is_number(self.rollout_correction_cap) and self.rollout_correction_cap > 1.0):
             p.add(prefix + "rollout_correction_cap", self.rollout_correction_cap, "must be > 1")
         check_choice(p, prefix, self, "kl_estimator", KL_ESTIMATORS)

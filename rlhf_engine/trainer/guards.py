@@ -21,6 +21,11 @@ rank stops every rank at the same point.
   while scoring, or a non-finite tensor) in one collective, so every rank raises together instead of one rank dying
   while the others wait in their next collective until the timeout.
 
+* **The rollouts' policy.** `LogprobDiffGuard` reads each iteration's `rollout/logprob_diff_max` (the largest
+  |generation-time - recomputed| log-prob of a real token, reduced over every rank, so every rank decides alike):
+  past `max_rollout_logprob_diff` it warns once per run, and after `LOGPROB_DIFF_PATIENCE` such iterations in a row it
+  raises `RolloutPolicyMismatch`; an iteration within the limit starts the count again.
+
 Known limit: a gradient that becomes non-finite only in the cross-rank reduction (an fp16 sum overflowing while every
 rank's own gradient is finite) is not seen by the hooks; DeepSpeed's fp16 optimizer then skips that engine alone.
 
@@ -30,6 +35,7 @@ anything else). The deepspeed launcher exits with the code of the first rank tha
 from __future__ import annotations
 
 import logging
+import math
 from typing import Any, Optional
 
 import torch
@@ -233,3 +239,52 @@ class StepGuard:
                 what = f"non-finite {n}" if non_finite else f"{n} failed"
                 raise (NonFiniteError if non_finite else TrainingStopped)(
                     f"{prefix}stopping: {what} on {_ranks(failed[n])} (see that rank's error); every rank stops")
+
+
+# ---- the rollouts' policy -------------------------------------------------------------------------------------------
+# Iterations in a row past max_rollout_logprob_diff before the run stops. A broken engine (a missed push, weights
+# left at their dummy values, a head packed from an old embedding) is past the limit at every iteration from then on;
+# a legitimate run reaches the maximum over its tokens only through a rare token whose probability the two sides'
+# rounding puts on either side of a cliff (bf16), which does not recur every iteration. Three in a row separates
+# the two and costs at most two iterations trained on another policy's samples (with rollout_correction capping
+# their weights).
+LOGPROB_DIFF_PATIENCE = 3
+
+
+class RolloutPolicyMismatch(TrainingStopped):
+    """The generation backend's log-probs were off the trainer's by more than max_rollout_logprob_diff for
+    LOGPROB_DIFF_PATIENCE iterations in a row: its rollouts come from another policy."""
+
+
+class LogprobDiffGuard:
+    """Counts the iterations in a row whose `rollout/logprob_diff_max` exceeds `limit` (a non-finite value counts;
+    None, an iteration without generation-time log-probs, changes nothing); warns the first time (once per run) and
+    raises `RolloutPolicyMismatch` at the `patience`-th in a row, naming `backend` and the likely causes. Every rank
+    holds the same reduced value, so every rank raises at the same iteration without a collective."""
+
+    def __init__(self, limit: float, backend: str, patience: int = LOGPROB_DIFF_PATIENCE, is_main: bool = True):
+        self.limit, self.backend, self.patience, self.is_main = float(limit), backend, int(patience), is_main
+        self.streak = 0  # iterations in a row past the limit (not saved: a resumed run starts at 0)
+        self.warned = False
+
+    def observe(self, iteration: int, diff_max: Optional[float]) -> None:
+        if diff_max is None:
+            return
+        if math.isfinite(diff_max) and diff_max <= self.limit:
+            self.streak = 0
+            return
+        self.streak += 1
+        if self.streak >= self.patience:
+            raise RolloutPolicyMismatch(
+                f"iteration {iteration}: rollout/logprob_diff_max {diff_max:.4g} > max_rollout_logprob_diff "
+                f"{self.limit:g} for {self.streak} iterations in a row: the {self.backend} generation backend samples "
+                "from another policy than the actor's. Likely causes: a weight push that missed (the engine holds "
+                "old or dummy weights: a layer the push did not reach, a stale prefix cache or packed head), other "
+                "kernels or precision on the engine's side (its dtype against the trainer's, a quantized engine), "
+                "sampling that differs (temperature, top-k/top-p), or another model or tokenizer. Raise the limit "
+                "(0 = off) for a run that is knowingly off-policy")
+        if not self.warned and self.is_main:
+            log.warning("iteration %d: rollout/logprob_diff_max %.4g > max_rollout_logprob_diff %g: the %s backend's "
+                        "log-probs are far from the trainer's (warned once; the run stops after %d iterations in a "
+                        "row past the limit)", iteration, diff_max, self.limit, self.backend, self.patience)
+        self.warned = True

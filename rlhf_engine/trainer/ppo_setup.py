@@ -6,7 +6,7 @@ from typing import Any, Optional
 
 from ..ppo_math import AdaptiveKLController, FixedKLController
 from .evaluation import Evaluator
-from .guards import StepGuard
+from .guards import LogprobDiffGuard, StepGuard
 from .objectives import ActorObjective, CriticObjective
 from .plan import RunPlan
 from .reward_shaping import ScoreShaper
@@ -31,6 +31,14 @@ def score_shaper(ppo: Any, max_answer_seq_len: int) -> ScoreShaper:
 def step_guard(engine, ppo: Any, hooks) -> StepGuard:
     """The trained engines step together or neither; non-finite losses stop every rank (trainer/guards.py)."""
     return hooks.wrap_guard(StepGuard(engine, engine.trained_roles, ppo.max_consecutive_skips))
+
+
+def logprob_guard(engine, ppo: Any) -> Optional[LogprobDiffGuard]:
+    """Stops the run when the backend's log-probs stay past max_rollout_logprob_diff (trainer/guards.py); None when
+    it is 0 or the backend gives no log-probs."""
+    if not ppo.max_rollout_logprob_diff or not engine.generator.gives_logprobs:
+        return None
+    return LogprobDiffGuard(ppo.max_rollout_logprob_diff, engine.generator.name, is_main=engine.dist.is_main)
 
 
 def micro_batch_planner(engine, batch: Any, hooks) -> MicroBatchPlanner:

@@ -20,9 +20,10 @@ consulted at named points and do nothing unless a test sets them.
 
 Scores may be normalized and penalized before they enter the reward (trainer/reward_shaping.py); a non-finite score,
 advantage or loss on any rank stops every rank (NonFiniteError, exit code 4); `max_consecutive_skips` skipped updates
-in a row stop the run (TooManySkippedSteps, exit code 3). The first `critic_warmup_iterations` iterations train only
-the critic. The run lasts `plan.iterations` iterations (trainer/plan.py: max_steps, or fewer with
-num_train_epochs).
+in a row stop the run (TooManySkippedSteps, exit code 3); generation-time log-probs past `max_rollout_logprob_diff`
+for 3 iterations in a row stop it too (RolloutPolicyMismatch, trainer/guards.py). The first
+`critic_warmup_iterations` iterations train only the critic. The run lasts `plan.iterations` iterations
+(trainer/plan.py: max_steps, or fewer with num_train_epochs).
 """
 from __future__ import annotations
 
@@ -95,6 +96,7 @@ class PPOTrainer:
         self.shaper = setup.score_shaper(cfg.ppo, cfg.generation.max_answer_seq_len)
         self.roles = engine.trained_roles  # ("actor", "critic"), or ("actor",) in a run without a critic
         self.guard = setup.step_guard(engine, cfg.ppo, self.hooks)
+        self.logprob_guard = setup.logprob_guard(engine, cfg.ppo)  # the rollouts come from the actor's policy
         # the update (trainer/update.py): micro-batch plans, and the actor and critic steps over them
         self.planner = setup.micro_batch_planner(engine, cfg.batch, self.hooks)
         self.actor_step = setup.actor_step(engine, cfg, self.guard, self.ptx, self.hooks)
@@ -267,6 +269,8 @@ class PPOTrainer:
                 few = exp.select(slice(0, self.samples_per_iteration))
                 prompts, responses = decode_rollout(self.engine.tokenizer, few.rollout)
                 self.metrics.log_samples(self.iteration, prompts, responses, few.scores.tolist())
+        if self.logprob_guard is not None:  # after the record is written: the iteration that stops the run is in it
+            self.logprob_guard.observe(self.iteration, rec.get("rollout/logprob_diff_max"))
         self.iteration += 1
         return rec
 

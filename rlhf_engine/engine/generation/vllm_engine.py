@@ -6,7 +6,8 @@ mode), the actor's weights pushed into it in memory whenever the actor has stepp
 * It starts with dummy weights; before the first token and after every optimizer step of the actor the actor's
   weights stream in (engine/policy_weights.py: one block at a time, gathered under ZeRO-3, LoRA merged) through the
   model runner's `reload_weights`, then the prefix cache is reset (a cached block of an old prompt would be served
-  with the old weights' keys and values).
+  with the old weights' keys and values). Every push proves itself (vllm_push_check.py): the parameters the engine
+  loaded, by vLLM's own names and element counts, must be all of its own, or the run stops naming what is missing.
 * Prompts go in as token ids and come back as token ids (no tokenizer in the engine): the engine sees exactly the ids
   the trainer scores. Sampling maps `SamplingParams` field by field (`request_params`); what cannot be mapped is
   refused. The log-probs are the engine's `processed_logprobs`: log softmax((logits, stop tokens masked before
@@ -30,6 +31,7 @@ import gc
 import logging
 import os
 import random
+import re
 import time
 from typing import Any, Iterator, Optional
 
@@ -42,6 +44,8 @@ from ..policy_weights import stream_weights
 from ..zero3 import full_param_bytes
 from .base import GenerationBackend, Generated, SamplingParams
 from .vllm_memory import engine_utilization, kv_budget_bytes
+from .vllm_push_check import check_push, counted, engine_parameter_names, keep_loader_warnings, \
+    loader_noise_classes, recording_loads
 
 log = logging.getLogger(__name__)
 
@@ -87,24 +91,49 @@ _TORCH_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.fl
 
 def quiet_vllm() -> None:
     """Before vLLM is first imported: its log at ERROR unless the user set VLLM_LOGGING_LEVEL (at INFO and WARNING it
-    prints per-request lines and warnings that do not apply to an engine without a tokenizer fed weights by us)."""
+    prints per-request lines and warnings that do not apply to an engine without a tokenizer fed weights by us).
+    Its weight loaders' warnings stay in the log: `VLLMBackend` keeps them once its engine is built
+    (vllm_push_check.keep_loader_warnings)."""
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
 
 
+def moe_reason(actor_config: Any) -> Optional[str]:
+    """Why the colocated engine cannot take a mixture-of-experts actor's weights, or None for a dense one. Under
+    transformers 5 a MoE model holds each layer's experts fused (`mlp.experts.gate_up_proj`, `down_proj`: one
+    tensor for all experts), while vLLM's loaders read one tensor per expert (Mixtral's `experts.N.w1/w2/w3`,
+    Qwen2-MoE's `experts.N.gate_proj/up_proj/down_proj`): the first push would leave every expert at its dummy
+    weights. Detected from the config (its text config for a multimodal one): more than one expert, or an
+    architecture named as a MoE."""
+    configs = [actor_config] + [c for c in (getattr(actor_config, "text_config", None),) if c is not None]
+    for config in configs:
+        for field in ("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts"):
+            n = getattr(config, field, None)
+            if isinstance(n, int) and not isinstance(n, bool) and n > 1:
+                return (f"the actor is a mixture of experts ({field} {n}): transformers 5 holds its experts fused "
+                        "(experts.gate_up_proj), a layout vLLM's loader does not read (experts.N.w1/w2/w3), so the "
+                        "weight push would leave the engine's experts at dummy values; generate with lean or hf")
+        archs = [a for a in getattr(config, "architectures", None) or [] if re.search(r"moe|mixtral", a, re.I)]
+        if archs:
+            return (f"the actor's architecture {archs[0]} is a mixture of experts, whose fused expert weights under "
+                    "transformers 5 vLLM's loader does not read; generate with lean or hf")
+    return None
+
+
 def unavailable_reasons(actor_config: Any) -> list[str]:
-    """Why this environment's vLLM cannot generate for the actor (empty: it can), asked of vLLM itself before any
-    engine or weight is built: not installed; no implementation of the actor's architecture; on a CPU, a head size
-    its attention does not take."""
+    """Why this environment's vLLM cannot generate for the actor (empty: it can), asked before any engine or weight
+    is built: a mixture of experts (`moe_reason`, from the config alone); not installed; asked of vLLM itself: no
+    implementation of the actor's architecture; on a CPU, a head size its attention does not take."""
     import importlib.util
     import sys
 
+    moe = moe_reason(actor_config)
+    reasons = [moe] if moe else []
     if importlib.util.find_spec("vllm") is None:
-        return [f"vLLM is not installed in this environment ({sys.executable}); install {INSTALL_HINT}"]
+        return reasons + [f"vLLM is not installed in this environment ({sys.executable}); install {INSTALL_HINT}"]
     quiet_vllm()
     import vllm
     from vllm.model_executor.models import ModelRegistry
 
-    reasons = []
     archs = list(getattr(actor_config, "architectures", None) or [])
     supported = ModelRegistry.get_supported_archs()
     if not archs or not any(a in supported for a in archs):
@@ -160,6 +189,9 @@ class VLLMBackend(GenerationBackend):
             self.llm = LLM(**self.settings)
         self.startup_s = time.perf_counter() - t0
         self.runner = self.llm.llm_engine.model_executor.driver_worker.worker.model_runner
+        if os.environ.get("VLLM_LOGGING_LEVEL", "").upper() == "ERROR":  # quiet_vllm's (a user's other level: theirs)
+            # after the build: building the LLM reconfigures vLLM's loggers
+            keep_loader_warnings(loader_noise_classes(self.runner.get_model()))
         # the engine destroys the process group when it shuts down: at the end of the run, before we would
         comm.at_shutdown(self.close)
         self._pushed_version: Optional[int] = None  # the actor's optimizer steps at the last push (None: dummy)
@@ -245,11 +277,15 @@ class VLLMBackend(GenerationBackend):
         self.pushes += 1
 
     def load_weights(self, weights=None) -> None:
-        """`weights` (None: the actor's own stream) into the engine's model, without the prefix cache reset."""
-        with contained():
-            self.runner.reload_weights(weights_iterator=stream_weights(self.actor.module) if weights is None
-                                       else weights)
-            repack_tied_head(self.runner.get_model())
+        """`weights` (None: the actor's own stream) into the engine's model, without the prefix cache reset. Raises
+        `WeightPushIncomplete` naming the engine parameters the push did not reach (vllm_push_check.check_push)."""
+        model = self.runner.get_model()
+        expected, tally = engine_parameter_names(model), {}
+        stream = stream_weights(self.actor.module) if weights is None else weights
+        with contained(), recording_loads(model, expected) as record:
+            self.runner.reload_weights(weights_iterator=counted(stream, tally))
+            repack_tied_head(model)
+        check_push(record, expected, tally)
 
     def reset_prefix_cache(self) -> None:
         if not self.llm.reset_prefix_cache():

@@ -12,6 +12,9 @@ Per rank, in order:
   * negative controls on the z2 actor: a push skipped (the engine keeps old weights), a push without the prefix
     cache reset (prompts cached before the push are served with old keys and values), and (the actor's LM head tied
     to its embedding) a push without the head's repack (on CPU its packed GEMM keeps the previous embedding);
+  * a push that proves itself (on the z2 actor): a push without decoder layer 1, then one without layer 0's k_proj
+    (a fused qkv layer sent in part), each stopped by the push check with its message and the loader warnings that
+    reached our log; then a full push, equal again;
   * sampling: the same torch seed gives the same sampled tokens.
 """
 from __future__ import annotations
@@ -19,6 +22,7 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import logging
 import os
 import random
 import sys
@@ -174,6 +178,26 @@ def main() -> int:
         vllm_engine.repack_tied_head = real_repack
     backend._pushed_version = None
     out["after_repack"] = compare(backend, z2, ids, mask, greedy)
+
+    # a push that proves itself: a decoder layer left out of the stream, then one part of a fused layer
+    from rlhf_engine.engine.generation import vllm_push_check
+    from rlhf_engine.engine.policy_weights import stream_weights
+
+    kept = []  # what reached our log from vLLM's loaders (vllm_push_check.keep_loader_warnings)
+    catcher = logging.Handler(logging.WARNING)
+    catcher.emit = lambda record: kept.append(record.getMessage())
+    logging.getLogger(vllm_push_check.__name__).addHandler(catcher)
+    for key, prefix in (("dropped_layer", "model.layers.1."), ("dropped_part", "model.layers.0.self_attn.k_proj.")):
+        kept.clear()
+        try:
+            backend.take_weights(((n, t) for n, t in stream_weights(z2.module) if not n.startswith(prefix)),
+                                 backend.actor_version)
+            out[key] = {"error": None}
+        except vllm_push_check.WeightPushIncomplete as e:
+            out[key] = {"error": str(e)}
+        out[key]["logged"] = list(kept)
+    backend._pushed_version = None
+    out["after_full_push"] = compare(backend, z2, ids, mask, greedy)
 
     # sampling: the same torch seed, the same samples
     sampled = SamplingParams(max_new_tokens=MAX_NEW, do_sample=True, temperature=1.0, pad_token_id=pad)

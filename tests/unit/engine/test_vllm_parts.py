@@ -139,13 +139,45 @@ def test_every_packed_layer_sharing_its_weight_is_repacked_whatever_its_name():
     assert repack_tied_head(gpu) is False
 
 
+class _FakeModel(torch.nn.Module):
+    """vLLM's model as its reload sees it: parameters under vLLM's names (`layers.0.qkv.weight`, or top-level
+    ones), and a `load_weights` that returns the vLLM names of the pairs it read, fused as vLLM fuses them (q, k and v
+    into qkv) and skipping names it does not know, as vLLM's loaders do."""
+
+    FUSED = {"q": "qkv", "k": "qkv", "v": "qkv"}
+
+    def __init__(self, names=("qkv.weight", "o.weight")):
+        super().__init__()
+        for name in names:
+            *path, leaf = name.split(".")
+            owner = self
+            for part in path:
+                if not hasattr(owner, part):
+                    owner.add_module(part, torch.nn.Module())
+                owner = getattr(owner, part)
+            owner.register_parameter(leaf, torch.nn.Parameter(torch.zeros(2)))
+
+    def load_weights(self, weights):
+        known = {n for n, _ in self.named_parameters()}
+        loaded = set()
+        for name, _ in weights:
+            *path, leaf = name.split(".")
+            if path:
+                path[-1] = self.FUSED.get(path[-1], path[-1])
+            if ".".join(path + [leaf]) in known:
+                loaded.add(".".join(path + [leaf]))
+        return loaded
+
+
 class _FakeLLM:
     """A recording stand-in for vLLM's `LLM` and its model runner, holding vLLM 0.32's sleep state as its executor
     does: sleep(level >= 1) puts the tags 'weights' and 'kv_cache' to sleep; wake_up(tags) wakes those (None: all)
-    and answers whether the engine is fully awake; a weight pushed into sleeping weights is an error."""
+    and answers whether the engine is fully awake; a weight pushed into sleeping weights is an error. Its reload
+    goes through the model's `load_weights`, as vLLM's does."""
 
-    def __init__(self):
+    def __init__(self, model=None):
         self.calls, self.sleeping = [], set()
+        self.model = model if model is not None else _FakeModel(("weight", "bias"))
 
     def sleep(self, level=1):
         self.calls.append(("sleep", level))
@@ -159,10 +191,12 @@ class _FakeLLM:
 
     def reload_weights(self, weights_iterator):
         assert "weights" not in self.sleeping, "weights pushed into an engine whose weights are asleep"
-        self.calls.append(("push", "kv_cache" in self.sleeping, sorted(n for n, _ in weights_iterator)))
+        pairs = list(weights_iterator)
+        self.calls.append(("push", "kv_cache" in self.sleeping, sorted(n for n, _ in pairs)))
+        self.model.load_weights(pairs)
 
     def get_model(self):
-        return torch.nn.Module()
+        return self.model
 
     def reset_prefix_cache(self):
         self.calls.append(("reset_prefix_cache",))
@@ -204,3 +238,133 @@ def test_an_engine_that_never_sleeps_is_only_pushed():
     backend.release()
     assert backend.sync_weights() is True
     assert backend.llm.calls == [("push", False, ["bias", "weight"]), ("reset_prefix_cache",)]
+
+
+# ---- a push that proves itself (vllm_push_check.py; the real engine: tests/distributed/test_vllm_generation.py) ----
+def test_a_push_that_reaches_every_engine_parameter_passes_and_one_missing_a_layer_stops_naming_it():
+    from rlhf_engine.engine.generation.vllm_push_check import WeightPushIncomplete
+
+    names = ("layers.0.qkv.weight", "layers.0.o.weight", "layers.1.qkv.weight", "layers.1.o.weight", "norm.weight")
+    full = ["layers.0.q.weight", "layers.0.k.weight", "layers.0.v.weight", "layers.0.o.weight",
+            "layers.1.q.weight", "layers.1.k.weight", "layers.1.v.weight", "layers.1.o.weight", "norm.weight"]
+
+    def push(pushed):
+        backend = _backend(0, 2)
+        backend.llm = backend.runner = _FakeLLM(_FakeModel(names))
+        backend.load_weights([(n, torch.zeros(3, 2)) for n in pushed])
+
+    push(full)  # every parameter reached: no error
+    with pytest.raises(WeightPushIncomplete) as e:
+        push([n for n in full if not n.startswith("layers.1.")])
+    msg = str(e.value)
+    assert "layers.1: layers.1.o.weight (no weight), layers.1.qkv.weight (no weight)" in msg, msg
+    assert "layers.0" not in msg and "5 tensors, 30 elements" in msg
+    with pytest.raises(WeightPushIncomplete, match=r"norm: norm.weight \(no weight\)"):
+        push(full[:-1])
+
+
+def test_the_shortfall_names_missing_parameters_and_layers_short_of_elements_by_block():
+    from rlhf_engine.engine.generation.vllm_push_check import push_shortfall
+
+    expected = {"model.layers.0.self_attn.qkv_proj.weight", "model.layers.1.mlp.down_proj.weight",
+                "model.norm.weight"}
+    loaded = {"model.layers.0.self_attn.qkv_proj.weight", "model.norm.weight"}
+    short = [("model.layers.0.self_attn.qkv_proj", 8192, 12288)]  # q and v arrived, k did not
+    assert push_shortfall(expected, loaded, short) == [
+        "model.layers.0: model.layers.0.self_attn.qkv_proj (8192 of 12288 elements)",
+        "model.layers.1: model.layers.1.mlp.down_proj.weight (no weight)"]
+    assert push_shortfall(expected, expected, []) == []
+    # a layer with no weight at all is named by its parameters, not again by its counts
+    assert push_shortfall(expected, loaded, [("model.layers.1.mlp.down_proj", 0, 8192)]) == [
+        "model.layers.1: model.layers.1.mlp.down_proj.weight (no weight)"]
+    assert push_shortfall(expected, None, None) == []  # nothing reported: nothing to name (warned by check_push)
+
+
+def test_a_vocabulary_s_padding_rows_are_not_expected_from_a_push():
+    """GPT-2's 50257 rows are padded to 50304 in vLLM; no checkpoint fills the 47 extra rows."""
+    from types import SimpleNamespace
+
+    from rlhf_engine.engine.generation.vllm_push_check import vocab_padding
+
+    idx = SimpleNamespace(num_elements_padded=50304, num_org_elements=50257, num_added_elements=0)
+    assert vocab_padding(SimpleNamespace(shard_indices=idx, embedding_dim=768)) == 47 * 768
+    assert vocab_padding(torch.nn.Linear(2, 2)) == 0
+
+
+def test_loader_warnings_reach_the_log_less_the_layers_no_push_can_fill(caplog):
+    """vLLM at ERROR (quiet_vllm) hides its loaders' warnings; the kept handler passes them to our log, except the
+    per-push 'Failed to load weights' of a class whose every layer has no parameter of its own (a rotary cache
+    buffer, a head tied to the embedding)."""
+    import logging
+
+    from rlhf_engine.engine.generation.vllm_push_check import (LOADER_LOGGER, keep_loader_warnings,
+                                                                loader_noise_classes)
+
+    class Rotary(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.register_buffer("cos_sin_cache", torch.zeros(4), persistent=False)
+
+    model = torch.nn.Module()
+    model.embed = torch.nn.Embedding(4, 2)
+    model.rotary = Rotary()
+    model.head = torch.nn.Module()
+    model.head.weight = model.embed.weight  # tied: listed once, under embed
+    model.norm = torch.nn.LayerNorm(2)
+    noise = loader_noise_classes(model)
+    assert noise == {"Rotary", "Module"} and "LayerNorm" not in noise
+    vllm_logger = logging.getLogger("vllm")
+    saved = vllm_logger.level, vllm_logger.propagate
+    vllm_logger.setLevel(logging.ERROR)  # what VLLM_LOGGING_LEVEL=ERROR sets
+    handler = keep_loader_warnings(noise)
+    try:
+        layerwise = logging.getLogger(LOADER_LOGGER + ".reload.layerwise")
+        with caplog.at_level(logging.WARNING):
+            layerwise.warning("%s: Failed to load weights", "Rotary")
+            layerwise.warning("%s: Failed to load weights", "LayerNorm")
+            logging.getLogger(LOADER_LOGGER + ".reload.inplace").warning(
+                "Following weights were not loaded from checkpoint: %s", {"model.layers.1.mlp.down_proj.weight"})
+            logging.getLogger("vllm.v1.engine").warning("per-request noise")  # vLLM's other loggers stay quiet
+        got = [r.getMessage() for r in caplog.records]
+        assert got == ["LayerNorm: Failed to load weights",
+                       "Following weights were not loaded from checkpoint: {'model.layers.1.mlp.down_proj.weight'}"]
+        assert keep_loader_warnings() is handler  # once
+    finally:
+        logging.getLogger(LOADER_LOGGER).removeHandler(handler)
+        logging.getLogger(LOADER_LOGGER).propagate = True
+        vllm_logger.setLevel(saved[0])
+        vllm_logger.propagate = saved[1]
+
+
+# ---- MoE actors: refused before any engine is built ---------------------------------------------------------------
+@pytest.mark.parametrize("kind", ["qwen2_moe", "mixtral"])
+def test_a_mixture_of_experts_actor_is_refused_by_the_plan_with_the_reason(kind):
+    """Tiny configs built in-process (no download): Qwen2-MoE's num_experts, Mixtral's num_local_experts. The
+    reason comes before any vLLM question (it needs only the config), so the plan refuses it where vLLM is absent
+    too."""
+    from transformers import AutoConfig
+
+    from rlhf_engine.engine.generation.vllm_engine import moe_reason, unavailable_reasons
+
+    config = AutoConfig.for_model(kind, hidden_size=64, num_hidden_layers=2, num_attention_heads=2,
+                                  intermediate_size=128, vocab_size=512)
+    reason = moe_reason(config)
+    assert reason and "mixture of experts" in reason and "experts.gate_up_proj" in reason
+    assert unavailable_reasons(config)[0] == reason
+    from rlhf_engine.cli import parse_args
+    from rlhf_engine.engine.preflight import plan_generation
+    from rlhf_engine.errors import Problems
+
+    problems = Problems()  # the plan's check, run before any engine is built
+    cfg = parse_args(["--actor_model_name_or_path", "a", "--reward_model_name_or_path", "r", "--data_path", "d",
+                      "--output_dir", "unused", "--generation_backend", "vllm"])
+    plan_generation(cfg, {"actor": config}, problems)
+    assert [(q.field, q.fix) for q in problems][0] == ("generation_backend", reason)
+    dense = AutoConfig.for_model(kind, hidden_size=64, num_hidden_layers=2, num_attention_heads=2,
+                                 **{"num_experts" if kind == "qwen2_moe" else "num_local_experts": 1})
+    dense.architectures = ["LlamaForCausalLM"]
+    assert moe_reason(dense) is None  # one expert is a dense MLP: the negative control
+    assert moe_reason(LlamaConfig(hidden_size=64, num_attention_heads=2, num_hidden_layers=2)) is None
+    named = LlamaConfig(hidden_size=64, num_attention_heads=2, num_hidden_layers=2)
+    named.architectures = ["Qwen3MoeForCausalLM"]
+    assert "Qwen3MoeForCausalLM" in moe_reason(named)

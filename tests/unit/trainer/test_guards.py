@@ -203,3 +203,82 @@ def test_host_syncs_one_per_guard_collective_and_none_from_ppo_math_in_the_train
     assert train_syncs.at("ppo_math/") == train_syncs.sites["ppo_math/checks.py:_raise_first [tolist]"] == 6, \
         train_syncs.sites
     trainer.metrics.close()
+
+
+# ---- the rollouts' policy: max_rollout_logprob_diff ------------------------------------------------------------------
+def test_the_logprob_diff_guard_warns_once_stops_after_n_in_a_row_and_restarts_on_a_good_iteration(caplog):
+    """Hand-made rollout/logprob_diff_max values against a limit of 1.0 and 3 in a row: two over, a good one (the
+    count restarts), two over (no second warning), a non-finite one (counts), then one without log-probs (None:
+    changes nothing) and the third in a row stops, naming the backend and the likely causes."""
+    from rlhf_engine.trainer.guards import LogprobDiffGuard, RolloutPolicyMismatch
+
+    guard = LogprobDiffGuard(1.0, "vllm", patience=3)
+    with caplog.at_level(logging.WARNING, logger="rlhf_engine.trainer.guards"):
+        for it, value in enumerate([2e-6, 1.5, 12.0, 1.0, 3.0, 4.0]):  # 1.0 is within the limit
+            guard.observe(it, value)
+        assert guard.streak == 2
+        guard.observe(6, None)
+        with pytest.raises(RolloutPolicyMismatch) as e:
+            guard.observe(7, math.nan)
+    warnings = [r.getMessage() for r in caplog.records]
+    assert len(warnings) == 1 and warnings[0].startswith("iteration 1: rollout/logprob_diff_max 1.5 > "
+                                                         "max_rollout_logprob_diff 1")
+    msg = str(e.value)
+    assert msg.startswith("iteration 7: rollout/logprob_diff_max nan > max_rollout_logprob_diff 1 for 3 iterations "
+                          "in a row: the vllm generation backend"), msg
+    assert all(cause in msg for cause in ("weight push that missed", "other kernels", "dtype"))
+    fresh = LogprobDiffGuard(1.0, "lean", patience=3)
+    for it in range(10):  # alternating: never 3 in a row, never stops
+        fresh.observe(it, 5.0 if it % 3 else 0.0)
+
+
+def test_the_limit_is_a_validated_field_off_by_default_for_rollouts_ahead_and_its_help_names_the_patience():
+    from rlhf_engine.config.ppo import AHEAD_DEFAULTS, MAX_ROLLOUT_LOGPROB_DIFF, PPOConfig
+    from rlhf_engine.errors import Problems
+    from rlhf_engine.trainer.guards import LOGPROB_DIFF_PATIENCE
+
+    import dataclasses
+
+    field = {f.name: f for f in dataclasses.fields(PPOConfig)}["max_rollout_logprob_diff"]
+    assert field.default == MAX_ROLLOUT_LOGPROB_DIFF and f"{LOGPROB_DIFF_PATIENCE} iterations in a row" in \
+        field.metadata["help"]
+    for value, ok in ((0.0, True), (MAX_ROLLOUT_LOGPROB_DIFF, True), (-1.0, False), (math.nan, False)):
+        p = Problems()
+        PPOConfig(max_rollout_logprob_diff=value).validate(p)
+        assert (not p) is ok, (value, p)
+    assert AHEAD_DEFAULTS["max_rollout_logprob_diff"] == 0.0
+    # rollouts ahead of training: off unless the run sets it (their difference is the policy's own change)
+    base = ["--actor_model_name_or_path", "a", "--reward_model_name_or_path", "r", "--data_path", "d",
+            "--output_dir", "unused"]
+    ahead = ["--rollout_servers", "http://127.0.0.1:8000", "--generation_backend", "vllm", "--max_staleness", "1"]
+    assert parse_args(base).ppo.max_rollout_logprob_diff == MAX_ROLLOUT_LOGPROB_DIFF
+    assert parse_args(base + ahead).ppo.max_rollout_logprob_diff == 0.0
+    assert parse_args(base + ahead + ["--max_rollout_logprob_diff", "4"]).ppo.max_rollout_logprob_diff == 4.0
+
+
+def test_a_backend_whose_log_probs_stay_off_stops_the_run_at_the_third_iteration(tiny, dist_single, tmp_path):
+    """The lean backend's log-probs shifted by 2 nats on every token (a stand-in for an engine that holds other
+    weights), limit 1: iterations 0 and 1 are written to metrics.jsonl, the run stops at iteration 2 (its record
+    written too); unshifted, the run passes (the negative control: lean in fp32 is within 1e-4)."""
+    import json
+    import os
+
+    from rlhf_engine.trainer.guards import RolloutPolicyMismatch
+
+    trainer = _build(tiny, tmp_path / "off", max_steps=3, max_rollout_logprob_diff=1.0)
+    sample = trainer.engine.sample
+
+    def off(ids, mask, params=None):
+        g = sample(ids, mask, params)
+        g.logprobs = g.logprobs - 2.0 * g.rollout.action_mask
+        return g
+
+    trainer.engine.sample = off
+    with pytest.raises(RolloutPolicyMismatch, match=r"iteration 2: rollout/logprob_diff_max 2 > "
+                                                    r"max_rollout_logprob_diff 1 for 3 iterations in a row"):
+        trainer.train()
+    with open(os.path.join(trainer.cfg.run.output_dir, "metrics.jsonl")) as f:
+        diffs = [json.loads(line)["rollout/logprob_diff_max"] for line in f]
+    assert diffs == pytest.approx([2.0, 2.0, 2.0], abs=1e-4)
+    good = _build(tiny, tmp_path / "good", max_steps=1, max_rollout_logprob_diff=1.0)
+    assert good.train()[0]["rollout/logprob_diff_max"] < 1e-4 and good.logprob_guard.streak == 0
