@@ -140,6 +140,25 @@ def load_scalar_model(path: str, dtype: torch.dtype, ds_config: Optional[dict] =
 
 
 # ---- LoRA (peft) ---------------------------------------------------------------------------------------------------
+def weightless_model(config, scalar: bool) -> Optional[nn.Module]:
+    """The model `config` describes, built on the meta device (no memory, no weights): a scalar role's is the
+    one-label *ForSequenceClassification. None where transformers cannot build it so (the plan's checks that use it
+    then leave the model to the engine's build)."""
+    import copy
+
+    from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
+
+    try:
+        with torch.device("meta"):
+            if scalar:
+                config = copy.deepcopy(config)
+                config.num_labels = 1
+                return AutoModelForSequenceClassification.from_config(config)
+            return AutoModelForCausalLM.from_config(config)
+    except Exception:  # noqa: BLE001  (an architecture transformers cannot build weightless)
+        return None
+
+
 def unwrap_peft(model: nn.Module) -> nn.Module:
     """The Hugging Face model inside a peft `PeftModel` (the model itself otherwise)."""
     return model.get_base_model() if hasattr(model, "peft_config") and hasattr(model, "get_base_model") else model

@@ -513,22 +513,10 @@ def plan_model(rc: RoleConfig, need_positions: int, name: str = "model") -> tupl
 def check_lora_targets(p: Problems, rc: RoleConfig, config, scalar: bool, prefix: str) -> None:
     """`lora_target_modules` must match layers of the model: checked on a weightless (meta-device) copy built from
     its config."""
-    import copy
+    from .models import lora_config_for, weightless_model
 
-    import torch
-    from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
-
-    from .models import lora_config_for
-
-    try:
-        with torch.device("meta"):
-            if scalar:
-                config = copy.deepcopy(config)
-                config.num_labels = 1
-                model = AutoModelForSequenceClassification.from_config(config)
-            else:
-                model = AutoModelForCausalLM.from_config(config)
-    except Exception:  # noqa: BLE001  (an architecture we cannot build weightless: checked when the engine is built)
+    model = weightless_model(config, scalar)
+    if model is None:  # an architecture we cannot build weightless: checked when the engine is built
         return
     try:
         lora_config_for(model, rc.lora_dim, rc.lora_alpha, rc.lora_dropout, rc.lora_target_modules)

@@ -134,22 +134,10 @@ def plan_problems(free: int, total: int, roles: list[RoleMemory], world: int, we
 def parameter_count(config: Any, scalar: bool) -> Optional[int]:
     """Parameters of the model `config` describes (tied ones once), built weightless on the meta device; a scalar
     role's is the one-label *ForSequenceClassification. None where transformers cannot build it so."""
-    import copy
+    from ..models import weightless_model
 
-    import torch
-    from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
-
-    try:
-        with torch.device("meta"):
-            if scalar:
-                config = copy.deepcopy(config)
-                config.num_labels = 1
-                model = AutoModelForSequenceClassification.from_config(config)
-            else:
-                model = AutoModelForCausalLM.from_config(config)
-    except Exception:  # noqa: BLE001  (an architecture transformers cannot build weightless: not estimated)
-        return None
-    return sum(p.numel() for p in model.parameters())
+    model = weightless_model(config, scalar)
+    return None if model is None else sum(p.numel() for p in model.parameters())
 
 
 def role_memories(cfg: Any, configs: dict, roles: dict) -> tuple[list[RoleMemory], Optional[int]]:
