@@ -103,7 +103,9 @@ def ppo_args(tiny: TinySetup, output_dir: str, **flags) -> list[str]:
 
 def clean_env(**extra: str) -> dict:
     """The environment for a child launch: no inherited rank variables, one thread per rank, offline."""
-    env = {k: v for k, v in os.environ.items() if k not in _RANK_VARS}
+    # WANDB_SERVICE: set by wandb in this process for its own service, which a child must not share (and a fork
+    # server started before it would refuse it)
+    env = {k: v for k, v in os.environ.items() if k not in _RANK_VARS and k != "WANDB_SERVICE"}
     env.update(OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", WANDB_MODE="offline", DS_ACCELERATOR="cpu",
                TOKENIZERS_PARALLELISM="false", DEEPSPEED_TIMEOUT="3",
                PYTHONPATH=os.pathsep.join([ROOT, os.path.join(ROOT, "tests")]))  # tests/: the test environments (_envs)
