@@ -227,6 +227,18 @@ def test_sys_path_is_a_fresh_interpreter_s_and_the_server_s_folder_is_not_on_it(
     assert seen["path"] == fresh["path"] and os.path.join(ROOT, "tests") not in seen["path"]
 
 
+def _assert_refused(script, tmp_path, preload: str, why: str) -> None:
+    """A server importing `preload` (a module in tmp_path) refuses to fork `script`, saying `why`."""
+    env = clean_env(PYTHONPATH=os.pathsep.join([clean_env()["PYTHONPATH"], str(tmp_path)]))
+    srv = _forked.Server(env, preload=preload)
+    try:
+        with pytest.raises(_forked.ForkRefused, match=why):
+            srv.spawn(script=script, argv=[str(tmp_path), "ok"], env=env, cwd=str(tmp_path),
+                      stdout=str(tmp_path / "log"), stderr=str(tmp_path / "log"))
+    finally:
+        srv.close()
+
+
 def test_a_server_with_a_second_thread_refuses_to_fork(script, tmp_path):
     """A thread `threading` does not know (started by C code, here _thread) counts: /proc/self/task, not
     threading.active_count()."""
@@ -236,14 +248,7 @@ def test_a_server_with_a_second_thread_refuses_to_fork(script, tmp_path):
         time.sleep(0.2)
         open({str(tmp_path / "active_count")!r}, "w").write(str(threading.active_count()))
         """))
-    env = clean_env(PYTHONPATH=os.pathsep.join([clean_env()["PYTHONPATH"], str(tmp_path)]))
-    srv = _forked.Server(env, preload="threaded_preload")
-    try:
-        with pytest.raises(_forked.ForkRefused, match="runs 2 threads"):
-            srv.spawn(script=script, argv=[str(tmp_path), "ok"], env=env, cwd=str(tmp_path),
-                      stdout=str(tmp_path / "log"), stderr=str(tmp_path / "log"))
-    finally:
-        srv.close()
+    _assert_refused(script, tmp_path, "threaded_preload", "runs 2 threads")
     assert (tmp_path / "active_count").read_text() == "1"  # what a check through `threading` would have seen
     assert not (tmp_path / "rank_-1.json").exists()
 
@@ -254,14 +259,7 @@ def test_a_server_with_cuda_initialised_refuses_to_fork(script, tmp_path):
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA device (torch.cuda.init() in the server's preload)")
     (tmp_path / "cuda_preload.py").write_text("import torch\ntorch.cuda.init()\n")
-    env = clean_env(PYTHONPATH=os.pathsep.join([clean_env()["PYTHONPATH"], str(tmp_path)]))
-    srv = _forked.Server(env, preload="cuda_preload")
-    try:
-        with pytest.raises(_forked.ForkRefused, match="CUDA is initialised"):
-            srv.spawn(script=script, argv=[str(tmp_path), "ok"], env=env, cwd=str(tmp_path),
-                      stdout=str(tmp_path / "log"), stderr=str(tmp_path / "log"))
-    finally:
-        srv.close()
+    _assert_refused(script, tmp_path, "cuda_preload", "CUDA is initialised")
 
 
 def test_a_spawned_process_can_be_signalled_and_reports_the_signal(script, tmp_path):
