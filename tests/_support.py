@@ -149,21 +149,114 @@ def check(proc: subprocess.CompletedProcess) -> subprocess.CompletedProcess:
     return proc
 
 
-def run_harness(tmp: str, name: str, runs: list, nproc: int, launcher: str, script: str = "ppo_checks.py") -> dict:
-    """Launch a harness script (tests/distributed/scripts) on a spec of runs; rank 0's results by run name."""
-    spec, result = os.path.join(tmp, f"{name}_spec.json"), os.path.join(tmp, f"{name}_result.json")
+class HarnessRunError(AssertionError):
+    """A harness run that did not finish: it failed, or the launch ended before it (the test that reads it fails
+    with this, naming the run)."""
+
+
+class RunMissing:
+    """Stands for the result of a run that did not finish: any use of it (an item, a key test, iteration, an
+    attribute) raises HarnessRunError with `why`, in the test that uses it; the other runs' tests are unaffected."""
+
+    def __init__(self, name: str, why: str):
+        self.name, self.why = name, why
+
+    def fail(self, *_args, **_kwargs):
+        raise HarnessRunError(self.why)
+
+    __getitem__ = __contains__ = __iter__ = __len__ = __eq__ = __bool__ = fail
+    __hash__ = None
+
+    def __getattr__(self, attr):
+        if attr.startswith("__"):
+            raise AttributeError(attr)
+        self.fail()
+
+    def __repr__(self) -> str:
+        return f"<run {self.name}: no result>"
+
+
+class HarnessResults(dict):
+    """A harness launch's results by run name: a finished run's result, or a RunMissing that raises on use;
+    looking a missing run up raises at once. Copies (`{**results}`) keep the RunMissing values."""
+
+    def __getitem__(self, name):
+        value = super().__getitem__(name)
+        if isinstance(value, RunMissing):
+            value.fail()
+        return value
+
+
+def read_runs(names: list, log: str, how_it_ended: str, rc: int | None = 0) -> HarnessResults:
+    """The results of the runs `names` (in launch order) from a launch's run log (tests/distributed/scripts/
+    spec_runner.py), the launch's exit code `rc` (None: it was stopped at its timeout) described by `how_it_ended`.
+    The first run without a result is where the launch ended: "run X failed: <its error>" (the first rank's record;
+    without one, the launch ended during it), and every later run is "not reached"."""
+    entries = []
+    if os.path.exists(log):
+        with open(log) as f:
+            for line in f:
+                try:
+                    entries.append(json.loads(line))
+                except ValueError:  # a line cut short by a killed rank
+                    pass
+    ok = {e["name"]: e["result"] for e in entries if e["status"] == "ok"}
+    failures: dict = {}
+    for e in entries:  # the first record of a run's failure: later ranks often fail of the first one's exit
+        if e["status"] == "failed":
+            failures.setdefault(e["name"], e)
+    out, ended_at = HarnessResults(), None
+    for name in names:
+        if name in ok and name not in failures:
+            out[name] = ok[name]
+        elif ended_at is None:
+            ended_at = name
+            if name in failures:
+                e = failures[name]
+                out[name] = RunMissing(name, f"run {name} failed on rank {e['rank']}: {e['error']}")
+            else:
+                out[name] = RunMissing(name, f"run {name} failed: the launch ended during it ({how_it_ended}), "
+                                             "with no record of the run from any rank")
+        else:
+            out[name] = RunMissing(name, f"run {name} not reached (the launch ended at run {ended_at})")
+    if ended_at is None and rc != 0:  # after the last run: shutdown, or a rank's exit
+        extra = "".join(f"\n{e['name']} on rank {e['rank']}: {e['error']}" for e in failures.values())
+        raise HarnessRunError(f"every run finished, but {how_it_ended}{extra}")
+    return out
+
+
+def run_harness(tmp: str, name: str, runs: list, nproc: int, launcher: str, script: str = "ppo_checks.py",
+                timeout: int = 600, run_timeout_s: float | None = None) -> HarnessResults:
+    """Launch a harness script (tests/distributed/scripts, one whose main is spec_runner.run_specs) on a spec of
+    runs; rank 0's results by run name, each run's own (read_runs: a run that did not finish raises where it is
+    used). `run_timeout_s`: each run's limit (spec_runner.RUN_TIMEOUT_S by default); `timeout`: the launch's. The
+    launch's output is kept in `tmp` (<name>_stdout.txt, <name>_stderr.txt)."""
+    spec, result, log = (os.path.join(tmp, f"{name}_{what}") for what in ("spec.json", "result.json", "runs.jsonl"))
     with open(spec, "w") as f:
-        json.dump({"runs": runs}, f)
-    check(launch(os.path.join(SCRIPTS, script), ["--spec", spec, "--out", result], nproc, launcher))
-    with open(result) as f:
-        return {r["name"]: r for r in json.load(f)["runs"]}
+        json.dump({"runs": runs, **({"run_timeout_s": run_timeout_s} if run_timeout_s else {})}, f)
+    try:
+        proc = launch(os.path.join(SCRIPTS, script), ["--spec", spec, "--out", result, "--log", log], nproc,
+                      launcher, timeout)
+        rc, out, err = proc.returncode, proc.stdout, proc.stderr
+    except subprocess.TimeoutExpired as e:
+        rc, out, err = None, e.stdout, e.stderr
+    outputs = []
+    for what, text in (("stdout", out), ("stderr", err)):
+        outputs.append(os.path.join(tmp, f"{name}_{what}.txt"))
+        with open(outputs[-1], "w" if isinstance(text, str) or text is None else "wb") as f:
+            f.write(text or "")
+    how = (f"stopped at the launch's timeout of {timeout} s" if rc is None else f"the launch exited {rc}") + \
+        f"; its output: {outputs[0]}, {outputs[1]}"
+    return read_runs([r["name"] for r in runs], log, how, rc)
 
 
 class SharedHarness:
     """One launch of ppo_checks.py per group (its ranks and launcher) for every test module of the session that
     declares `harness_runs(tiny, tmp) -> {group: runs}`: each launch starts its ranks and imports the stack once
     for several files' runs (CI time). Only the modules with tests selected in this session take part. A module's
-    fixture asks for its results with `runs(__name__, group)`."""
+    fixture asks for its results with `runs(__name__, group)`: each run's result, or, for a run that failed or was
+    not reached, a value that fails the test using it with the reason (run_harness); the launch's runs are named
+    `<module>/<run>` there and in its output. A run marked "first": True runs before the others (launch_order)."""
 
     GROUPS = {"two_rank": (2, "fork"), "one_rank": (1, "fork")}  # tests/_forked.py: the launcher is not under test
 
@@ -171,7 +264,7 @@ class SharedHarness:
         self.session, self.tiny, self.tmp_path_factory = session, tiny, tmp_path_factory
         self.specs: dict = {}  # module name -> {group: runs}
         self.results: dict = {}  # group -> {module name: {run name: result}}
-        self.failed: dict = {}  # group -> the launch's error (raised again for every module: launched once)
+        self.failed: dict = {}  # group -> the launch's error after its runs (raised again for every module)
 
     def _module_specs(self) -> dict:
         modules = {}
@@ -185,18 +278,29 @@ class SharedHarness:
                 self.specs[name] = module.harness_runs(self.tiny, tmp)
         return self.specs
 
-    def runs(self, module: str, group: str) -> dict:
+    def modules(self, group: str) -> list:
+        """The modules with runs in the `group` launch."""
+        return [name for name, groups in self._module_specs().items() if groups.get(group)]
+
+    def launch_order(self, group: str) -> list:
+        """The `group` launch's runs in the order they run, as (module, run name): module by module, except the runs
+        marked "first": True, which run before all others (first in their processes: as if launched alone)."""
+        order = [(name, run["name"], bool(run.get("first"))) for name, groups in self._module_specs().items()
+                 for run in groups.get(group, [])]
+        return [(name, run) for name, run, first in sorted(order, key=lambda o: not o[2])]  # sorted() is stable
+
+    def runs(self, module: str, group: str) -> HarnessResults:
         if group in self.failed:
             raise RuntimeError(f"the shared {group} launch failed (see the first module's error)") from \
                 self.failed[group]
         if group not in self.results:
             nproc, launcher = self.GROUPS[group]
             spec, owner = [], {}
-            for name, groups in self._module_specs().items():
-                for run in groups.get(group, []):
-                    key = f"{name}/{run['name']}"
-                    spec.append({**run, "name": key})
-                    owner[key] = (name, run["name"])
+            for name, run_name in self.launch_order(group):
+                run = next(r for r in self._module_specs()[name][group] if r["name"] == run_name)
+                key = f"{name}/{run_name}"
+                spec.append({**run, "name": key})
+                owner[key] = (name, run_name)
             tmp = str(self.tmp_path_factory.mktemp(f"shared_{group}"))
             out: dict = {}
             try:
@@ -204,9 +308,10 @@ class SharedHarness:
             except Exception as e:  # noqa: BLE001
                 self.failed[group] = e
                 raise
-            for key, result in results.items():
+            for key, result in dict.items(results):  # RunMissing values kept (HarnessResults[...] would raise)
                 name, run_name = owner[key]
-                out.setdefault(name, {})[run_name] = {**result, "name": run_name}
+                value = result if isinstance(result, RunMissing) else {**result, "name": run_name}
+                out.setdefault(name, HarnessResults())[run_name] = value
             self.results[group] = out
         if module not in self.results[group]:
             raise RuntimeError(f"{module}: no {group} runs in the shared launch (is `harness_runs` defined there?)")

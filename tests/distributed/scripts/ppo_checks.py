@@ -3,9 +3,10 @@
     deepspeed --num_gpus 2 tests/distributed/scripts/ppo_checks.py --spec spec.json --out result.json
     python tests/distributed/scripts/ppo_checks.py --spec spec.json --out result.json        (one rank)
 
-spec.json: {"runs": [{"name": str, "args": [train_ppo.py flags...], "hooks": {...}}, ...]}. Each run builds its trainer
-with `rlhf_engine.trainer.build_trainer(parse_args(args))` (the path of launch/train_ppo.py), applies the test hooks,
-trains `max_steps` iterations and records, on rank 0:
+spec.json: {"runs": [{"name": str, "args": [train_ppo.py flags...], "hooks": {...}}, ...]} (spec_runner.py: each
+run's result is recorded as the run ends, a failed or hung run is named; the test-only "fault" runs). Each run builds
+its trainer with `rlhf_engine.trainer.build_trainer(parse_args(args))` (the path of launch/train_ppo.py), applies the
+test hooks, trains `max_steps` iterations and records, on rank 0:
 
   records         the metrics records trainer.train() returned (also in <output_dir>/metrics.jsonl)
   ratio_trace     max |log-ratio| of every mini-batch, in order (epoch-major), over all ranks
@@ -36,7 +37,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirna
 
 import torch  # noqa: E402
 from rlhf_engine.trainer.reward_sources import RewardFnSource  # noqa: E402
-from spec_runner import run_specs, settle  # noqa: E402
+from spec_runner import run_specs, settled  # noqa: E402
 
 
 def fraction_reward(lo: int, hi: int):
@@ -105,6 +106,7 @@ def gather(obj):
     return out
 
 
+@settled  # spec_runner.py: settle() once the run has returned (nothing of it held any more)
 def run_one(spec: dict) -> dict | None:
     from rlhf_engine.cli import parse_args
     from rlhf_engine.hooks import TestHooks
@@ -199,8 +201,6 @@ def run_one(spec: dict) -> dict | None:
             "num_params": {role: sum(v.numel() for v in before[role].values()) for role in roles},
             "ranks": per_rank,
         }
-    del trainer, engine, before, after
-    settle()  # spec_runner.py
     return result
 
 

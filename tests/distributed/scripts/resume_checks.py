@@ -31,7 +31,7 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))))
 
 import torch  # noqa: E402
-from spec_runner import run_specs, settle  # noqa: E402
+from spec_runner import run_specs, settled  # noqa: E402
 
 
 class Preempted(Exception):
@@ -92,6 +92,7 @@ def export_check(engine, out_dir: str, rollout) -> dict | None:
             "files": sorted(os.listdir(out_dir))}
 
 
+@settled  # spec_runner.py: settle() once the run has returned (nothing of it held any more)
 def run_one(spec: dict) -> dict | None:
     from rlhf_engine.cli import parse_args
     from rlhf_engine.hooks import TestHooks
@@ -147,8 +148,6 @@ def run_one(spec: dict) -> dict | None:
     if engine.dist.is_main:
         for role, sd in final.items():
             torch.save(sd, os.path.join(cfg.run.output_dir, f"final_{role}.pt"))
-    del trainer, engine, final
-    settle()  # spec_runner.py
     return result if torch.distributed.get_rank() == 0 else None
 
 
