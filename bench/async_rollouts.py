@@ -75,7 +75,7 @@ def _launch(cmd: list, out: str, env: dict) -> dict:
         raise RuntimeError(f"{' '.join(cmd[-12:])} failed:\n{proc.stderr[-3000:]}")
     with open(os.path.join(out, "metrics.jsonl")) as f:
         records = [json.loads(line) for line in f if line.strip()]
-    records = [r for r in records if "objective/kl" in r]
+    records = [r for r in records if "objective/score" in r]  # training records (not eval-only ones)
     return {"wall_s": wall, "iterations": len(records), "median": {k: _median(records, k) for k in SERVER_KEYS},
             "per_iteration": [{k: r.get(k) for k in SERVER_KEYS} for r in records]}
 

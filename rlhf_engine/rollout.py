@@ -322,11 +322,12 @@ class Rollout:
 @dataclass
 class Experience:
     """A rollout with everything PPO needs; every per-action tensor is [B, R] fp32 aligned with `rollout.action_mask`.
-    `values` and `returns` are None in a run without a critic (an estimator that needs none)."""
+    `values` and `returns` are None in a run without a critic (an estimator that needs none), `ref_logprobs` in a run
+    without a reference (nothing reads it: no KL term)."""
 
     rollout: Rollout
     old_logprobs: torch.Tensor  # [B, R] actor log-probs at rollout time
-    ref_logprobs: torch.Tensor  # [B, R] reference log-probs
+    ref_logprobs: Optional[torch.Tensor]  # [B, R] reference log-probs (None: no reference)
     values: Optional[torch.Tensor]  # [B, R] critic values at rollout time (None: no critic)
     scores: torch.Tensor  # [B] reward-model (or reward function) scores
     rewards: torch.Tensor  # [B, R] per-token rewards (KL penalty + clipped score on the last real token)

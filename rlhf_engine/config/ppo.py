@@ -99,6 +99,10 @@ class PPOConfig:
     kl_loss_coef: float = opt(0.0, "Weight of a KL(actor || reference) term in the actor loss (0 = off), aggregated "
                               "like the policy loss; usable with any estimator and alongside kl_coef (the KL "
                               "penalty in the reward). Logged policy/kl_loss.")
+    monitor_reference_kl: bool = opt(False, "Build the reference and log objective/kl even where no KL term reads "
+                                     "it (kl_coef 0, kl_loss_coef 0, no adaptive_kl): a reference forward per "
+                                     "iteration for a monitor. Off, such a run builds no reference engine (memory "
+                                     "and time) and logs no objective/kl; with a KL term the KL is always logged.")
     kl_loss_estimator: str = opt("k2", "Per-token estimator of the KL loss, with d = log pi - log pi_ref: k1 = d "
                                  "(gradient: grad log pi, zero in expectation), k2 = d^2/2 (gradient: d grad log pi, "
                                  "the reverse-KL gradient), k3 = exp(-d) - 1 + d (an unbiased KL value, but its "
@@ -157,6 +161,14 @@ class PPOConfig:
                                      "(fp16 overflow, inf/NaN; both engines always skip together). fp16's loss-scale "
                                      "calibration skips a few updates at the start. 0 = never stop.")
 
+    @property
+    def reads_reference(self) -> bool:
+        """Whether anything of the run reads reference log-probs: a KL term (the reward's penalty, the adaptive
+        controller, the KL loss) or the monitor. Without it no reference engine is built."""
+        kl_term = (is_number(self.kl_coef) and self.kl_coef > 0) or bool(self.adaptive_kl) or \
+            (is_number(self.kl_loss_coef) and self.kl_loss_coef > 0)
+        return kl_term or self.monitor_reference_kl is True
+
     def validate(self, p: Problems, prefix: str = "") -> None:
         check_positive(p, prefix, self, "ppo_epochs", "kl_horizon")
         check_positive(p, prefix, self, "missing_eos_penalty", allow_zero=True)
@@ -184,6 +196,8 @@ class PPOConfig:
                   "no dual clip: drop it")
         check_choice(p, prefix, self, "kl_loss_estimator", KL_ESTIMATORS)
         check_choice(p, prefix, self, "loss_agg_mode", LOSS_AGG_MODES)
+        if not isinstance(self.monitor_reference_kl, bool):
+            p.add(prefix + "monitor_reference_kl", self.monitor_reference_kl, "must be true or false")
         check_positive(p, prefix, self, "kl_loss_coef", "overlong_buffer_len", "overlong_penalty_factor", allow_zero=True)
         if self.clip_eps_high is not None and not (is_number(self.clip_eps_high) and self.clip_eps_high >= 0):
             p.add(prefix + "clip_eps_high", self.clip_eps_high, "must be >= 0 (or None for clip_eps)")

@@ -97,10 +97,11 @@ class TrainConfig:
     @property
     def active_roles(self) -> tuple:
         """The roles the run has (each gets an engine, except a reference that is the actor's disabled adapter): no
-        reward model when a reward function scores the rollouts, no critic when the estimator needs none. The one
-        definition of the run's roles."""
+        reward model when a reward function scores the rollouts, no critic when the estimator needs none, no
+        reference when nothing reads it (`PPOConfig.reads_reference`). The one definition of the run's roles."""
         return tuple(r for r in ROLES if not (r == "reward" and self.scored_without_model)
-                     and not (r == "critic" and not self.has_critic))
+                     and not (r == "critic" and not self.has_critic)
+                     and not (r == "reference" and not self.ppo.reads_reference))
 
     @property
     def trained_roles(self) -> tuple:
@@ -242,6 +243,12 @@ class TrainConfig:
             if ref and ref != self.actor.model_name_or_path:
                 p.add("reference_from_actor_adapter", True, f"the reference would be the actor's base weights "
                       f"({self.actor.model_name_or_path}), but reference_model_name_or_path is {ref!r}: drop one")
+        if not self.ppo.reads_reference:  # settings of a reference that is not built
+            for name, value in (("reference_model_name_or_path", self.reference.model_name_or_path),
+                                ("reference_from_actor_adapter", e.reference_from_actor_adapter is True)):
+                if value:
+                    p.add(name, value, "sets the reference, but nothing reads it: kl_coef and kl_loss_coef are 0 "
+                          "(no reference engine is built); give a KL term or --monitor_reference_kl, or drop it")
         if e.enable_ema is True and self.actor.lora_dim:
             p.add("enable_ema", True, "is not supported with actor LoRA (an average of the adapter factors A and B is "
                   "not the average of the adapted weights); drop enable_ema or actor_lora_dim")

@@ -60,7 +60,7 @@ class RLHFEngine:
         self.engines = {}
         ext = cfg.engine
         # the reference is the actor with its LoRA adapter disabled: no engine of its own
-        self.reference_from_adapter = bool(ext.reference_from_actor_adapter)
+        self.reference_from_adapter = bool(ext.reference_from_actor_adapter) and "reference" in self.plans
         backend = BACKENDS[plan.generation_backend]
         for role, role_plan in self.plans.items():
             if role == "reference" and self.reference_from_adapter:
@@ -148,6 +148,12 @@ class RLHFEngine:
     @property
     def critic(self):
         return self.engines["critic"]
+
+    @property
+    def has_reference(self) -> bool:
+        """Whether the run has a reference (an engine, or the actor's disabled adapter): none where nothing reads its
+        log-probs (`PPOConfig.reads_reference`)."""
+        return "reference" in self.plans
 
     @property
     def has_critic(self) -> bool:
@@ -328,6 +334,8 @@ class RLHFEngine:
     def ref_logprobs(self, rollout: Rollout) -> torch.Tensor:
         """[B, R] fp32 reference log-probs (0 on padding). With reference_from_actor_adapter: the actor's forward
         with its LoRA adapter disabled (the base weights), in eval mode; works under every ZeRO stage."""
+        if not self.has_reference:
+            raise RuntimeError("this run has no reference (no KL term reads it): nothing may ask for its log-probs")
         if self.reference_from_adapter:
             with adapter_disabled(self.actor.module):
                 return torch.cat(self._eval_chunks("actor", rollout, lambda e, mb: self._lm_forward(e, mb, False)[0]))

@@ -66,7 +66,7 @@ def masked_whiten(values: torch.Tensor, mask: torch.Tensor, shift_mean: bool = T
     return torch.where(m, out, 0.0)
 
 
-def compute_rewards(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, scores: torch.Tensor,
+def compute_rewards(logprobs: torch.Tensor, ref_logprobs: Optional[torch.Tensor], scores: torch.Tensor,
                     action_mask: torch.Tensor, kl_coef: float, reward_clip: float,
                     kl_estimator: str = "k1") -> Tuple[torch.Tensor, torch.Tensor]:
     """Per-token rewards: ``-kl_coef * KL`` on every action plus the clipped score on the last action.
@@ -80,7 +80,8 @@ def compute_rewards(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, scores: 
 
     Args:
         logprobs: ``[B, R]`` actor log-probs of the response tokens.
-        ref_logprobs: ``[B, R]`` reference log-probs.
+        ref_logprobs: ``[B, R]`` reference log-probs, or None: a run without a reference, whose KL is 0 (then
+            ``kl_coef`` must be 0).
         scores: ``[B]`` scores, or ``[B, R]`` placed turn rewards; must be finite.
         action_mask: ``[B, R]`` 0/1 (holes between an episode's turns allowed).
         kl_coef: >= 0.
@@ -92,11 +93,14 @@ def compute_rewards(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, scores: 
     """
     est = _estimator("kl_estimator", kl_estimator)
     lp = _tensor("logprobs", logprobs, ndim=2)
-    ref = _tensor("ref_logprobs", ref_logprobs, shape=lp.shape, shape_of="logprobs")
+    ref = None if ref_logprobs is None else _tensor("ref_logprobs", ref_logprobs, shape=lp.shape,
+                                                    shape_of="logprobs")
     placed = isinstance(scores, torch.Tensor) and scores.dim() == 2
     sc = _tensor("scores", scores, shape=lp.shape if placed else lp.shape[:1],
                  shape_of="logprobs" if placed else "logprobs[:, 0]")
     beta = _number("kl_coef", kl_coef, ge=0.0)
+    if ref is None and beta != 0:
+        raise ValueError(f"kl_coef: {beta} needs reference log-probs; ref_logprobs is None")
     clip = _number("reward_clip", reward_clip, ge=0.0)
     checks: List[_Check] = []
     m = _mask("action_mask", action_mask, lp.shape, "logprobs", checks)
@@ -106,7 +110,8 @@ def compute_rewards(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, scores: 
     _raise_first(checks)
     with torch.no_grad():
         # Select before the estimator so junk at padding cannot overflow (k3 exponentiates); log r = 0 there.
-        kl = torch.where(m, _kl(torch.where(m, lp, 0.0), torch.where(m, ref, 0.0), est), 0.0)
+        kl = (torch.zeros_like(lp) if ref is None else
+              torch.where(m, _kl(torch.where(m, lp, 0.0), torch.where(m, ref, 0.0), est), 0.0))
         rewards = torch.where(m, -beta * kl, 0.0)
         if placed:
             rewards = rewards + torch.where(m, sc.clamp(-clip, clip), 0.0)

@@ -59,12 +59,13 @@ def text_reward(fn: Callable, tokenizer) -> RewardFn:
 
 @dataclass
 class Forwards:
-    """The experience forwards of one rollout batch: [B, R] old log-probs, entropy, reference log-probs and values
-    (None without a critic), and the [B] scores (None when scoring failed: `error` holds why)."""
+    """The experience forwards of one rollout batch: [B, R] old log-probs, entropy, reference log-probs (None without
+    a reference) and values (None without a critic), and the [B] scores (None when scoring failed: `error` holds
+    why)."""
 
     old_logprobs: torch.Tensor
     entropy: torch.Tensor
-    ref_logprobs: torch.Tensor
+    ref_logprobs: Optional[torch.Tensor]
     values: Optional[torch.Tensor]
     scores: Optional[torch.Tensor]
     error: Optional[Exception] = None
@@ -76,7 +77,7 @@ def experience_forwards(engine, rollout: Rollout, source: RewardFn) -> Forwards:
     wrong shape, a non-finite score) does not raise here: it is returned in `error`, so the trainer can stop every
     rank together (`StepGuard.agree`). The scoring comes after every (possibly collective) forward."""
     old_logprobs, entropy = engine.actor_logprobs(rollout, with_entropy=True)
-    ref_logprobs = engine.ref_logprobs(rollout)
+    ref_logprobs = engine.ref_logprobs(rollout) if engine.has_reference else None  # none where nothing reads it
     values = engine.critic_values(rollout) if engine.has_critic else None
     scores, error = None, None
     try:

@@ -206,6 +206,34 @@ def log_estimator_defaults(cfg: TrainConfig, dist: DistInfo) -> None:
                  ", ".join(f"{k} {getattr(cfg.ppo, k)}" for k in family))
 
 
+def forwards_summary(cfg: TrainConfig, roles: Mapping[str, RolePlan], generation_backend: str) -> str:
+    """One line: the forwards a PPO iteration does and why each, or why a role does none (logged once at start-up,
+    `plan_ppo`)."""
+    p = cfg.ppo
+    where = "the rollout servers" if cfg.rollout.servers_on else f"generation_backend {generation_backend}"
+    parts = [f"generation on {where}", "actor experience forward (old log-probs: the ratio's denominator)"]
+    if "reference" in roles:
+        readers = [what for on, what in ((p.kl_coef > 0, f"kl_coef {p.kl_coef:g}: the reward's KL penalty"),
+                                          (p.adaptive_kl, "adaptive_kl"),
+                                          (p.kl_loss_coef > 0, f"kl_loss_coef {p.kl_loss_coef:g}: the KL loss"),
+                                          (True, "objective/kl"))
+                   if on]
+        how = " (the actor with its adapter disabled)" if cfg.engine.reference_from_actor_adapter else ""
+        parts.append(f"reference forward{how} ({', '.join(readers)})")
+    else:
+        parts.append("no reference (kl_coef 0, kl_loss_coef 0: nothing reads it; --monitor_reference_kl builds it "
+                     "for objective/kl)")
+    parts.append(f"critic forward ({p.advantage_estimator}'s values)" if "critic" in roles else
+                 f"no critic ({p.advantage_estimator} needs none)")
+    if "reward" in roles:
+        parts.append("reward model forward (the scores)")
+    else:
+        parts.append(f"no reward model ({reward_source_kind(cfg).what} scores)")
+    trained = " and ".join(r for r in ("actor", "critic") if r in roles)
+    parts.append(f"training forwards of the {trained}: every mini-batch of each of {p.ppo_epochs} epoch(s)")
+    return "forwards per iteration: " + "; ".join(parts)
+
+
 def warn_kl_in_group_returns(cfg: TrainConfig, dist: DistInfo) -> None:
     """A group estimator's return holds kl_coef x the response's KL: in a group whose scores are all equal, the KL
     differences alone become the advantages (grpo divides them by a tiny std). Said once at start-up."""
@@ -225,6 +253,8 @@ def plan_ppo(cfg: TrainConfig, prompt_data: Optional[PromptData] = None) -> RunP
     engine, reward, env_factory = _model_side(cfg)  # model-side checks before the data is tokenized
     log_estimator_defaults(cfg, dist)
     warn_kl_in_group_returns(cfg, dist)
+    if dist.is_main:
+        log.info("%s", forwards_summary(cfg, engine.roles, engine.generation_backend))
     tok, g = engine.tokenizer, cfg.generation
     # the data columns the reward source takes (an environment's factory gets every column), kept with every row
     columns = source_class(reward.kind).columns(reward.loaded)

@@ -26,8 +26,9 @@ def add_experience_stats(stats: MetricSums, exp: Experience, entropy: torch.Tens
     stats.add("score_sum", raw_scores.sum())
     if shaped:
         stats.add("shaped_score_sum", exp.scores.sum())
-    k1 = ((exp.old_logprobs - exp.ref_logprobs) * mask).sum(-1)  # objective/kl is always the k1 sequence sum
-    stats.add("kl_sum", k1.sum())
+    if exp.ref_logprobs is not None:  # no reference (nothing reads it): no objective/kl
+        k1 = ((exp.old_logprobs - exp.ref_logprobs) * mask).sum(-1)  # objective/kl is always the k1 sequence sum
+        stats.add("kl_sum", k1.sum())
     stats.add("rlhf_reward_sum", (exp.rewards * mask).sum())
     stats.add("response_length_sum", exp.rollout.response_lengths.sum())
     stats.add("eos_sum", exp.rollout.ended_with_eos.sum())
@@ -120,10 +121,11 @@ def iteration_record(s: dict, world_size: int) -> dict:
     minibatches = s["minibatches"] / world_size  # every rank counted each mini-batch
     rec = {
         "objective/score": s["score_sum"] / n_seq,
-        "objective/kl": s["kl_sum"] / n_seq,
         "objective/rlhf_reward": s["rlhf_reward_sum"] / n_seq,
         "objective/entropy": s["entropy_sum"] / tokens if tokens else None,
     }
+    if "kl_sum" in s:  # a run with a reference
+        rec["objective/kl"] = s["kl_sum"] / n_seq
     if "shaped_score_sum" in s:
         rec["objective/shaped_score"] = s["shaped_score_sum"] / n_seq
     if "policy_loss" in s:  # the actor trained (not a critic warm-up iteration)

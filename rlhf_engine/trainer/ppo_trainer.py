@@ -260,7 +260,8 @@ class PPOTrainer:
             rec.update({"async/staleness_mean": sum(st) / len(st), "async/staleness_max": max(st),
                         **self.ahead.take_counts()})
         rec.update(evaluated)
-        self.kl_ctl.update(rec["objective/kl"], int(n_seq))
+        if "objective/kl" in rec:  # without a reference the coefficient is 0 and stays so (reads_reference)
+            self.kl_ctl.update(rec["objective/kl"], int(n_seq))
         rec.update(self.clock.close(rec, metrics=time.perf_counter() - t3))
         with self.clock.timed("log"):  # falls in the next iteration's window (see IterationClock)
             self.metrics.write(rec)
@@ -314,8 +315,9 @@ class PPOTrainer:
                 records.append(rec)
                 if self.engine.dist.is_main:
                     with self.clock.timed("log"):
-                        log.info("iteration %d/%d  score %.4f  kl %.4f  len %.1f  %.1fs", rec["iteration"] + 1,
-                                 self.total_iterations, rec["objective/score"], rec["objective/kl"],
+                        kl = f"  kl {rec['objective/kl']:.4f}" if "objective/kl" in rec else ""
+                        log.info("iteration %d/%d  score %.4f%s  len %.1f  %.1fs", rec["iteration"] + 1,
+                                 self.total_iterations, rec["objective/score"], kl,
                                  rec["rollout/response_length"], rec["time/generate"] + rec["time/experience"]
                                  + rec["time/train"])
                 # save_interval / save_interval_minutes / a preemption request (exit 75 after saving)

@@ -124,6 +124,8 @@ def run_fingerprint(cfg: Any, roles: Mapping[str, Any], world_size: int, num_pro
                 "advantage_estimator": cfg.ppo.advantage_estimator, "loss_agg_mode": cfg.ppo.loss_agg_mode}
     for role, plan in roles.items():
         fp[f"{role}_model_name_or_path"] = _norm_path(plan.path)
+    if "reference" not in roles:  # none built (nothing reads it): the run's reference all the same, as before
+        fp["reference_model_name_or_path"] = _norm_path(cfg.reference.model_name_or_path or roles["actor"].path)
     trained = [r for r, plan in roles.items() if plan.train]
     for role in trained:
         rc = getattr(cfg, role)

@@ -184,6 +184,18 @@ class TestRewards:
                                         kl_estimator="k3")
         assert torch.isfinite(rewards3).all() and (kl3[0, 4:] == 0).all()
 
+    def test_without_a_reference_the_kl_is_zero_and_only_the_clipped_score_remains(self):
+        # no reference (a run without a KL term): kl 0 everywhere; the score 7 clipped to 5 lands on t = 3 - 1 = 2
+        lp = torch.tensor([[-1.0, -2.0, -3.0, 9.0]])
+        mask = torch.tensor([[1, 1, 1, 0]])
+        rewards, kl = compute_rewards(lp, None, torch.tensor([7.0]), mask, kl_coef=0.0, reward_clip=5.0,
+                                      kl_estimator="k3")
+        assert torch.equal(kl, torch.zeros(1, 4))
+        close(rewards, [[0.0, 0.0, 5.0, 0.0]])
+        # a KL penalty cannot be paid without reference log-probs
+        with pytest.raises(ValueError, match="kl_coef: 0.1 needs reference log-probs"):
+            compute_rewards(lp, None, torch.tensor([7.0]), mask, kl_coef=0.1, reward_clip=5.0)
+
     def test_score_clipping(self):
         # scores 7 and -9 clipped to +5 and -5
         mask = torch.tensor([[1, 1, 0], [1, 0, 0]])
