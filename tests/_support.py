@@ -235,7 +235,7 @@ def run_harness(tmp: str, name: str, runs: list, nproc: int, launcher: str, scri
     with open(spec, "w") as f:
         json.dump({"runs": runs, **({"run_timeout_s": run_timeout_s} if run_timeout_s else {})}, f)
     try:
-        proc = launch(os.path.join(SCRIPTS, script), ["--spec", spec, "--out", result, "--log", log], nproc,
+        proc = launch(os.path.join(SCRIPTS, script), ["--spec", spec, "--out", result, "--run_records", log], nproc,
                       launcher, timeout)
         rc, out, err = proc.returncode, proc.stdout, proc.stderr
     except subprocess.TimeoutExpired as e:

@@ -1,11 +1,11 @@
 """The shared `main()` of the harness scripts: read a spec of runs, run each, record each run's outcome as it ends,
 shut down.
 
-    python <harness>.py --spec spec.json --out result.json [--log runs.jsonl]
+    python <harness>.py --spec spec.json --out result.json [--run_records runs.jsonl]
 
 spec.json: {"runs": [{"name": ..., "timeout_s": ..., ...}, ...], "run_timeout_s": ...} (both timeouts optional).
 
-Each run's outcome is appended to --log (default: --out with the suffix .jsonl) as it ends, one JSON line per run:
+Each run's outcome is appended to --run_records (default: --out with the suffix .jsonl) as it ends, one JSON line per run:
 
   {"name", "status": "ok", "result"}                 from rank 0: what `run_one` returned there
   {"name", "status": "failed", "rank", "error"}      from every rank the run failed on: the exception and its
@@ -212,12 +212,13 @@ def run_specs(run_one: Callable[[dict], Optional[dict]], tag: str) -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--spec", required=True)
     parser.add_argument("--out", required=True)
-    parser.add_argument("--log", default=None)
+    # not --log: torchrun refuses an argument that abbreviates two of its own options, even after the script
+    parser.add_argument("--run_records", default=None)
     parser.add_argument("--local_rank", type=int, default=None)  # passed by the deepspeed launcher
     args = parser.parse_args()
     with open(args.spec) as f:
         spec = json.load(f)
-    log = args.log or os.path.splitext(args.out)[0] + ".jsonl"
+    log = args.run_records or os.path.splitext(args.out)[0] + ".jsonl"
     default_timeout = float(spec.get("run_timeout_s", RUN_TIMEOUT_S))
     watchdog = Watchdog(log, tag)
     results = []
