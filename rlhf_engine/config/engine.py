@@ -18,6 +18,10 @@ class EngineConfig:
     reference_from_actor_adapter: bool = opt(False, "With actor LoRA (actor_lora_dim > 0): no reference engine is "
                                              "built; reference log-probs come from the actor with its adapter "
                                              "disabled, i.e. the initial (base) weights. Saves one model copy.")
+    reuse_frozen_prefix: bool = opt(True, "With actor_trainable_layers (ZeRO 0-2): compute the frozen blocks' "
+                                    "output once per rollout, in the experience forward, and start every training "
+                                    "forward (and the reference's, where its frozen weights are the actor's) from "
+                                    "it. Off: every forward computes every block (equal within fp32 noise; slower).")
     enable_ema: bool = opt(False, "Keep an exponential moving average of the actor in its own eval-only engine "
                            "(ZeRO 3 when the actor is at 3, else 0): ema = ema_decay*ema + (1-ema_decay)*actor after "
                            "every actor optimizer step; saved with checkpoints, exported as <output>/ema.")

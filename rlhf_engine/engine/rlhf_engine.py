@@ -93,6 +93,55 @@ class RLHFEngine:
                                  else self.experience_micro_batch)
         # slots of every forward since the last `take_slot_counts`: real tokens, padded slots, packed slots
         self.slot_counts = {"real": 0, "padded": 0, "packed": 0}
+        self.frozen_prefix, self._reference_blocks = self._plan_frozen_prefix()
+        self._capturing = False  # inside the experience's actor forward: the frozen prefix's outputs are kept
+
+    def _plan_frozen_prefix(self):
+        """(FrozenPrefix, the reference's prefix blocks or None) with actor_trainable_layers at ZeRO 0-2 and
+        --reuse_frozen_prefix (engine/frozen_prefix.py); (None, None) otherwise: every forward computes every block.
+        The reference replays the actor's prefix where its frozen weights equal the actor's (checked here, once)."""
+        from .frozen_prefix import FrozenPrefix, same_prefix
+
+        actor = self.plans["actor"]
+        if not self.cfg.engine.reuse_frozen_prefix or actor.stage == 3 or self.hybrid_engine:
+            return None, None
+        prefix = FrozenPrefix.of(unwrap_peft(self.actor.module), int(self.cfg.actor.trainable_layers or 0))
+        ref = self.engines.get("reference")
+        if prefix is None or ref is None or self.plans["reference"].stage == 3 or \
+                not same_prefix(unwrap_peft(self.actor.module), unwrap_peft(ref.module)):
+            return prefix, None
+        return prefix, prefix.blocks_of(unwrap_peft(ref.module))
+
+    @contextlib.contextmanager
+    def _prefix_reuse(self, engine, inputs: dict):
+        """Around one language-model forward on `inputs`: keep the actor's frozen-prefix output in the experience
+        forward; start the actor's later forwards, and the reference's, from it where it was kept for equal
+        inputs; anything else computes every block."""
+        fp = self.frozen_prefix
+        if fp is not None and engine is self.actor and self._capturing:
+            with fp.capturing(inputs):
+                yield
+            return
+        reference = engine is self.engines.get("reference") and self._reference_blocks is not None
+        entry = fp.lookup(inputs) if fp is not None and (engine is self.actor or reference) else None
+        if entry is None:
+            if fp is not None and (engine is self.actor or reference):
+                fp.misses += 1
+            yield
+            return
+        fp.hits += 1
+        with fp.replaying(entry, self._reference_blocks if reference else None):
+            yield
+
+    def take_prefix_stats(self) -> dict:
+        """The frozen prefix's reuse since the last call (then reset): forwards that replayed it, forwards that
+        computed it anew, and the bytes it holds; {} where it is off."""
+        fp = self.frozen_prefix
+        if fp is None:
+            return {}
+        out = {"hits": fp.hits, "misses": fp.misses, "bytes": fp.nbytes}
+        fp.hits = fp.misses = 0
+        return out
 
     def _resolve_packing(self, setting: str) -> bool:
         """'off' -> False; 'auto' -> whether every model passes the packing probe; 'on' -> True, or a ConfigError
@@ -237,7 +286,8 @@ class RLHFEngine:
         inputs = packed_inputs(packed, r.sequences, r.position_ids, model_dtype(engine.module))
         where = packed.slot[:, P - 1:P - 1 + R]  # [B, R] slot predicting response token t (-1: padding)
         keep = (where >= 0) & r.response_attention.bool()
-        logits = packed_logits_at(engine, packed, inputs, where[keep])[None]  # [1, K, V], in DeepSpeed's forward
+        with self._prefix_reuse(engine, inputs):
+            logits = packed_logits_at(engine, packed, inputs, where[keep])[None]  # [1, K, V], in DeepSpeed's forward
         # the sampled distribution: no stop token before min_new_tokens (each logit row's response position)
         if self.sampling.min_new_tokens:
             index = torch.arange(R, device=keep.device).expand_as(keep)[keep][None]
@@ -268,12 +318,15 @@ class RLHFEngine:
         r = self._trim(full)
         self._count(r)  # outputs are padded back to full's width (0 there, like every padding position)
         R = r.response_width
-        if accepts_logits_to_keep(engine.module):
-            # only the last R+1 positions go through the LM head (prompt logits are never used); their first R are
-            # positions P-1 .. P+R-2, i.e. exactly `action_slice` (measured: experience and training forwards x1.2)
-            logits = engine(**self._inputs(r), use_cache=False, logits_to_keep=R + 1).logits[:, :R]
-        else:
-            logits = r.action_slice(engine(**self._inputs(r), use_cache=False).logits)
+        inputs = self._inputs(r)
+        with self._prefix_reuse(engine, inputs):
+            if accepts_logits_to_keep(engine.module):
+                # only the last R+1 positions go through the LM head (prompt logits are never used); their first R
+                # are positions P-1 .. P+R-2, i.e. exactly `action_slice` (measured: experience and training forwards
+                # x1.2)
+                logits = engine(**inputs, use_cache=False, logits_to_keep=R + 1).logits[:, :R]
+            else:
+                logits = r.action_slice(engine(**inputs, use_cache=False).logits)
         # logits [B, R, V]: the logits that predict each response token; under min_answer_seq_len the stop tokens are
         # masked before it, as they were when sampling (the sampled distribution is the scored distribution)
         mask_stop_tokens_(logits, self._stop_ids, self.sampling.min_new_tokens)
@@ -327,7 +380,13 @@ class RLHFEngine:
 
     def actor_logprobs(self, rollout: Rollout, with_entropy: bool = False):
         """[B, R] fp32 actor log-probs (0 on padding), eval mode; with_entropy also returns [B, R] entropy."""
-        outs = self._eval_chunks("actor", rollout, lambda e, mb: self._lm_forward(e, mb, with_entropy))
+        if self.frozen_prefix is not None:  # a new rollout: the last one's prefix outputs are done with
+            self.frozen_prefix.clear()
+        self._capturing = True
+        try:
+            outs = self._eval_chunks("actor", rollout, lambda e, mb: self._lm_forward(e, mb, with_entropy))
+        finally:
+            self._capturing = False
         lp = torch.cat([o[0] for o in outs])
         return (lp, torch.cat([o[1] for o in outs])) if with_entropy else lp
 

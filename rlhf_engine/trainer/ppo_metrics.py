@@ -171,6 +171,10 @@ def iteration_record(s: dict, world_size: int) -> dict:
         rec["batch/padding_fraction"] = 1.0 - s["slots_real"] / s["slots_padded"]
         if s.get("slots_packed"):
             rec["batch/packed_padding_fraction"] = 1.0 - s["slots_real"] / s["slots_packed"]
+    if "prefix_hits" in s:  # the frozen prefix (engine/frozen_prefix.py): share of the later forwards that reused it
+        later = s["prefix_hits"] + s["prefix_misses"]
+        rec["batch/frozen_prefix_reused"] = s["prefix_hits"] / later if later else None
+        rec["memory/frozen_prefix_mib"] = s["prefix_mib"]  # the largest rank's kept outputs
     if "micro_batches" in s:
         rec["batch/micro_batches"] = s["micro_batches"] / world_size
         rec["batch/empty_micro_batches"] = s["empty_micro_batches"] / world_size

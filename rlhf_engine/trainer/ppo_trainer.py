@@ -231,6 +231,11 @@ class PPOTrainer:
         t3 = time.perf_counter()
         for key, n in self.engine.take_slot_counts().items():  # the forwards' tokens and slots, padded and packed
             stats.add(f"slots_{key}", torch.tensor(float(n)))
+        prefix = self.engine.take_prefix_stats()  # --reuse_frozen_prefix: forwards that started from the kept output
+        if prefix:
+            stats.add("prefix_hits", torch.tensor(float(prefix["hits"])))
+            stats.add("prefix_misses", torch.tensor(float(prefix["misses"])))
+            stats.max("prefix_mib", torch.tensor(prefix["bytes"] / 2 ** 20))
         for key, n in self.reward_source.take_counts().items():  # --reward_workers: timeouts, restarts
             stats.add(f"reward_{key}", torch.tensor(float(n)))
         stats.max("peak_rss_mib", torch.tensor(peak_rss_mib()))  # the largest rank's, in the same collective
