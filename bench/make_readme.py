@@ -308,6 +308,26 @@ def rollout_servers(r, res):
     return out
 
 
+@section("## 0e. The GRPO example without the work nothing reads (CPU, 1 rank)", "cpu/grpo_example.json",
+         "`python bench/grpo_example.py --steps 3 --rounds 2` (needs `bash scripts/install.sh --demo`)")
+def grpo_example(r, res):
+    out = [f"`{r['command']}` — examples/grpo_arithmetic.yaml (SmolLM2-135M-Instruct, fp32, 8 prompts x 4 samples, "
+           "kl_coef 0 and kl_loss_coef 0, the top 4 of 30 blocks trained), one launch per variant in turn: `before` "
+           "builds a reference for objective/kl and computes every block in every forward; `no_reference` builds "
+           "none; `lean` (the defaults) also starts the training forwards from the frozen blocks' output kept from "
+           f"the experience forward. Medians over each launch's iterations after the first, then over launches; "
+           f"{machine_line(r['machine'])}; CPU flags: {' '.join(r['cpu_flags']) or 'no AVX-512'}.", ""]
+    rows = []
+    for name, v in r["variants"].items():
+        its = [m["time/iteration"] for m in v["launches"]]
+        rows.append([name, f"{fmt(v['median']['time/iteration'])} ({fmt(min(its))}-{fmt(max(its))})",
+                     fmt(v["median"]["time/generate"]), fmt(v["median"]["time/experience"]),
+                     fmt(v["median"]["time/train"]), fmt(r["ratios"][name]["time/iteration"])])
+    out += table(["variant", "iteration s (launch min-max)", "generate s", "experience s", "train s",
+                  "iteration / before"], rows)
+    return out + [""]
+
+
 @section("## 1. One PPO iteration, phase by phase (CPU)", "cpu/phases.json", "`bash bench/run_cpu.sh phases`")
 def phases(r, res):
     vs = [v["summary"] for v in summaries(r)]

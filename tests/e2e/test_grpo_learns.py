@@ -29,7 +29,7 @@ def _gain(records: list, k: int = 4) -> float:
 
 @pytest.mark.slow
 @pytest.mark.learning
-@pytest.mark.timeout(1800)  # about 4-6 minutes on the 2-core CPU (10 iterations of 18-31 s, and the start)
+@pytest.mark.timeout(1800)  # about 3-4 minutes on the 2-core CPU (10 iterations of 17-25 s, and the start)
 def test_grpo_arithmetic_learns_in_10_iterations(tmp_path):
     records = run_example("examples/grpo_arithmetic.yaml", str(tmp_path / "learn"), "--max_steps", "10")
     scores = [round(r["objective/score"], 3) for r in records if "objective/score" in r]

@@ -1,0 +1,87 @@
+"""The GRPO example (examples/grpo_arithmetic.yaml) per phase, with and without the work that nothing reads (#62):
+one launch of launch/train_ppo.py per variant, the variants in turn, `--rounds` times; medians of each launch's
+iterations after the first (its warm-up).
+
+    python bench/grpo_example.py [--steps 3] [--rounds 2] [--out bench/results/cpu/grpo_example.json]
+
+Variants: `before` builds the reference for objective/kl and computes every block in every forward (the path before
+either change); `no_reference` builds no reference (kl_coef 0, kl_loss_coef 0: nothing reads it); `lean` also
+starts every later forward from the frozen blocks' kept output (the defaults). Needs the demo assets
+(scripts/install.sh --demo).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+BENCH = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(BENCH)
+sys.path.insert(0, BENCH)
+import benchlib as bl  # noqa: E402
+
+VARIANTS = {
+    "before": ["--monitor_reference_kl", "true", "--reuse_frozen_prefix", "false"],
+    "no_reference": ["--reuse_frozen_prefix", "false"],
+    "lean": [],
+}
+KEYS = ("time/iteration", "time/generate", "time/experience", "time/train")
+
+
+def cpu_flags() -> list:
+    """The CPU's AVX-512 and AMX flags (bf16 speed differs by an order of magnitude without them)."""
+    with open("/proc/cpuinfo") as f:
+        flags = next((line.split(":", 1)[1].split() for line in f if line.startswith("flags")), [])
+    return sorted(f for f in flags if f.startswith(("avx512", "amx")))
+
+
+def launch(extra: list, steps: int, out: str) -> list:
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "WANDB_MODE": "offline",
+           "DS_ACCELERATOR": "cpu", "TOKENIZERS_PARALLELISM": "false"}
+    cmd = [sys.executable, "launch/train_ppo.py", "--config", "examples/grpo_arithmetic.yaml", "--output_dir", out,
+           "--max_steps", str(steps), "--export_final", "false", *extra]
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=1800)
+    if proc.returncode != 0:
+        raise RuntimeError(f"{' '.join(cmd)} exited {proc.returncode}:\n{proc.stderr[-3000:]}")
+    with open(os.path.join(out, "metrics.jsonl")) as f:
+        records = [json.loads(line) for line in f if line.strip()]
+    return [r for r in records if "objective/score" in r]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--steps", type=int, default=3)
+    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--out", default=os.path.join(BENCH, "results", "cpu", "grpo_example.json"))
+    args = ap.parse_args()
+    result = {"machine": bl.machine_info(), "cpu_flags": cpu_flags(), "steps": args.steps, "rounds": args.rounds,
+              "command": f"python bench/grpo_example.py --steps {args.steps} --rounds {args.rounds}",
+              "variants": {name: {"flags": flags, "launches": []} for name, flags in VARIANTS.items()}}
+    t0 = time.time()
+    with tempfile.TemporaryDirectory() as tmp:
+        for rnd in range(args.rounds):
+            for name, flags in VARIANTS.items():
+                records = launch(flags, args.steps, os.path.join(tmp, f"{name}{rnd}"))[1:]  # after the warm-up
+                med = {k: statistics.median(r[k] for r in records if r.get(k) is not None) for k in KEYS}
+                med["reused"] = records[-1].get("batch/frozen_prefix_reused")
+                med["scores"] = [r["objective/score"] for r in records]
+                result["variants"][name]["launches"].append(med)
+                print(name, rnd, {k: round(v, 2) for k, v in med.items() if isinstance(v, float)}, flush=True)
+    for v in result["variants"].values():
+        v["median"] = {k: statistics.median(m[k] for m in v["launches"]) for k in KEYS}
+    base = result["variants"]["before"]["median"]
+    result["ratios"] = {name: {k: v["median"][k] / base[k] for k in KEYS} for name, v in result["variants"].items()}
+    result["wall_s"] = round(time.time() - t0, 1)
+    os.makedirs(os.path.dirname(args.out), exist_ok=True)
+    with open(args.out, "w") as f:
+        json.dump(result, f, indent=1)
+    print(json.dumps(result["ratios"], indent=1))
+
+
+if __name__ == "__main__":
+    main()
