@@ -57,22 +57,29 @@ class EnvCalls:
     def _work(self) -> None:
         me = threading.current_thread()
         while True:
-            fn, fut, started = self._jobs.get()
-            if not fut.set_running_or_notify_cancel():
-                continue
-            started.append((time.monotonic(), me))
-            try:
-                result, error = fn(), None
-            except BaseException as e:  # noqa: BLE001  (reported as the row's error)
-                result, error = None, e
-            with self._lock:  # done and abandoned exclude each other: `run` checks done() under the same lock
-                if error is None:
-                    fut.set_result(result)
-                else:
-                    fut.set_exception(error)
-                if me in self._stuck:  # replaced while it ran: leave, so the pool keeps its width
-                    self._stuck.discard(me)
-                    return
+            if not self._work_one(me, *self._jobs.get()):
+                return
+
+    def _work_one(self, me: threading.Thread, fn: Callable[[], Any], fut: Future, started: list) -> bool:
+        """One call; False when this thread was replaced while it ran (it leaves, so the pool keeps its width). A
+        function of its own so that an idle thread's frame holds nothing of its last call (its environment, and
+        through it the trainer)."""
+        if not fut.set_running_or_notify_cancel():
+            return True
+        started.append((time.monotonic(), me))
+        try:
+            result, error = fn(), None
+        except BaseException as e:  # noqa: BLE001  (reported as the row's error)
+            result, error = None, e
+        with self._lock:  # done and abandoned exclude each other: `run` checks done() under the same lock
+            if error is None:
+                fut.set_result(result)
+            else:
+                fut.set_exception(error)
+            if me in self._stuck:
+                self._stuck.discard(me)
+                return False
+        return True
 
     def run(self, calls: Sequence[Callable[[], Any]]) -> list[Outcome]:
         """Run every call; each may take `timeout_s` from the moment a thread starts it. Raises

@@ -10,6 +10,7 @@ run's metrics do not depend on the runs before it in its launch.
   (lazy imports) whichever it is.
 """
 import os
+import re
 import time
 
 import pytest
@@ -120,15 +121,23 @@ def test_alone_equals_shared(two_rank, ppo_harness):
     assert stable_metrics(shared_runs[CONTROL]) != stable_metrics(shared)
 
 
+# runs at ZeRO-2 or 3 (named *_z2 / *_z3 in test_environments.py): DeepSpeed itself keeps their engines (every ZeRO-3
+# model in deepspeed.runtime.zero.parameter_offload.FWD_MODULE_STACK; a ZeRO-2 actor through its optimizer's
+# grad-accumulation hook, DeepSpeedEngine._backward_post_hook), frozen or not
+KEPT_BY_DEEPSPEED = re.compile(r"_z[23](_|$)")
+
+
 @pytest.mark.distributed
 def test_no_run_is_kept_to_the_end_of_its_launch(two_rank, ppo_harness):
     """spec_runner.settle, after each run, froze none of its DeepSpeed engines: the run's trainer and engines were
-    collected (frozen, they would stay in memory to the end of the launch: settle() inside the run's function, as
-    before `spec_runner.settled`, froze the 3 engines of every tiny PPO run measured). test_ppo_trainer.py's runs
-    and this module's: ZeRO-3 runs and environment runs keep their engines through the library's and DeepSpeed's
-    own references (spec_runner.settle says which), frozen or not."""
+    collected (frozen, they would stay in memory to the end of the launch). Measured before the fixes: settle()
+    inside the run's function froze the 3 engines of every tiny PPO run, and an environment run's idle EnvCalls
+    threads kept its 3 engines through their last call's frame. test_ppo_trainer.py's and test_environments.py's
+    runs, but those DeepSpeed keeps (KEPT_BY_DEEPSPEED)."""
     runs = [two_rank["alone"]] + [run for group in ("two_rank", "one_rank") for m in ppo_harness.modules(group)
-                                  if m.rsplit(".", 1)[-1] == "test_ppo_trainer"
+                                  if m.rsplit(".", 1)[-1] in ("test_ppo_trainer", "test_environments")
                                   for run in dict.values(ppo_harness.runs(m, group))
                                   if not isinstance(run, RunMissing)]  # a run that failed fails its own tests
-    assert [r["name"] for r in runs if r["engines_frozen"]] == []
+    kept = [(r["name"], r["engines_frozen"]) for r in runs if r["engines_frozen"]]
+    assert all(KEPT_BY_DEEPSPEED.search(name) for name, _ in kept), kept
+    assert len(runs) - len(kept) >= 20  # most runs are checked

@@ -33,7 +33,7 @@ from rlhf_engine.assets import tiny_prompts  # noqa: E402
 from rlhf_engine.config import TrainConfig  # noqa: E402
 from rlhf_engine.engine import RLHFEngine, init_distributed, load_tokenizer, plan_engine  # noqa: E402
 from rlhf_engine.rollout import Rollout, pad_prompts, position_ids_from_mask  # noqa: E402
-from spec_runner import settle  # noqa: E402
+from spec_runner import settled  # noqa: E402
 
 MAX_NEW = 8  # max_answer_seq_len of every placement
 STEPS = 2  # optimizer steps per trained role and placement
@@ -203,6 +203,7 @@ def responses(r: Rollout) -> list:
     return [r.responses[b, : int(r.response_lengths[b])].tolist() for b in range(r.batch_size)]
 
 
+@settled  # spec_runner.py: settle() once the run has returned (nothing of it held any more)
 def run_placement(name: str, args, plan: dict, dist, results: dict, start_folders: dict) -> None:
     t0 = time.time()
     rank, world = dist.rank, dist.world_size
@@ -310,8 +311,6 @@ def run_placement(name: str, args, plan: dict, dist, results: dict, start_folder
 
     res["total_s"] = time.time() - t0
     results["placements"][name] = res
-    del e
-    settle()  # spec_runner.py
 
 
 def reload_export(out_dir: str, r: Rollout, post: dict) -> dict:

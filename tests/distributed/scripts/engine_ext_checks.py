@@ -31,7 +31,7 @@ from rlhf_engine.engine import RLHFEngine, init_distributed  # noqa: E402
 from rlhf_engine.engine.generation import BACKENDS  # noqa: E402
 from rlhf_engine.engine.preflight import plan_engine  # noqa: E402
 from rlhf_engine.rollout import Rollout, pad_prompts  # noqa: E402
-from spec_runner import settle  # noqa: E402
+from spec_runner import settled  # noqa: E402
 
 LR = 1e-2
 
@@ -105,6 +105,7 @@ def train(e: RLHFEngine, r: Rollout, steps: int, after_actor_step=None) -> None:
 
 
 # ---- LoRA ------------------------------------------------------------------------------------------------------
+@settled  # spec_runner.py: settle() once the run has returned (nothing of it held any more)
 def run_lora(name: str, stage: int, args, dist) -> dict:
     t0 = time.time()
     torch.manual_seed(0)  # the adapter's initial weights (DeepSpeed broadcasts rank 0's anyway)
@@ -158,8 +159,6 @@ def run_lora(name: str, stage: int, args, dist) -> dict:
             res["export"] = {"error": traceback.format_exc()}
     torch.distributed.barrier()
     res["total_s"] = time.time() - t0
-    del e
-    settle()  # spec_runner.py
     return res
 
 
@@ -201,6 +200,7 @@ class CollectiveCounter:
         return out, dict(self.counts)
 
 
+@settled  # spec_runner.py: settle() once the run has returned (nothing of it held any more)
 def run_ema_and_gather(args, dist) -> dict:
     t0 = time.time()
     beta = 0.6
@@ -303,8 +303,6 @@ def run_ema_and_gather(args, dist) -> dict:
     res["layers"] = len(e.actor.module.transformer.h)
     res["actor_params"] = len(list(e.actor.module.parameters()))
     res["total_s"] = time.time() - t0
-    del e
-    settle()  # spec_runner.py
     return res
 
 

@@ -70,14 +70,16 @@ def settle() -> int:
       compiled patterns), which lives to the end of the process anyway;
     * what the library or DeepSpeed still holds of the run, kept to the end of the process frozen or not (measured
       in the shared launches): a ZeRO-3 run's models, hooks and engines (DeepSpeed appends every ZeRO-3 model to
-      `deepspeed.runtime.zero.parameter_offload.FWD_MODULE_STACK` and never removes it: 4 engines per run), an
-      environment run's trainer and engines (the worker threads of `rlhf_engine.envs.calls.EnvCalls`, 8 per run,
-      never end, and each idle thread's frame still holds its last call: 2-3 engines per run), and what
-      `comm.at_shutdown` callbacks hold until the launch's shutdown (a run's vLLM engine, its servers' client).
-    Nothing else of a run may be among them: called inside a run's function, settle() froze the run's trainer and
-    engines that its locals still held, and every run of a shared launch stayed in memory to its end (until
-    `settled`). The returned count is in each harness result ("engines_frozen"); test_shared_launch.py checks it is
-    0 for test_ppo_trainer.py's runs, and that a run alone equals the same run in the shared launch."""
+      `deepspeed.runtime.zero.parameter_offload.FWD_MODULE_STACK` and never removes it: 3-4 engines per run), a
+      ZeRO-2 actor (its optimizer's grad-accumulation hook, `DeepSpeedEngine._backward_post_hook`, stays
+      reachable), and what `comm.at_shutdown` callbacks hold until the launch's shutdown (a run's vLLM engine, its
+      servers' client).
+    Nothing else of a run may be among them. Two holders were fixed: called inside a run's function, settle() froze
+    the run's trainer and engines that its locals still held (until `settled`), and an environment run's idle
+    `EnvCalls` threads kept their last call's frame, with its 3 engines (until `EnvCalls._work_one`). The returned
+    count is in each harness result ("engines_frozen"); test_shared_launch.py checks it is 0 for every run of
+    test_ppo_trainer.py and test_environments.py that DeepSpeed does not keep, and that a run alone equals the same
+    run in the shared launch."""
     import gc
 
     gc.collect()
@@ -95,15 +97,15 @@ def live_engines() -> int:
     return sum(1 for o in gc.get_objects() if isinstance(o, DeepSpeedEngine))
 
 
-def settled(run_one: Callable[[dict], Optional[dict]]) -> Callable[[dict], Optional[dict]]:
+def settled(run_one: Callable[..., Optional[dict]]) -> Callable[..., Optional[dict]]:
     """`run_one`, then `settle()` once it has returned: its frame, and what its locals held, are gone by then. A
-    result gets "engines_frozen", settle's count."""
+    result (a dict) gets "engines_frozen", settle's count."""
 
     @functools.wraps(run_one)
-    def run_then_settle(spec: dict) -> Optional[dict]:
-        result = run_one(spec)
+    def run_then_settle(*args, **kwargs) -> Optional[dict]:
+        result = run_one(*args, **kwargs)
         frozen = settle()
-        if result is not None:
+        if isinstance(result, dict):
             result["engines_frozen"] = frozen
         return result
 

@@ -34,7 +34,7 @@ sys.path.insert(0, ROOT)
 
 import torch  # noqa: E402
 
-from spec_runner import settle  # noqa: E402
+from spec_runner import settled  # noqa: E402
 
 
 def digest(tensors) -> str:
@@ -74,6 +74,7 @@ def gather(obj):
     return out
 
 
+@settled  # spec_runner.py: settle() once the run has returned (nothing of it held any more)
 def run_one(spec: dict):
     from rlhf_engine.cli import parse_args
     from rlhf_engine.hooks import TestHooks
@@ -101,8 +102,6 @@ def run_one(spec: dict):
             "warnings": handler.messages}
     per_rank = gather(mine)
     trainer.guard.remove_hooks()
-    del trainer
-    settle()  # spec_runner.py
     return {"name": spec["name"], "records": records, "ranks": per_rank}
 
 
