@@ -234,6 +234,9 @@ def parse_args(argv: Optional[Sequence[str]] = None, description: str = "", conf
         apply_overrides(cfg, _read_config_file(path), f"config file {path}", given)
     apply_overrides(cfg, ns, "command line", given)
     if isinstance(cfg, TrainConfig):  # the estimator family's defaults, where the run set nothing itself
+        from .engine.generation.choice import resolve_auto  # no deepspeed import: the backend's defaults need it
+
+        resolve_auto(cfg)
         apply_estimator_defaults(cfg, given)
     return cfg.validate()
 

@@ -1,7 +1,7 @@
 """How the engines are built beyond the roles: LoRA reference, EMA, ZeRO-3 generation, generation backend, packing."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from ..errors import Problems
 from .fields import DTYPES, check_choice, check_positive, is_number, opt
@@ -51,15 +51,20 @@ class EngineConfig:
                              "rows, not experience_micro_batch_size) so that experience and training see identical "
                              "tensors. Numbers at real tokens are unchanged up to kernel rounding. Off by default: "
                              "measured no faster (bench/README.md, padding trimming).")
-    generation_backend: str = opt("lean", "What generates the rollouts (rlhf_engine/engine/generation/, "
-                                  "docs/rollout-engines.md): lean = our own decoding loop over the actor's forward "
-                                  "and KV cache (the default; the same distribution and stop rules as hf, faster); "
+    generation_backend: str = opt("auto", "What generates the rollouts (rlhf_engine/engine/generation/, "
+                                  "docs/rollout-engines.md): auto (the default) = vllm where vLLM is installed, the "
+                                  "run samples the full distribution and vLLM serves the actor's architecture, else "
+                                  "lean (the run logs which and why); lean = our own decoding loop over the actor's "
+                                  "forward and KV cache (the same distribution and stop rules as hf, faster); "
                                   "hf = Hugging Face generate on the actor (the reference); both follow "
                                   "generation_gather_once under ZeRO-3; vllm = a vLLM engine on each rank, loaded "
                                   "with the actor's weights after every optimizer step (the vllm extra; "
                                   "rollout_correction defaults to token_truncate); hybrid = DeepSpeed's Hybrid Engine "
                                   "(GPU only, DeepSpeed-inference architectures only, no LoRA; unverified here; "
                                   "stops at start-up where it cannot run, unless hybrid_engine_fallback).")
+    # not a flag, not compared: what `auto` chose and why (set when the run's config is read, logged at start-up)
+    generation_backend_auto: str = field(default="", compare=False, metadata={"help": "what generation_backend auto "
+                                                                             "chose and why"})
     vllm_kv_cache_mb: int = opt(0, "vllm: MiB of the engine's KV cache on each rank; 0 = sized from the run "
                                 "(one generate call's rows, per_device_generation_batch_size x n_samples_per_prompt, "
                                 "of max_prompt_seq_len + the response budget at once, plus a quarter). A smaller cache is still correct, only slower.")

@@ -34,7 +34,7 @@ class TrainConfig:
     data: DataConfig = opt(None, "Prompt data.")
     logging: LoggingConfig = opt(None, "Metrics sinks besides metrics.jsonl.")
     engine: EngineConfig = opt(None, "How the engines are built: LoRA reference, EMA, ZeRO-3 generation, backend, "
-                               "packing.")
+                               "packing.", skip_flags=("generation_backend_auto",))
     env: EnvConfig = opt(None, "Multi-turn environments.")
     run: RunConfig = opt(None, "Run directory, checkpoints and resume, timeouts, preemption signals.")
     scoring: ScoringConfig = opt(None, "What scores the rollouts when it is not a reward model.")

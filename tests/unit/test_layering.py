@@ -30,7 +30,8 @@ ALLOWED = {
     "outputs": {"errors"},
     "data": {"comm", "config", "errors", "rollout", "pretrained"},
     "servers": set(),  # rollout servers: HTTP client, pool, weight push, the vLLM extension (torch, vLLM, stdlib)
-    "engine": {"comm", "config", "errors", "hf_fields", "hooks", "packing", "ppo_math", "rollout", "servers"},
+    "engine": {"comm", "config", "errors", "hf_fields", "hooks", "packing", "ppo_math", "pretrained", "rollout",
+               "servers"},  # pretrained: the built-in model names (generation/choice.py reads the actor's config)
     "trainer": {"comm", "config", "data", "engine", "envs", "errors", "estimators", "hf_fields", "outputs", "policy_losses",
                 "ppo_math", "pretrained",
                 "rewards", "rollout", "faults", "hooks", "signals"},
