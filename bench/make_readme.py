@@ -328,6 +328,29 @@ def grpo_example(r, res):
     return out + [""]
 
 
+@section("## 0f. Against TRL's GRPOTrainer on the GRPO example (CPU, 1 process each)", "cpu/trl_side_by_side.json",
+         "`bash bench/trl_grpo/install.sh && python bench/trl_side_by_side.py --rounds 2 --iterations 12`")
+def trl_side_by_side(r, res):
+    out = [f"`{r['command']}` — ours (`launch/train_ppo.py --config examples/grpo_arithmetic.yaml`, its defaults) "
+           "and TRL's GRPOTrainer on the same settings (bench/trl_grpo/run.py: model folder, rows and chat template, "
+           "reward, freezing, 8 prompts x 4 samples, 2 optimizer steps per round, optimizer, fp32, seed), launches "
+           "alternating, ours first, each with one thread (OMP_NUM_THREADS=1 for both; ../shared/peer/trl-grpo's "
+           "TRL figure, 19.1 s, had torch's default of one per core). Per-iteration time: the median of each launch's iterations after the first; "
+           f"time to accuracy >= {r['target_accuracy']}: the summed iteration times to the end of the first "
+           f"{r['window']}-iteration window whose mean accuracy reaches it. {machine_line(r['machine'])}; CPU "
+           f"flags: {' '.join(r['cpu_flags']) or 'no AVX-512'}.", ""]
+    rows = []
+    for name, launches in r["launches"].items():
+        for i, s in enumerate(launches):
+            ph = s["phases_median_s"]
+            rows.append([name, i + 1, fmt(s["median_iteration_s"]), fmt(ph["time/generate"]),
+                         fmt(ph["time/experience"]), fmt(ph["time/train"]), fmt(s["time_to_target_s"]),
+                         " / ".join(fmt(w) for w in s["accuracy_windows"])])
+    out += table(["program", "launch", "s / iteration", "generation s", "experience s", "training s",
+                  "s to accuracy", "accuracy by window"], rows)
+    return out + ["", f"Ours / TRL per iteration (medians over launches): **{fmt(r['ours_over_trl'])}**.", ""]
+
+
 @section("## 1. One PPO iteration, phase by phase (CPU)", "cpu/phases.json", "`bash bench/run_cpu.sh phases`")
 def phases(r, res):
     vs = [v["summary"] for v in summaries(r)]
