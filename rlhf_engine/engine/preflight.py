@@ -15,6 +15,7 @@ from typing import Any, Mapping, Optional
 from ..config import ROLES, RoleConfig, TrainConfig
 from ..errors import Problems
 from ..hf_fields import max_positions
+from .generation.choice import resolve_auto
 from .ds_config import load_user_config
 from .models import prepare_tokenizer
 
@@ -145,6 +146,7 @@ def plan_engine(cfg: TrainConfig, num_training_steps: int = 0) -> EnginePlan:
     """Resolve and check every role, load the actor's tokenizer (once), decide the generation path; raise one
     `ConfigError` listing all problems. Each step below adds its problems and goes on, so one run reports them all."""
     p = Problems()
+    resolve_auto(cfg)  # a config built in code (parse_args and plan_ppo resolved it already otherwise)
     paths = resolve_paths(cfg)
     check_required_paths(cfg, paths, p)
     configs = load_role_configs(cfg, paths, p)
