@@ -5,8 +5,9 @@ iterations after the first (its warm-up).
     python bench/grpo_example.py [--steps 3] [--rounds 2] [--out bench/results/cpu/grpo_example.json]
 
 Variants: `before` builds the reference for objective/kl and computes every block in every forward (the path before
-either change); `no_reference` builds no reference (kl_coef 0, kl_loss_coef 0: nothing reads it); `lean` also
-starts every later forward from the frozen blocks' kept output (the defaults). Needs the demo assets
+these changes); `no_reference` builds no reference (kl_coef 0, kl_loss_coef 0: nothing reads it); `frozen_prefix`
+also starts every later forward from the frozen blocks' kept output; `lean` (the defaults) also leaves the first
+mini-batch's old log-probs to its own training forward (--old_logprobs_from_update). Needs the demo assets
 (scripts/install.sh --demo).
 """
 from __future__ import annotations
@@ -27,7 +28,8 @@ import benchlib as bl  # noqa: E402
 
 VARIANTS = {
     "before": ["--monitor_reference_kl", "true", "--reuse_frozen_prefix", "false"],
-    "no_reference": ["--reuse_frozen_prefix", "false"],
+    "no_reference": ["--reuse_frozen_prefix", "false", "--old_logprobs_from_update", "false"],
+    "frozen_prefix": ["--old_logprobs_from_update", "false"],
     "lean": [],
 }
 KEYS = ("time/iteration", "time/generate", "time/experience", "time/train")

@@ -314,8 +314,9 @@ def grpo_example(r, res):
     out = [f"`{r['command']}` — examples/grpo_arithmetic.yaml (SmolLM2-135M-Instruct, fp32, 8 prompts x 4 samples, "
            "kl_coef 0 and kl_loss_coef 0, the top 4 of 30 blocks trained), one launch per variant in turn: `before` "
            "builds a reference for objective/kl and computes every block in every forward; `no_reference` builds "
-           "none; `lean` (the defaults) also starts the training forwards from the frozen blocks' output kept from "
-           f"the experience forward. Medians over each launch's iterations after the first, then over launches; "
+           "none; `frozen_prefix` also starts the training forwards from the frozen blocks' output kept from the "
+           "experience forward; `lean` (the defaults) also leaves the first mini-batch's old log-probs to its own "
+           "training forward (--old_logprobs_from_update; variants missing from a result predate it). Medians over each launch's iterations after the first, then over launches; "
            f"{machine_line(r['machine'])}; CPU flags: {' '.join(r['cpu_flags']) or 'no AVX-512'}.", ""]
     rows = []
     for name, v in r["variants"].items():

@@ -103,6 +103,12 @@ class PPOConfig:
                                      "it (kl_coef 0, kl_loss_coef 0, no adaptive_kl): a reference forward per "
                                      "iteration for a monitor. Off, such a run builds no reference engine (memory "
                                      "and time) and logs no objective/kl; with a KL term the KL is always logged.")
+    old_logprobs_from_update: bool = opt(True, "Where nothing reads the old log-probs before training (no "
+                                         "reference, rollout_correction none) and ppo_epochs is 1, the first "
+                                         "mini-batch's old log-probs are its own training forward's, detached: the "
+                                         "policy has not moved yet, so its ratios are exactly 1 (as TRL does); the "
+                                         "experience forward runs only on the later mini-batches' rows. false = "
+                                         "every row's old log-probs from the experience forward.")
     kl_loss_estimator: str = opt("k2", "Per-token estimator of the KL loss, with d = log pi - log pi_ref: k1 = d "
                                  "(gradient: grad log pi, zero in expectation), k2 = d^2/2 (gradient: d grad log pi, "
                                  "the reverse-KL gradient), k3 = exp(-d) - 1 + d (an unbiased KL value, but its "
@@ -169,6 +175,15 @@ class PPOConfig:
             (is_number(self.kl_loss_coef) and self.kl_loss_coef > 0)
         return kl_term or self.monitor_reference_kl is True
 
+    @property
+    def defers_old_logprobs(self) -> bool:
+        """Whether the first mini-batch takes its old log-probs from its own training forward
+        (`old_logprobs_from_update`): only where nothing reads them before training (no reference: KL terms and the
+        monitor; no rollout correction) and one epoch reads them once (a later epoch would recompute the rows'
+        frozen prefix, which the experience forward keeps)."""
+        return self.old_logprobs_from_update is True and self.ppo_epochs == 1 and not self.reads_reference and \
+            self.rollout_correction == "none"
+
     def validate(self, p: Problems, prefix: str = "") -> None:
         check_positive(p, prefix, self, "ppo_epochs", "kl_horizon")
         check_positive(p, prefix, self, "missing_eos_penalty", allow_zero=True)
@@ -196,8 +211,9 @@ class PPOConfig:
                   "no dual clip: drop it")
         check_choice(p, prefix, self, "kl_loss_estimator", KL_ESTIMATORS)
         check_choice(p, prefix, self, "loss_agg_mode", LOSS_AGG_MODES)
-        if not isinstance(self.monitor_reference_kl, bool):
-            p.add(prefix + "monitor_reference_kl", self.monitor_reference_kl, "must be true or false")
+        for n in ("monitor_reference_kl", "old_logprobs_from_update"):
+            if not isinstance(getattr(self, n), bool):
+                p.add(prefix + n, getattr(self, n), "must be true or false")
         check_positive(p, prefix, self, "kl_loss_coef", "overlong_buffer_len", "overlong_penalty_factor", allow_zero=True)
         if self.clip_eps_high is not None and not (is_number(self.clip_eps_high) and self.clip_eps_high >= 0):
             p.add(prefix + "clip_eps_high", self.clip_eps_high, "must be >= 0 (or None for clip_eps)")

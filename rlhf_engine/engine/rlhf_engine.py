@@ -382,6 +382,9 @@ class RLHFEngine:
         """[B, R] fp32 actor log-probs (0 on padding), eval mode; with_entropy also returns [B, R] entropy."""
         if self.frozen_prefix is not None:  # a new rollout: the last one's prefix outputs are done with
             self.frozen_prefix.clear()
+        if rollout.batch_size == 0:  # every row's old log-probs come from training (the same on every rank)
+            empty = torch.zeros((0, rollout.response_width), device=self.device)
+            return (empty, empty.clone()) if with_entropy else empty
         self._capturing = True
         try:
             outs = self._eval_chunks("actor", rollout, lambda e, mb: self._lm_forward(e, mb, with_entropy))

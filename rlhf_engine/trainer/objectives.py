@@ -58,17 +58,21 @@ class ActorObjective:
         # per-token weights: only for the other aggregation modes and the KL loss (token_mean divides by the count)
         self.needs_weights = ppo.loss_agg_mode != "token_mean" or bool(ppo.kl_loss_coef)
 
-    def __call__(self, micro: Experience, counts: Counts) -> tuple[torch.Tensor, dict]:
+    def __call__(self, micro: Experience, counts: Counts, on_policy: bool = False) -> tuple[torch.Tensor, dict]:
         """Training forward and loss of one micro-batch -> (loss [], stats: the policy loss's, `policy_term` (the
-        policy loss alone), `kl_loss`, `max_abs_log_ratio` (fp64, the ratio trace); all detached)."""
+        policy loss alone), `kl_loss`, `max_abs_log_ratio` (fp64, the ratio trace); all detached). `on_policy`: no
+        optimizer step since the rollout, and the micro-batch's old log-probs were left to this forward
+        (`PPOConfig.defers_old_logprobs`): they are its own log-probs, detached (every ratio exactly 1), returned in
+        the stats as `old_logprobs` with the `entropy` [b, R] the experience forward would have given."""
         ppo, r = self.ppo, micro.rollout
         # check=False: no host sync per micro-batch; its ids and masks were checked with the whole experience
-        logprobs, entropy = self.engine.actor_forward(r, with_entropy=self.with_entropy, check=False)
+        logprobs, entropy = self.engine.actor_forward(r, with_entropy=self.with_entropy or on_policy, check=False)
+        old_logprobs = logprobs.detach() if on_policy else micro.old_logprobs
         pmask = r.action_mask if micro.policy_mask is None else micro.policy_mask
         weights = (loss_token_weights(pmask, ppo.loss_agg_mode, counts.policy_tokens, counts.policy_seqs,
                                       self.max_len) if self.needs_weights else None)
         loss, stats = self.policy_loss(
-            logprobs=logprobs, old_logprobs=micro.old_logprobs, advantages=corrected_advantages(micro),
+            logprobs=logprobs, old_logprobs=old_logprobs, advantages=corrected_advantages(micro),
             action_mask=pmask, clip_eps=ppo.clip_eps, clip_eps_high=ppo.upper_clip, dual_clip=ppo.dual_clip,
             num_tokens=counts.policy_tokens, check=False,
             token_weights=None if ppo.loss_agg_mode == "token_mean" else weights)  # token_mean: sum / tokens
@@ -79,7 +83,9 @@ class ActorObjective:
             stats["kl_loss"] = kloss.detach()
         if self.with_entropy:
             loss = loss - ppo.entropy_coef * (entropy * r.action_mask).sum() / counts.tokens
-        stats["max_abs_log_ratio"] = max_abs_diff(logprobs, micro.old_logprobs, r.action_mask)
+        stats["max_abs_log_ratio"] = max_abs_diff(logprobs, old_logprobs, r.action_mask)
+        if on_policy:
+            stats["old_logprobs"], stats["entropy"] = old_logprobs, entropy.detach()
         return loss, stats
 
 

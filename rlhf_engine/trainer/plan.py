@@ -212,7 +212,11 @@ def forwards_summary(cfg: TrainConfig, roles: Mapping[str, RolePlan], generation
     `plan_ppo`)."""
     p = cfg.ppo
     where = "the rollout servers" if cfg.rollout.servers_on else f"generation_backend {generation_backend}"
-    parts = [f"generation on {where}", "actor experience forward (old log-probs: the ratio's denominator)"]
+    actor = ("actor experience forward on the rows after the first mini-batch (old log-probs: the ratio's "
+             "denominator; the first mini-batch's are its own training forward's, before any step: "
+             "old_logprobs_from_update)" if p.defers_old_logprobs else
+             "actor experience forward (old log-probs: the ratio's denominator)")
+    parts = [f"generation on {where}", actor]
     if "reference" in roles:
         readers = [what for on, what in ((p.kl_coef > 0, f"kl_coef {p.kl_coef:g}: the reward's KL penalty"),
                                           (p.adaptive_kl, "adaptive_kl"),

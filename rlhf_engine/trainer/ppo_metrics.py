@@ -69,6 +69,17 @@ def add_rollout_check(stats: MetricSums, rollout_logprobs: torch.Tensor, old_log
     stats.max("seq_logratio_max", d.sum(-1).abs().max())
 
 
+def add_on_policy_stats(stats: MetricSums, rows: Experience, old_logprobs: torch.Tensor,
+                        entropy: torch.Tensor) -> None:
+    """The experience metrics of rows whose old log-probs came from their first training forward
+    (`PPOConfig.defers_old_logprobs`): their entropy and rollout check, added where the experience left them out
+    (its `tokens` counted them already)."""
+    mask = rows.rollout.action_mask
+    stats.add("entropy_sum", (entropy * mask).sum())
+    if rows.rollout_logprobs is not None:
+        add_rollout_check(stats, rows.rollout_logprobs, old_logprobs, mask)
+
+
 def add_correction_stats(stats: MetricSums, mode: str, cs: dict) -> None:
     """rollout/correction_capped_frac (truncate modes: share of real tokens whose weight was cut to the cap),
     rollout/correction_masked_frac (mask modes: share of real tokens masked out of the policy loss),

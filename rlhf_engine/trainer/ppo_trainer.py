@@ -102,6 +102,7 @@ class PPOTrainer:
         self.actor_step = setup.actor_step(engine, cfg, self.guard, self.ptx, self.hooks)
         self.critic_step = setup.critic_step(engine, cfg.ppo, self.guard, self.hooks)
         self.experience_steps = experience_steps(cfg.ppo, cfg.batch.n_samples_per_prompt)  # correction, filter
+        self.defers_old = cfg.ppo.defers_old_logprobs  # the first mini-batch's old log-probs from its own forward
         self.reward_source = setup.reward_source(plan, engine)  # what scores the rollouts (trainer/reward_sources)
         self.evaluator = setup.evaluator(plan, engine)
         self.iteration = 0
@@ -163,7 +164,9 @@ class PPOTrainer:
             if gen.episode_stats is not None:
                 gen.episode_stats.add_to(stats)
         reward_fn = self.hooks.scores(self.reward_source, self.iteration)
-        fw = experience_forwards(self.engine, rollout, reward_fn)
+        # the first mini-batch's old log-probs left to its own training forward (PPOConfig.defers_old_logprobs)
+        k = self._on_policy_rows(rollout.batch_size)
+        fw = experience_forwards(self.engine, rollout, reward_fn, on_policy_rows=k)
         # every rank learns whether any rank's scoring failed before the next collective (normalizer, whitening)
         self.guard.agree(self.iteration, errors={"score": fw.error})
         raw_scores = fw.scores
@@ -172,8 +175,9 @@ class PPOTrainer:
         exp = build_experience(rollout, fw, scores, self.cfg.ppo, self.kl_ctl.value, group_ids=group_ids,
                                moments=global_mean_var)
         exp.rollout_logprobs = rollout_logprobs
-        if rollout_logprobs is not None:  # the live check: does the backend sample what PPO scores?
-            add_rollout_check(stats, rollout_logprobs, exp.old_logprobs, rollout.action_mask)
+        if rollout_logprobs is not None and k < rollout.batch_size:  # the live check: does the backend sample what
+            # PPO scores? (rows [0, k): after their training forward, ActorStep)
+            add_rollout_check(stats, rollout_logprobs[k:], exp.old_logprobs[k:], rollout.action_mask[k:])
         for step in self.experience_steps:  # rollout correction, then the uniform-group filter
             exp = step(exp, stats)
         self.hooks.advantages(exp.advantages, self.iteration)
@@ -185,6 +189,12 @@ class PPOTrainer:
             exp = whiten_advantages(exp)
         return exp
 
+    def _on_policy_rows(self, batch_size: int) -> int:
+        """Rows whose old log-probs this iteration's first training forward gives (the first mini-batch's, where the
+        actor trains and the run defers them: PPOConfig.defers_old_logprobs), else 0. The same on every rank."""
+        trains_actor = self.iteration >= self.cfg.ppo.critic_warmup_iterations
+        return min(self.cfg.batch.mini_batch_size, batch_size) if self.defers_old and trains_actor else 0
+
     def train_phase(self, exp: Experience, stats: MetricSums) -> None:
         """ppo_epochs x mini-batches x micro-batches of the actor and critic steps (trainer/update.py)."""
         it = self.iteration
@@ -195,10 +205,13 @@ class PPOTrainer:
         ptx = self.ptx if train_actor else None
         self.planner.start_phase(exp)
         actor_minibatches = 0  # they name the ratio-trace metrics in order
+        on_policy_rows = self._on_policy_rows(exp.batch_size)
+        mbs = self.cfg.batch.mini_batch_size
         for epoch in range(self.cfg.ppo.ppo_epochs):
-            for m, mini in enumerate(exp.split(self.cfg.batch.mini_batch_size)):
+            for m, mini in enumerate(exp.split(mbs)):
                 ptx_batches = ptx.next_mini_batch(self.engine.device) if ptx is not None else None
-                plan = self.planner.plan(exp, mini, m, ptx_batches, stats)
+                plan = self.planner.plan(exp, mini, m, ptx_batches, stats, start=m * mbs,
+                                         on_policy=bool(on_policy_rows) and epoch == 0 and m == 0)
                 for step in steps:
                     step.start_mini_batch()
                 for micro in plan.micro_batches:
@@ -212,6 +225,8 @@ class PPOTrainer:
                 if train_actor:
                     self.actor_step.end_mini_batch(stats, actor_minibatches)
                     actor_minibatches += 1
+                    for index, old in self.actor_step.take_fresh_old():  # the experience complete, as if computed
+                        exp.old_logprobs[index] = old
                 stats.add("minibatches", torch.tensor(1.0))
 
     # ---- loop ------------------------------------------------------------------------------------------------

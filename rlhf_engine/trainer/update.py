@@ -23,7 +23,7 @@ from ..comm import all_reduce
 from ..rollout import Experience
 from .metric_sums import MetricSums
 from .objectives import Counts
-from .ppo_metrics import add_policy_stats, add_value_stats
+from .ppo_metrics import add_on_policy_stats, add_policy_stats, add_value_stats
 from .ptx import ptx_loss
 
 RATIO_TRACE = "ratio_trace/"  # MetricSums keys of the per-mini-batch max |log-ratio| (popped into ratio_trace)
@@ -35,6 +35,10 @@ class MicroBatch:
     weight: float  # 1.0, or 0.0 for a dummy
     ptx: Optional[Any]  # its ptx batch (PPO-ptx while the actor trains), else None
     last: bool  # the mini-batch's last: the gradient-accumulation boundary
+    index: Any = None  # its rows in the experience (a slice or a list of indices)
+    # before any optimizer step of the iteration with old log-probs left to it (PPOConfig.defers_old_logprobs): its
+    # own forward's log-probs, detached, are its old log-probs (and its experience metrics: entropy, rollout check)
+    on_policy: bool = False
 
 
 @dataclass
@@ -67,19 +71,23 @@ class MicroBatchPlanner:
         """The experience's token-budget plan (the same micro-batches as its experience forwards), once a phase."""
         self._budget_plan = self.engine.micro_batches(exp.rollout) if self.by_tokens else None
 
-    def plan(self, exp: Experience, mini: Experience, m: int, ptx_batches: Optional[list],
-             stats: MetricSums) -> MiniBatchPlan:
-        """Mini-batch `m` of `exp` (`mini`) with its ptx batches -> its plan; counts its micro-batches in `stats`.
+    def plan(self, exp: Experience, mini: Experience, m: int, ptx_batches: Optional[list], stats: MetricSums,
+             start: int = 0, on_policy: bool = False) -> MiniBatchPlan:
+        """Mini-batch `m` of `exp` (`mini`, its rows from `start` on) with its ptx batches -> its plan; counts its
+        micro-batches in `stats`. `on_policy`: its micro-batches take their old log-probs from their own forward.
         Collective (the counts' all-reduce)."""
         tokens, policy, seqs, ptx = self.reduce_counts(global_counts(mini, ptx_batches, self.engine.device)
                                                        ).float().unbind()
         counts = Counts(tokens, policy.clamp(min=1.0), seqs.clamp(min=1.0), ptx)
-        rows = (mini.split(self.micro_batch_size) if self._budget_plan is None else
-                [None if r is None else exp.select(r) for r in self._budget_plan[m]])
+        n, size = mini.batch_size, self.micro_batch_size
+        index = ([slice(start + i, start + min(i + size, n)) for i in range(0, n, size)]
+                 if self._budget_plan is None else self._budget_plan[m])
+        rows = [None if r is None else exp.select(r) for r in index]
         stats.add("micro_batches", torch.tensor(float(len(rows))))
         stats.add("empty_micro_batches", torch.tensor(float(sum(r is None for r in rows))))
         micros = [MicroBatch(r if r is not None else mini.select([0]), 1.0 if r is not None else 0.0,
-                             ptx_batches[k] if ptx_batches and r is not None else None, k == len(rows) - 1)
+                             ptx_batches[k] if ptx_batches and r is not None else None, k == len(rows) - 1,
+                             index=index[k], on_policy=on_policy)
                   for k, r in enumerate(rows)]
         return MiniBatchPlan(counts, micros)
 
@@ -116,9 +124,13 @@ class ActorStep(UpdateStep):
         super().__init__(engine, objective, guard)
         self.unsup_coef = unsup_coef
         self.max_abs_log_ratio: Optional[torch.Tensor] = None
+        self.fresh_old: list = []  # (index, [b, R] old log-probs) of on-policy micro-batches, for the experience
 
     def start_mini_batch(self) -> None:
         self.max_abs_log_ratio = torch.zeros((), dtype=torch.float64, device=self.engine.device)
+
+    def objective_loss(self, micro: MicroBatch, counts: Counts) -> tuple[torch.Tensor, dict]:
+        return self.objective(micro.rows, counts, on_policy=micro.on_policy)
 
     def accumulate(self, micro: MicroBatch, counts: Counts, stats: MetricSums) -> None:
         loss, ps = self.objective_loss(micro, counts)
@@ -129,6 +141,14 @@ class ActorStep(UpdateStep):
         if micro.weight:
             add_policy_stats(stats, loss, ps)
             self.max_abs_log_ratio = torch.maximum(self.max_abs_log_ratio, ps["max_abs_log_ratio"])
+            if micro.on_policy:  # what the experience forward would have measured on these rows
+                add_on_policy_stats(stats, micro.rows, ps["old_logprobs"], ps["entropy"])
+                self.fresh_old.append((micro.index, ps["old_logprobs"]))
+
+    def take_fresh_old(self) -> list:
+        """The on-policy micro-batches' (index, old log-probs) since the last call."""
+        out, self.fresh_old = self.fresh_old, []
+        return out
 
     def _ptx_term(self, batch, counts: Counts, stats: MetricSums) -> torch.Tensor:
         """unsup_coef x the ptx loss of one micro-batch (its own forward), watched by the guard."""

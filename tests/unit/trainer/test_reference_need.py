@@ -56,7 +56,10 @@ def test_the_plan_names_each_forward_and_why(tiny, tmp_path):
 
 
 def _run(tiny, out, **flags):
-    trainer = build_trainer(parse_args(train_args(tiny, str(out), max_steps=2, **FLAGS, **NO_KL, **flags)))
+    # every old log-prob from the experience forward in both runs (the monitor's reference would otherwise turn
+    # old_logprobs_from_update off in one of them only): the reference is then the only difference
+    trainer = build_trainer(parse_args(train_args(tiny, str(out), max_steps=2, old_logprobs_from_update="false",
+                                                  **FLAGS, **NO_KL, **flags)))
     try:
         recs = [trainer.step() for _ in range(2)]
         weights = {k: v.clone() for k, v in trainer.engine.actor.module.state_dict().items()}
