@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -28,8 +29,10 @@ class RolloutServers:
             args = [sys.executable, os.path.join(ROOT, "launch", "rollout_server.py"), model, "--port", port,
                     "--host", "127.0.0.1", "--auth_token_env", TOKEN_ENV, "--max_model_len", str(max_model_len),
                     "--kv_cache_mb", str(kv_cache_mb)]
+            # a session of its own: stop() ends the whole group, vLLM's engine-core process with the server (one
+            # killed alone leaves its engine core running, holding a core and a GiB, after the tests)
             self.procs.append(subprocess.Popen(args, cwd=ROOT, env=clean_env(**{TOKEN_ENV: token}), stdout=log,
-                                               stderr=subprocess.STDOUT))
+                                               stderr=subprocess.STDOUT, start_new_session=True))
             log.close()
             self.urls.append(f"http://127.0.0.1:{port}")
 
@@ -67,12 +70,21 @@ class RolloutServers:
                 time.sleep(0.5)
 
     def stop(self) -> None:
+        """Every server's process group: SIGTERM, then SIGKILL to what is left after 30 s (a server a test killed
+        is gone, its engine core may not be)."""
         for p in self.procs:
-            if p.poll() is None:
-                p.terminate()
+            _signal_group(p, signal.SIGTERM)
         for p in self.procs:
             try:
                 p.wait(timeout=30)
             except subprocess.TimeoutExpired:
-                p.kill()
-                p.wait()
+                pass
+            _signal_group(p, signal.SIGKILL)
+            p.wait()
+
+
+def _signal_group(proc: subprocess.Popen, sig: int) -> None:
+    try:
+        os.killpg(proc.pid, sig)  # the group the server leads (start_new_session), alive or not
+    except ProcessLookupError:
+        pass
