@@ -308,6 +308,11 @@ def rollout_servers(r, res):
     return out
 
 
+def machine_and_flags(r) -> str:
+    """The result's machine line and its CPU's AVX-512 / AMX flags (bf16 speed depends on them)."""
+    return f"{machine_line(r['machine'])}; CPU flags: {' '.join(r['cpu_flags']) or 'no AVX-512'}."
+
+
 @section("## 0e. The GRPO example without the work nothing reads (CPU, 1 rank)", "cpu/grpo_example.json",
          "`python bench/grpo_example.py --steps 3 --rounds 2` (needs `bash scripts/install.sh --demo`)")
 def grpo_example(r, res):
@@ -316,8 +321,8 @@ def grpo_example(r, res):
            "builds a reference for objective/kl and computes every block in every forward; `no_reference` builds "
            "none; `frozen_prefix` also starts the training forwards from the frozen blocks' output kept from the "
            "experience forward; `lean` (the defaults) also leaves the first mini-batch's old log-probs to its own "
-           "training forward (--old_logprobs_from_update; variants missing from a result predate it). Medians over each launch's iterations after the first, then over launches; "
-           f"{machine_line(r['machine'])}; CPU flags: {' '.join(r['cpu_flags']) or 'no AVX-512'}.", ""]
+           "training forward (--old_logprobs_from_update; variants missing from a result predate it). Medians over "
+           f"each launch's iterations after the first, then over launches; {machine_and_flags(r)}", ""]
     rows = []
     for name, v in r["variants"].items():
         its = [m["time/iteration"] for m in v["launches"]]
@@ -336,10 +341,10 @@ def trl_side_by_side(r, res):
            "and TRL's GRPOTrainer on the same settings (bench/trl_grpo/run.py: model folder, rows and chat template, "
            "reward, freezing, 8 prompts x 4 samples, 2 optimizer steps per round, optimizer, fp32, seed), launches "
            "alternating, ours first, each with one thread (OMP_NUM_THREADS=1 for both; ../shared/peer/trl-grpo's "
-           "TRL figure, 19.1 s, had torch's default of one per core). Per-iteration time: the median of each launch's iterations after the first; "
-           f"time to accuracy >= {r['target_accuracy']}: the summed iteration times to the end of the first "
-           f"{r['window']}-iteration window whose mean accuracy reaches it. {machine_line(r['machine'])}; CPU "
-           f"flags: {' '.join(r['cpu_flags']) or 'no AVX-512'}.", ""]
+           "TRL figure, 19.1 s, had torch's default of one per core). Per-iteration time: the median of each "
+           f"launch's iterations after the first; time to accuracy >= {r['target_accuracy']}: the summed iteration "
+           f"times to the end of the first {r['window']}-iteration window whose mean accuracy reaches it. "
+           f"{machine_and_flags(r)}", ""]
     rows = []
     for name, launches in r["launches"].items():
         for i, s in enumerate(launches):
