@@ -354,7 +354,12 @@ def trl_side_by_side(r, res):
                          " / ".join(fmt(w) for w in s["accuracy_windows"])])
     out += table(["program", "launch", "s / iteration", "generation s", "experience s", "training s",
                   "s to accuracy", "accuracy by window"], rows)
-    return out + ["", f"Ours / TRL per iteration (medians over launches): **{fmt(r['ours_over_trl'])}**.", ""]
+    to_target = {name: statistics.median(s["time_to_target_s"] for s in launches)
+                 if all(s["time_to_target_s"] for s in launches) else None
+                 for name, launches in r["launches"].items()}
+    reach = (f"; to accuracy >= {r['target_accuracy']}: **{fmt(to_target['ours'] / to_target['trl'])}**"
+             if to_target.get("ours") and to_target.get("trl") else "")
+    return out + ["", f"Ours / TRL per iteration (medians over launches): **{fmt(r['ours_over_trl'])}**{reach}.", ""]
 
 
 @section("## 1. One PPO iteration, phase by phase (CPU)", "cpu/phases.json", "`bash bench/run_cpu.sh phases`")
