@@ -1,6 +1,6 @@
 """The vLLM backend's engine on 2 ranks (one engine each): the weight push at ZeRO 0, 2 and 3 and with LoRA, its two
 negative controls, the push check (a layer, and a part of a fused one, left out of a push), the engine's side effects
-contained, seeded sampling. One launch
+contained, seeded sampling, sampling at temperature 0.7. One launch
 (scripts/vllm_checks.py) serves every test here. Runs in the vLLM environment (scripts/install.sh --vllm); skipped,
 with the reason, where vLLM is not installed."""
 from __future__ import annotations
@@ -86,6 +86,16 @@ def test_the_engine_leaves_the_process_as_it_found_it(checks):
 def test_the_same_seed_gives_the_same_samples(checks):
     for rank in checks:
         assert rank["seeded_same"] and rank["other_seed_differs"]
+
+
+def test_at_temperature_07_the_engine_gives_the_tempered_log_probs_the_trainer_scores(checks):
+    """Sampled at T = 0.7, vLLM's processed log-probs of its own samples equal the actor's log_softmax(logits / 0.7)
+    within fp32 noise; scored at T = 1 instead (the negative control: raw log-probs would match this) they differ."""
+    for rank in checks:
+        assert rank["t07"]["actions"] > 0
+        assert rank["t07"]["logprob_diff"] < TOL, rank["t07"]
+        assert rank["t07_scored_at_1"]["responses"] == rank["t07"]["responses"]  # the same samples, scored twice
+        assert rank["t07_scored_at_1"]["logprob_diff"] > 100 * TOL, rank["t07_scored_at_1"]
 
 
 def test_a_push_that_misses_a_layer_or_part_of_a_fused_one_stops_naming_it(checks):

@@ -15,7 +15,8 @@ Per rank, in order:
   * a push that proves itself (on the z2 actor): a push without decoder layer 1, then one without layer 0's k_proj
     (a fused qkv layer sent in part), each stopped by the push check with its message and the loader warnings that
     reached our log; then a full push, equal again;
-  * sampling: the same torch seed gives the same sampled tokens.
+  * sampling: the same torch seed gives the same sampled tokens; at temperature 0.7 the engine's log-probs of its
+    samples against the actor's log_softmax(logits / 0.7) (and, the negative control, against T = 1).
 """
 from __future__ import annotations
 
@@ -85,10 +86,11 @@ def long_prompts(tok, rank: int, n: int = 4):
     return pad_prompts(rows, tok.pad_token_id)
 
 
-def compare(backend, actor, ids, mask, params) -> dict:
-    """The engine's greedy rollout of the prompts against the actor's forward of it: the largest log-prob difference
-    over real actions, and the share of actions whose token is not the actor's argmax (where the actor's top two
-    logits are more than 1e-3 apart). Collective at ZeRO-3 (every rank runs the actor forward)."""
+def compare(backend, actor, ids, mask, params, scored_at: float = 1.0) -> dict:
+    """The engine's rollout of the prompts (greedy, or sampled) against the actor's forward of it: the largest log-prob
+    difference over real actions (the actor's log_softmax(logits / scored_at)), and the share of actions whose token
+    is not the actor's argmax (where the actor's top two logits are more than 1e-3 apart; greedy only). Collective at
+    ZeRO-3 (every rank runs the actor forward)."""
     gen = backend.generate(ids, mask, params)
     r = gen.rollout
     with torch.no_grad():
@@ -96,7 +98,7 @@ def compare(backend, actor, ids, mask, params) -> dict:
         logits = actor.module(**rollout_inputs(r)).logits.float()
     P = r.prompt_length
     step = logits[:, P - 1:-1]
-    lp = torch.log_softmax(step, -1).gather(-1, r.responses[..., None]).squeeze(-1)
+    lp = torch.log_softmax(step / scored_at, -1).gather(-1, r.responses[..., None]).squeeze(-1)
     act = r.action_mask.bool()
     top2 = step.topk(2, -1).values
     clear = act & ((top2[..., 0] - top2[..., 1]) > 1e-3)
@@ -208,6 +210,11 @@ def main() -> int:
     out["seeded_same"] = runs[0] == runs[1]
     torch.manual_seed(124)
     out["other_seed_differs"] = backend.generate(ids, mask, sampled).rollout.responses.tolist() != runs[0]
+    # temperature 0.7: vLLM's processed log-probs are the tempered distribution the trainer scores
+    warm = SamplingParams(max_new_tokens=MAX_NEW, do_sample=True, temperature=0.7, pad_token_id=pad)
+    for key, scored_at in (("t07", 0.7), ("t07_scored_at_1", 1.0)):
+        torch.manual_seed(125)  # the same samples for both comparisons
+        out[key] = compare(backend, z2, ids, mask, warm, scored_at=scored_at)
     out["pushes"] = backend.pushes
 
     per_rank = [None] * dist.world_size
