@@ -3,12 +3,13 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import subprocess
 import sys
 import time
 import urllib.error
 import urllib.request
+
+import psutil
 
 from _support import ROOT, clean_env, free_address
 
@@ -21,6 +22,9 @@ class RolloutServers:
 
     def __init__(self, tmp: str, n: int, model: str, token: str, max_model_len: int = 256, kv_cache_mb: int = 64):
         self.token, self.procs, self.logs, self.urls = token, [], [], []
+        # each server's descendants once it is up (vLLM's engine core): one killed alone leaves its engine core
+        # running, reparented to init, holding a core and a GiB after the tests; stop() ends them
+        self.descendants: list = []
         for i in range(n):
             port = free_address().rpartition(":")[2]
             path = os.path.join(tmp, f"server_{i}.log")
@@ -29,10 +33,9 @@ class RolloutServers:
             args = [sys.executable, os.path.join(ROOT, "launch", "rollout_server.py"), model, "--port", port,
                     "--host", "127.0.0.1", "--auth_token_env", TOKEN_ENV, "--max_model_len", str(max_model_len),
                     "--kv_cache_mb", str(kv_cache_mb)]
-            # a session of its own: stop() ends the whole group, vLLM's engine-core process with the server (one
-            # killed alone leaves its engine core running, holding a core and a GiB, after the tests)
+            # in the test process's group: a CI job stopped at its time limit ends it with the rest
             self.procs.append(subprocess.Popen(args, cwd=ROOT, env=clean_env(**{TOKEN_ENV: token}), stdout=log,
-                                               stderr=subprocess.STDOUT, start_new_session=True))
+                                               stderr=subprocess.STDOUT))
             log.close()
             self.urls.append(f"http://127.0.0.1:{port}")
 
@@ -62,6 +65,7 @@ class RolloutServers:
                                        f"{open(log).read()[-3000:]}")
                 try:
                     if self.request(url, "/v1/models")[0] == 200:
+                        self.descendants += psutil.Process(proc.pid).children(recursive=True)
                         break
                 except OSError:
                     pass
@@ -70,21 +74,20 @@ class RolloutServers:
                 time.sleep(0.5)
 
     def stop(self) -> None:
-        """Every server's process group: SIGTERM, then SIGKILL to what is left after 30 s (a server a test killed
-        is gone, its engine core may not be)."""
+        """Every server: SIGTERM, SIGKILL after 30 s; then whatever of their engine cores is still running (a server a
+        test killed is gone, its engine core is not). psutil checks each process's start time: never a reused pid."""
         for p in self.procs:
-            _signal_group(p, signal.SIGTERM)
+            if p.poll() is None:
+                p.terminate()
         for p in self.procs:
             try:
                 p.wait(timeout=30)
             except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait()
+        for child in self.descendants:
+            try:
+                child.kill()
+            except psutil.NoSuchProcess:
                 pass
-            _signal_group(p, signal.SIGKILL)
-            p.wait()
-
-
-def _signal_group(proc: subprocess.Popen, sig: int) -> None:
-    try:
-        os.killpg(proc.pid, sig)  # the group the server leads (start_new_session), alive or not
-    except ProcessLookupError:
-        pass
+        psutil.wait_procs(self.descendants, timeout=30)
