@@ -146,7 +146,7 @@ def plan_engine(cfg: TrainConfig, num_training_steps: int = 0) -> EnginePlan:
     """Resolve and check every role, load the actor's tokenizer (once), decide the generation path; raise one
     `ConfigError` listing all problems. Each step below adds its problems and goes on, so one run reports them all."""
     p = Problems()
-    resolve_auto(cfg)  # a config built in code (parse_args and plan_ppo resolved it already otherwise)
+    resolve_auto(cfg)  # a config built in code (parse_args resolved it already otherwise)
     paths = resolve_paths(cfg)
     check_required_paths(cfg, paths, p)
     configs = load_role_configs(cfg, paths, p)

@@ -23,7 +23,6 @@ from ..data.prompts import PromptData, PromptDataset, load_prompt_data
 from ..data.ptx import PtxDataset, check_fits, load_ptx_data
 from ..data.sampler import PromptSampler
 from ..engine import EnginePlan, RolePlan, init_distributed, plan_engine, plan_model
-from ..engine.generation.choice import resolve_auto
 from ..errors import ConfigError, Problem, Problems
 from ..outputs.run_dir import RunDir
 from ..config.reward_source import DEFAULT as DEFAULT_SOURCE, reward_source_kind
@@ -255,10 +254,9 @@ def plan_ppo(cfg: TrainConfig, prompt_data: Optional[PromptData] = None) -> RunP
     `prompt_data`: already tokenized prompts (a benchmark's, a notebook's) instead of loading `cfg.data`."""
     dist = start(cfg)
     resolve_builtins(cfg)
-    resolve_auto(cfg)  # a config built in code (parse_args resolved it before the backend's defaults)
-    if cfg.engine.generation_backend_auto and dist.is_main:
-        log.info("generation_backend %s", cfg.engine.generation_backend_auto)
     engine, reward, env_factory = _model_side(cfg)  # model-side checks before the data is tokenized
+    if cfg.engine.generation_backend_auto and dist.is_main:  # resolved by parse_args, or by the engine's plan
+        log.info("generation_backend %s", cfg.engine.generation_backend_auto)
     log_estimator_defaults(cfg, dist)
     warn_kl_in_group_returns(cfg, dist)
     if dist.is_main:

@@ -192,14 +192,16 @@ class PPOTrainer:
     def _on_policy_rows(self, batch_size: int) -> int:
         """Rows whose old log-probs this iteration's first training forward gives (the first mini-batch's, where the
         actor trains and the run defers them: PPOConfig.defers_old_logprobs), else 0. The same on every rank."""
-        trains_actor = self.iteration >= self.cfg.ppo.critic_warmup_iterations
-        return min(self.cfg.batch.mini_batch_size, batch_size) if self.defers_old and trains_actor else 0
+        return min(self.cfg.batch.mini_batch_size, batch_size) if self.defers_old and self._actor_trains() else 0
+
+    def _actor_trains(self) -> bool:
+        return self.iteration >= self.cfg.ppo.critic_warmup_iterations  # critic warm-up: the actor does not train
 
     def train_phase(self, exp: Experience, stats: MetricSums) -> None:
         """ppo_epochs x mini-batches x micro-batches of the actor and critic steps (trainer/update.py)."""
         it = self.iteration
         self.hooks.at("train", it)
-        train_actor = it >= self.cfg.ppo.critic_warmup_iterations  # critic warm-up: the actor does not train
+        train_actor = self._actor_trains()
         steps = [s for s in (self.actor_step if train_actor else None, self.critic_step) if s is not None]
         roles = tuple(s.role for s in steps)
         ptx = self.ptx if train_actor else None
