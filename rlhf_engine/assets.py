@@ -10,7 +10,7 @@ import random
 import re
 
 EOS, PAD, BOS = "<|endoftext|>", "<pad>", "<s>"
-ARCHS = ("gpt2", "llama", "opt")
+ARCHS = ("gpt2", "llama", "opt", "qwen2")
 HEADS = ("causal_lm", "score")
 
 
@@ -53,14 +53,15 @@ def build_tiny_model(out_dir: str, tokenizer_dir: str, arch: str = "gpt2", head:
                      seed: int = 0, tie_embeddings: bool = False) -> str:
     """Save a random-weight model (safetensors) plus its tokenizer into `out_dir`; return `out_dir`.
 
-    arch "gpt2" (absolute position embeddings), "llama" (rotary) or "opt" (learned positions, offset 2); head "causal_lm" or "score" (a sequence
-    classification model with one label: a reward model / critic). The weights depend on `seed` only, and the
-    caller's global torch RNG is left untouched. `tie_embeddings` (llama): the LM head is the embedding, as in
-    SmolLM2 (gpt2 always ties; opt never here).
+    arch "gpt2" (absolute position embeddings), "llama" (rotary), "opt" (learned positions, offset 2) or "qwen2"
+    (rotary, biases on q, k and v, two query heads per key-value head where `n_head` is even); head "causal_lm" or
+    "score" (a sequence classification model with one label: a reward model / critic). The weights depend on `seed`
+    only, and the caller's global torch RNG is left untouched. `tie_embeddings` (llama, qwen2): the LM head is the
+    embedding, as in SmolLM2 (gpt2 always ties; opt never here).
     """
     import torch
     from transformers import (AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer, GPT2Config,
-                              LlamaConfig, OPTConfig)
+                              LlamaConfig, OPTConfig, Qwen2Config)
 
     if arch not in ARCHS or head not in HEADS:
         raise ValueError(f"arch must be one of {ARCHS} and head one of {HEADS}; got arch={arch!r}, head={head!r}")
@@ -74,6 +75,12 @@ def build_tiny_model(out_dir: str, tokenizer_dir: str, arch: str = "gpt2", head:
         config = OPTConfig(num_hidden_layers=n_layer, hidden_size=hidden, ffn_dim=2 * hidden, num_attention_heads=n_head,
                            max_position_embeddings=max_positions, word_embed_proj_dim=hidden, dropout=dropout,
                            attention_dropout=dropout, **common)
+    elif arch == "qwen2":
+        config = Qwen2Config(num_hidden_layers=n_layer, hidden_size=hidden, intermediate_size=2 * hidden,
+                             num_attention_heads=n_head,
+                             num_key_value_heads=n_head // 2 if n_head % 2 == 0 else n_head,
+                             max_position_embeddings=max_positions, attention_dropout=dropout,
+                             tie_word_embeddings=tie_embeddings, **common)
     else:
         config = LlamaConfig(num_hidden_layers=n_layer, hidden_size=hidden, intermediate_size=2 * hidden,
                              num_attention_heads=n_head, num_key_value_heads=n_head,

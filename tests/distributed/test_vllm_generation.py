@@ -1,6 +1,7 @@
 """The vLLM backend's engine on 2 ranks (one engine each): the weight push at ZeRO 0, 2 and 3 and with LoRA, its two
 negative controls, the push check (a layer, and a part of a fused one, left out of a push), the engine's side effects
-contained, seeded sampling, sampling at temperature 0.7. One launch
+contained, seeded sampling, sampling at temperature 0.7; GPT-2 (Conv1D, tied head), Qwen2 (q/k/v biases, grouped
+key-value heads) and OPT (biases, learned positions) actors and a bf16 Llama, each in an engine of its own. One launch
 (scripts/vllm_checks.py) serves every test here. Runs in the vLLM environment (scripts/install.sh --vllm); skipped,
 with the reason, where vLLM is not installed."""
 from __future__ import annotations
@@ -11,7 +12,7 @@ import os
 
 import pytest
 
-from _support import SCRIPTS, check, launch
+from _support import SCRIPTS, check, launch, make_tiny_setup
 
 pytestmark = [pytest.mark.distributed, pytest.mark.vllm,
               pytest.mark.skipif(importlib.util.find_spec("vllm") is None,
@@ -19,6 +20,7 @@ pytestmark = [pytest.mark.distributed, pytest.mark.vllm,
                                         ".venv-vllm/bin/python -m pytest -m vllm)")]
 
 TOL = 1e-4  # fp32 on both sides: measured 5e-7 to 1e-6; a missed push or a stale cache is off by 0.5 or more
+OTHER_ARCHS = ("gpt2", "qwen2", "opt")
 
 
 @pytest.fixture(scope="module")
@@ -28,8 +30,12 @@ def checks(tiny_vllm_tied, tmp_path_factory):
     tiny_vllm = tiny_vllm_tied
     work = str(tmp_path_factory.mktemp("vllm_checks"))
     out = os.path.join(work, "out.json")
+    folders = {arch: make_tiny_setup(os.path.join(work, arch), arch=arch, pad_is_eos=False, n_head=2,
+                                     dropout=0.0).actor for arch in OTHER_ARCHS}
+    others = [f"{arch}={folder}:fp32" for arch, folder in folders.items()] + [f"llama_bf16={tiny_vllm.actor}:bf16"]
     check(launch(os.path.join(SCRIPTS, "vllm_checks.py"), ["--actor", tiny_vllm.actor, "--prompts", tiny_vllm.prompts,
-                                                            "--workdir", work, "--out", out], nproc=2))
+                                                            "--workdir", work, "--out", out]
+                 + [x for o in others for x in ("--other", o)], nproc=2))
     with open(out) as f:
         return json.load(f)["ranks"]
 
@@ -122,3 +128,30 @@ def test_a_push_that_misses_a_layer_or_part_of_a_fused_one_stops_naming_it(check
                "elements)" in part, part
         assert "no weight" not in part  # every vLLM parameter got some weight: only the counts see it
         assert rank["after_full_push"]["logprob_diff"] < TOL, rank["after_full_push"]
+
+
+@pytest.mark.parametrize("arch, cls", [("gpt2", "GPT2LMHeadModel"), ("qwen2", "Qwen2ForCausalLM"),
+                                       ("opt", "OPTForCausalLM")])
+def test_other_architectures_through_a_real_engine(checks, arch, cls):
+    """GPT-2 (Conv1D weights the loader transposes, a tied head), Qwen2 (biases on q, k and v, one key-value head
+    for two query heads) and OPT (biases, learned positions with an offset): after a push from the trained z2 actor
+    the engine is the actor (measured 5e-7 to 1e-6); a push skipped after a step is caught (measured 0.6-3 nats)."""
+    for rank in checks:
+        got = rank["others"][arch]
+        assert got["arch"] == cls
+        assert got["pushed"]["logprob_diff"] < TOL and got["pushed"]["argmax_mismatch"] == 0.0, got["pushed"]
+        assert got["skipped_push"]["logprob_diff"] > 100 * TOL, got["skipped_push"]
+
+
+def test_a_bf16_actor_pushed_is_the_engine_within_bf16_rounding(checks):
+    """bf16 on both sides, different kernels: the bound is bf16's own rounding on these weights, measured per run as
+    the actor's bf16 forward against its fp32 forward of the same weights (0.005-0.007 nats). The engine's log-probs
+    must be as close to that fp32 forward as 3 times the actor's own (measured 0.9-1.2 times), and within 0.05 of the
+    actor's bf16 ones (measured 0.008-0.009); a skipped push is off by 1.5 nats or more."""
+    for rank in checks:
+        got = rank["others"]["llama_bf16"]
+        scale = got["actor_vs_fp32"]
+        assert 0 < scale < 0.05, got
+        assert got["engine_vs_fp32"] < 3 * scale, got
+        assert got["pushed"]["logprob_diff"] < 0.05 and got["pushed"]["argmax_mismatch"] < 0.1, got["pushed"]
+        assert got["skipped_push"]["logprob_diff"] > 20 * got["pushed"]["logprob_diff"], got

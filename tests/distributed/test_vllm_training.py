@@ -1,8 +1,12 @@
-"""PPO with `--generation_backend vllm` on 2 ranks under the deepspeed launcher (one vLLM engine per rank and run),
-tiny Llama models with the head size vLLM's CPU attention takes: lr 0 (every ratio exactly 1, the engine's log-probs
-those the trainer computes), several iterations at lr > 0 under ZeRO-3 (the engine follows the policy), a rerun with
-the same seed, a resume, GRPO groups, a 2-turn environment and the evaluation. One launch (scripts/ppo_checks.py) serves every
-test here; skipped, with the reason, where vLLM is not installed (bash scripts/install.sh --vllm)."""
+"""PPO with `--generation_backend vllm` on 2 ranks under the deepspeed launcher, the two ranks sharing one vLLM
+engine per run (`--vllm_tensor_parallel_size 2`: each rank holds half of it, every generate call gathers both ranks'
+prompts and hands each its own answers; one engine per rank, tensor parallel 1, runs in test_vllm_generation.py and
+as the colocated runs of test_rollout_servers.py), tiny Llama models with the head size vLLM's CPU attention takes:
+lr 0 (every ratio exactly 1, the engine's log-probs those the trainer computes), several iterations at lr > 0 under
+ZeRO-3 (the engine follows the policy), a rerun with the same seed, a resume, GRPO groups with a LoRA actor, a 2-turn
+environment (the ranks' turns differ in rows), the evaluation, and a Qwen2 actor (biases, one key-value head
+replicated on both ranks). One launch (scripts/ppo_checks.py) serves every test here (vLLM keeps one tensor-parallel
+size per process); skipped, with the reason, where vLLM is not installed (bash scripts/install.sh --vllm)."""
 from __future__ import annotations
 
 import importlib.util
@@ -11,7 +15,7 @@ import os
 
 import pytest
 
-from _support import VOLATILE, ppo_args, run_harness
+from _support import VOLATILE, make_tiny_setup, ppo_args, run_harness
 
 pytestmark = [pytest.mark.distributed, pytest.mark.vllm,
               pytest.mark.skipif(importlib.util.find_spec("vllm") is None,
@@ -20,19 +24,20 @@ pytestmark = [pytest.mark.distributed, pytest.mark.vllm,
 
 FLOOR = 1e-4  # largest |engine - trainer| log-prob over any iteration (fp32 both sides: measured about 1e-6)
 BASE = dict(generation_backend="vllm", per_device_generation_batch_size=4, per_device_training_batch_size=2,
-            seed=1)
+            seed=1, vllm_tensor_parallel_size=2)
 LR0 = dict(actor_learning_rate=0.0, critic_learning_rate=0.0, rollout_correction="none", max_steps=2, ppo_epochs=2,
            gradient_accumulation_steps=2, min_answer_seq_len=2, eval_split=0.25, eval_interval=1)
 LEARN = dict(actor_zero_stage=3, reference_zero_stage=3, actor_learning_rate=2e-3, critic_learning_rate=1e-3,
              max_steps=5, ppo_epochs=2)
 GRPO = dict(advantage_estimator="grpo", n_samples_per_prompt=4, per_device_generation_batch_size=2, max_steps=2,
-            actor_learning_rate=1e-3)
+            actor_learning_rate=1e-3, actor_lora_dim=4, actor_lora_alpha=8.0)
 ENV = dict(environment="_envs:counting", max_turns=2, max_steps=2, actor_learning_rate=1e-3)
 
 
 @pytest.fixture(scope="module")
 def runs(tiny_vllm, tmp_path_factory):
     tmp = str(tmp_path_factory.mktemp("vllm_training"))
+    qwen2 = make_tiny_setup(os.path.join(tmp, "qwen2"), arch="qwen2", pad_is_eos=False, n_head=2, dropout=0.0)
 
     def run(name, **flags):
         return {"name": name, "args": ppo_args(tiny_vllm, os.path.join(tmp, name), **{**BASE, **flags})}
@@ -41,6 +46,8 @@ def runs(tiny_vllm, tmp_path_factory):
     part = os.path.join(tmp, "part")
     spec = [run("lr0", **LR0), run("learn_z3", **LEARN), run("learn_z3_again", **LEARN), run("grpo", **GRPO),
             run("env", **ENV), run("part", **{**LEARN, "max_steps": 2}),
+            {"name": "qwen2", "args": ppo_args(qwen2, os.path.join(tmp, "qwen2_run"), **{**BASE, **LEARN,
+                                                                                        "max_steps": 2})},
             {"name": "resumed", "args": ppo_args(tiny_vllm, part, **{**BASE, **LEARN, "resume": "auto"})}]
     return run_harness(tmp, "vllm_training", spec, 2, "deepspeed")
 
@@ -112,3 +119,21 @@ def test_a_two_turn_environment(runs):
     assert max(_diffs(run)) < FLOOR
     for rank in run["ranks"]:
         assert set(rank["experience"]["turns"]) == {2}  # every episode: a model turn, the observation, a second turn
+
+
+def test_a_qwen2_actor_through_the_shared_engine(runs):
+    """Qwen2's q, k and v biases split over the two ranks and its one key-value head replicated on both: the engine
+    follows the policy as the Llama's does."""
+    run = runs["qwen2"]
+    assert run["max_param_change"]["actor"] > 1e-3
+    assert len(_train(run)) == 2 and max(_diffs(run)) < FLOOR, _diffs(run)
+
+
+def test_each_rank_gets_the_answers_to_its_own_prompts(runs):
+    """The group's engine answers both ranks' prompts in one call; a rank scoring another rank's answers (a slice
+    taken wrong) would score them after its own prompts and differ by far more than FLOOR. The ranks' prompts
+    differ, so the check can tell."""
+    for name in ("lr0", "env"):
+        ranks = runs[name]["ranks"]
+        assert ranks[0]["rollouts"][0]["sequences"] != ranks[1]["rollouts"][0]["sequences"]
+        assert max(_diffs(runs[name])) < FLOOR

@@ -161,6 +161,13 @@ def test_vllm_backend_without_vllm_names_the_extra(tiny, out_dir, capsys, dist_s
     assert "pip install -e '.[vllm]'" in err and "bash scripts/install.sh --vllm" in err
 
 
+def test_a_tensor_parallel_engine_for_another_backend_is_refused(tiny, out_dir, capsys, dist_single):
+    """--vllm_tensor_parallel_size applies to the colocated vllm engine: with lean it would change nothing, silently.
+    (Its other refusals, engine/generation/vllm_tp.tp_problems: tests/unit/engine/test_vllm_tp.py.)"""
+    err = refused(capsys, out_dir, flags(tiny, out_dir, generation_backend="lean", vllm_tensor_parallel_size=2))
+    assert "vllm_tensor_parallel_size = 2: applies to generation_backend vllm (this run generates with lean)" in err
+
+
 @pytest.mark.vllm
 @pytest.mark.skipif(not _HAS_VLLM, reason="vLLM is not installed here (bash scripts/install.sh --vllm)")
 def test_vllm_refuses_a_model_it_cannot_run_before_any_engine(tiny, out_dir, tmp_path, capsys, dist_single):

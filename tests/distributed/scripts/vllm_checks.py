@@ -16,7 +16,10 @@ Per rank, in order:
     (a fused qkv layer sent in part), each stopped by the push check with its message and the loader warnings that
     reached our log; then a full push, equal again;
   * sampling: the same torch seed gives the same sampled tokens; at temperature 0.7 the engine's log-probs of its
-    samples against the actor's log_softmax(logits / 0.7) (and, the negative control, against T = 1).
+    samples against the actor's log_softmax(logits / 0.7) (and, the negative control, against T = 1);
+  * other actors, each in an engine of its own (--other NAME=DIR:DTYPE, e.g. a GPT-2, a Qwen2, a bf16 Llama): after a
+    push from its z2 engine, greedy against the actor's forward; at bf16 also the actor's bf16 forward against fp32
+    on the same weights (the scale of bf16's own rounding), and a skipped push (the negative control).
 """
 from __future__ import annotations
 
@@ -51,8 +54,9 @@ def rng_snapshot():
             torch.get_num_threads(), torch.set_num_threads.__module__, gc.get_freeze_count())
 
 
-def config(args, lora: int):
-    flags = ["--actor_model_name_or_path", args.actor, "--reward_model_name_or_path", args.actor,
+def config(args, lora: int, actor: str = ""):
+    actor = actor or args.actor
+    flags = ["--actor_model_name_or_path", actor, "--reward_model_name_or_path", actor,
              "--data_path", args.prompts, "--max_prompt_seq_len", str(MAX_LEN - MAX_NEW),
              "--max_answer_seq_len", str(MAX_NEW), "--generation_backend", "vllm", "--seed", "11",
              "--output_dir", os.path.join(args.workdir, "unused")]
@@ -61,12 +65,12 @@ def config(args, lora: int):
     return parse_args(flags)
 
 
-def trained_actor(cfg, stage: int, dist, pad: int, seed: int):
+def trained_actor(cfg, stage: int, dist, pad: int, seed: int, dtype: str = "fp32"):
     """The actor as a DeepSpeed engine at `stage`, moved far from its folder by a few steps at a high learning rate
     on random tokens (the same on every rank: the gradients are averaged anyway)."""
     cfg.actor.learning_rate = 0.02
     torch.manual_seed(seed)  # the LoRA adapter's initial draw: the same every launch
-    engine, _ = build_role_engine(cfg.actor, cfg.actor.model_name_or_path, kind="causal_lm", stage=stage, dtype="fp32",
+    engine, _ = build_role_engine(cfg.actor, cfg.actor.model_name_or_path, kind="causal_lm", stage=stage, dtype=dtype,
                                   train=True, batch=cfg.batch, world_size=dist.world_size,
                                   eval_micro_batch_size=4, num_training_steps=10, pad_token_id=pad)
     g = torch.Generator().manual_seed(seed)
@@ -109,6 +113,40 @@ def compare(backend, actor, ids, mask, params, scored_at: float = 1.0) -> dict:
             "responses": r.responses.tolist()}
 
 
+def other_actor(args, dist, folder: str, dtype: str, ids, mask, greedy) -> dict:
+    """Another architecture or dtype through an engine of its own: its z2 actor pushed, greedy against the actor's
+    forward; a skipped push after a step (negative control); at bf16, the actor's own bf16 forward against fp32 on
+    the same weights, the scale of bf16's rounding that the engine's differences are held to."""
+    cfg = config(args, 0, folder)
+    actor = trained_actor(cfg, 2, dist, load_tokenizer(folder).pad_token_id, seed=args.seed + 7, dtype=dtype)
+    backend = VLLMBackend(GenerationContext(actor, dist, 2, cfg, model_path=folder, dtype=dtype, max_len=MAX_LEN))
+    out = {"arch": type(actor.module).__name__, "pushed": compare(backend, actor, ids, mask, greedy)}
+    if dtype != "fp32":
+        gen = backend.generate(ids, mask, greedy)
+        inputs = rollout_inputs(gen.rollout)
+        P, act = gen.rollout.prompt_length, gen.rollout.action_mask.bool()
+        with torch.no_grad():
+            low = actor.module(**inputs).logits.float()
+            high = copy_fp32(actor.module)(**inputs).logits.float()
+        lp = [torch.log_softmax(x[:, P - 1:-1], -1).gather(-1, gen.rollout.responses[..., None]).squeeze(-1)
+              for x in (low, high)]
+        out["actor_vs_fp32"] = float(((lp[0] - lp[1]).abs() * act).max())
+        out["engine_vs_fp32"] = float(((gen.logprobs - lp[1]).abs() * act).max())
+    x = torch.randint(3, 500, (2, 24), generator=torch.Generator().manual_seed(9))
+    actor.backward(actor(input_ids=x, labels=x).loss)
+    actor.step()
+    backend._pushed_version = backend.actor_version  # pretend the engine is current
+    out["skipped_push"] = compare(backend, actor, ids, mask, greedy)
+    return out
+
+
+def copy_fp32(module):
+    """An fp32 copy of a (ZeRO-2) model, for a reference forward on the same weights."""
+    import copy
+
+    return copy.deepcopy(module).float().eval()
+
+
 def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--actor", required=True)
@@ -116,6 +154,7 @@ def main() -> int:
     parser.add_argument("--workdir", required=True)
     parser.add_argument("--out", required=True)
     parser.add_argument("--seed", type=int, default=0, help="offsets the actors' training draws")
+    parser.add_argument("--other", action="append", default=[], help="NAME=DIR:DTYPE: another actor, its own engine")
     parser.add_argument("--local_rank", type=int, default=None)
     args = parser.parse_args()
     dist = init_distributed()
@@ -216,6 +255,11 @@ def main() -> int:
         torch.manual_seed(125)  # the same samples for both comparisons
         out[key] = compare(backend, z2, ids, mask, warm, scored_at=scored_at)
     out["pushes"] = backend.pushes
+    out["others"] = {}
+    for spec in args.other:
+        name, _, rest = spec.partition("=")
+        folder, _, dtype = rest.rpartition(":")
+        out["others"][name] = other_actor(args, dist, folder, dtype, ids, mask, greedy)
 
     per_rank = [None] * dist.world_size
     torch.distributed.all_gather_object(per_rank, out)

@@ -161,3 +161,7 @@ def test_the_backend_reads_the_device_once_the_engines_exist(monkeypatch):
         backend.gpu_memory_utilization(0, kv=29 * GiB - 23)
     assert "needs 29.00 GiB" in str(err.value) and "generation_backend" in str(err.value)
     assert backend.gpu_memory_utilization(0.5, kv=29 * GiB - 23) == 0.5
+    backend.tp = SimpleNamespace(size=2)  # tensor parallel 2: each member holds half the weights (12 bytes)
+    assert backend.gpu_memory_utilization(0, kv=29 * GiB - 12) == 0.3625
+    with pytest.raises(ConfigError):
+        backend.gpu_memory_utilization(0, kv=29 * GiB - 11)
