@@ -186,6 +186,17 @@ def sync() -> None:
         torch.cuda.synchronize()
 
 
+def device_used_mib() -> Optional[float]:
+    """What the whole GPU holds now, every allocator's share (the driver's total - free: torch's caching allocator,
+    vLLM's own pools, NCCL), in MiB; None on a CPU."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return None
+    free, total = torch.cuda.mem_get_info()
+    return (total - free) / 2 ** 20
+
+
 def reset_peak_memory() -> str:
     """Reset this process's peak-memory counter; returns what `peak_memory_mib` will read."""
     import torch
@@ -225,13 +236,14 @@ class PhaseTimer:
     def __init__(self, engine):
         self.t: dict[str, float] = {}
         self.n: dict[str, int] = {}
+        self.used: dict[str, float] = {}  # GPU: the most the device held at the end of a key's calls (MiB)
         for name in self.ENGINE_METHODS:
             setattr(engine, name, self.wrap(lambda *a, _n=name, **k: _n, getattr(engine, name)))
         for name in self.ROLE_METHODS:
             setattr(engine, name, self.wrap(lambda role, *a, _n=name, **k: f"{_n}/{role}", getattr(engine, name)))
 
     def reset(self) -> None:
-        self.t, self.n = {}, {}
+        self.t, self.n, self.used = {}, {}, {}
 
     def wrap(self, key_of: Callable, fn: Callable) -> Callable:
         def timed(*a, **k):
@@ -244,6 +256,9 @@ class PhaseTimer:
                 sync()
                 self.t[key] = self.t.get(key, 0.0) + time.perf_counter() - t0
                 self.n[key] = self.n.get(key, 0) + 1
+                used = device_used_mib()
+                if used is not None:
+                    self.used[key] = max(self.used.get(key, 0.0), used)
 
         return timed
 

@@ -21,6 +21,19 @@
 #           (HE kernels against the native HF path on the same weights), then PPO iterations. Skipped, with the
 #           reason recorded, without a GPU or without the CUDA toolkit (its kernels are JIT-compiled)
 #   summary bench/gpu_summary.py -> $OUT/gpu.json (everything above in one file) and $OUT/gpu.md
+#
+# --suite vllm (the colocated vLLM engine's GPU check, docs/rollout-engines.md; budget 540 s): env and models as
+# above, then the ZeRO-2 iterations with --generation_backend vllm at each sleep level, every iteration recording
+# what the whole GPU holds after the rollouts and at its end (the driver's reading: vLLM's pools too), the
+# engine's start-up line (its gpu_memory_utilization, computed from the free memory) and its log-probs against the
+# trainer's (rollout/logprob_diff_max):
+#   vllm_sleep2   sleep level 2 (the default): KV cache and weights freed through training, all pushed again
+#   vllm_sleep1   level 1: KV cache freed, weights offloaded to CPU memory
+#   vllm_sleep0   level 0, the control: the engine stays resident (the end-of-iteration reading is highest here)
+#   vllm_tp2      2 ranks, ZeRO-3, --vllm_tensor_parallel_size 2: one engine over both GPUs; recorded as skipped
+#                 with fewer than 2 GPUs
+# --tiny runs the same steps on CPU (cpu-small shapes: vLLM's CPU attention refuses the tiny ones' head size 16;
+# sleep levels change nothing there, and vllm_tp2 runs on 2 CPU ranks) with PYTHON=.venv-vllm/bin/python.
 # Optimizer: torch's AdamW through DeepSpeed's `torch_adam` (no JIT build; a FusedAdam build would cost about a
 # minute of the budget). BENCH_ADAM=auto uses DeepSpeed's FusedAdam when the CUDA toolkit (nvcc) is there.
 # With nvcc, the Hybrid Engine's inference kernels are JIT-built in the background (nice 19) from the env step on,
@@ -30,7 +43,7 @@ root=$(cd "$(dirname "$0")/.." && pwd)
 tiny=0
 suite=main
 out=""
-budget=${BENCH_BUDGET:-465}
+budget=${BENCH_BUDGET:-}
 
 while [ $# -gt 0 ]; do
     case "$1" in
@@ -50,14 +63,15 @@ if [ "$suite" = async ]; then  # it measured the rollout workers, which the roll
          "their GPU suite is not built yet: on CPU, .venv-vllm/bin/python bench/async_rollouts.py servers" >&2
     exit 2
 fi
-[ "$suite" = main ] || { echo "gpu.sh: --suite main (the only suite)" >&2; exit 2; }
+case "$suite" in main|vllm) ;; *) echo "gpu.sh: --suite main or vllm" >&2; exit 2 ;; esac
+[ -n "$budget" ] || budget=$([ "$suite" = vllm ] && echo 540 || echo 465)
 suffix=$([ "$tiny" = 1 ] && echo "_tiny" || echo "")
 out=${out:-$root/bench/results/gpu${suffix/_/-}}
 work=${BENCH_WORK_DIR:-${TMPDIR:-/tmp}/rlhf_bench_gpu$suffix}
 mkdir -p "$out" "$work"
 out=$(cd "$out" && pwd)
 for f in steps.jsonl gpu.json gpu.md; do rm -f "$out/$f"; done
-for step in env models zero2 zero3 vllm hybrid prebuild; do rm -f "$out/$step.json" "$out/$step.md" "$out/$step.log"; done
+for step in env models zero2 zero3 vllm hybrid prebuild vllm_sleep2 vllm_sleep1 vllm_sleep0 vllm_tp2; do rm -f "$out/$step.json" "$out/$step.md" "$out/$step.log"; done
 start=$(date +%s)
 
 export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 TOKENIZERS_PARALLELISM=false WANDB_MODE=disabled PYTHONUNBUFFERED=1
@@ -65,7 +79,7 @@ export TORCH_EXTENSIONS_DIR=${TORCH_EXTENSIONS_DIR:-$work/torch_extensions}
 export BENCH_WORK_DIR=$work
 if [ "$tiny" = 1 ]; then
     export CUDA_VISIBLE_DEVICES="" DS_ACCELERATOR=cpu OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
-    preset=cpu-tiny
+    preset=$([ "$suite" = vllm ] && echo cpu-small || echo cpu-tiny)
 else
     preset=opt-1.3b
 fi
@@ -122,23 +136,52 @@ bench() {  # name cap args...
         record "$name" '"skipped: environment not ready"' 0 0; return; fi
     if [ "$cap" -lt 30 ]; then echo "gpu.sh: $name skipped: no time left"; \
         record "$name" '"skipped: no time left in the budget"' 0 0; return; fi
-    run_capped "$name" "$cap" "$py" "$root/bench/ppo_iteration.py" --preset "$preset" --work-dir "$work" \
+    local launcher=("$py")  # BENCH_RANKS > 1: one launch of that many ranks (one GPU each)
+    if [ "${BENCH_RANKS:-1}" -gt 1 ]; then
+        launcher=("$py" -m torch.distributed.run --standalone --nproc_per_node "$BENCH_RANKS")
+    fi
+    run_capped "$name" "$cap" "${launcher[@]}" "$root/bench/ppo_iteration.py" --preset "$preset" --work-dir "$work" \
         --adam "${BENCH_ADAM:-torch}" --label "$name" --time-budget $(( cap - 30 )) --out "$out/$name.json" "$@"
 }
 if [ "$env_rc" = 0 ]; then
     run_capped models "$(cap_for 120)" "$py" "$root/bench/ppo_iteration.py" --preset "$preset" --work-dir "$work" \
         --prepare-only --out "$out/models.json"
 fi
-bench zero2 170 --variant zero2:zero=2 --warmup 1 --iterations 3
-bench zero3 170 --variant zero3:zero=3 --warmup 1 --iterations 2
-if "$py" -c 'import vllm' >/dev/null 2>&1; then  # the vllm generation backend (docs/rollout-engines.md)
-    bench vllm 150 --variant zero2_vllm:zero=2,backend=vllm --warmup 1 --iterations 3
+has_vllm=$("$py" -c 'import vllm' >/dev/null 2>&1 && echo 1 || echo 0)
+skip_no_vllm() {  # step...
+    for step in "$@"; do
+        echo "gpu.sh: $step skipped: vLLM is not installed for $py (pip install -e '.[vllm]')"
+        record "$step" '"skipped: vLLM not installed"' 0 0
+    done
+}
+if [ "$suite" = vllm ]; then
+    if [ "$has_vllm" = 1 ]; then
+        for level in 2 1 0; do
+            bench "vllm_sleep$level" 120 --variant "vllm_sleep$level:zero=2,backend=vllm,vllm_sleep=$level" \
+                --warmup 1 --iterations 2
+        done
+        gpus=$("$py" -c 'import torch; print(torch.cuda.device_count())' 2>/dev/null || echo 0)
+        if [ "$tiny" = 1 ] || [ "$gpus" -ge 2 ]; then
+            BENCH_RANKS=2 bench vllm_tp2 rest --variant vllm_tp2:zero=3,backend=vllm,vllm_tp=2 --warmup 1 \
+                --iterations 2
+        else
+            echo "gpu.sh: vllm_tp2 skipped: tensor parallel 2 needs 2 GPUs, this machine has $gpus"
+            record vllm_tp2 "\"skipped: tensor parallel 2 needs 2 GPUs, this machine has $gpus\"" 0 0
+        fi
+    else
+        skip_no_vllm vllm_sleep2 vllm_sleep1 vllm_sleep0 vllm_tp2
+    fi
 else
-    echo "gpu.sh: vllm skipped: vLLM is not installed for $py (pip install -e '.[vllm]')"
-    record vllm '"skipped: vLLM not installed"' 0 0
+    bench zero2 170 --variant zero2:zero=2 --warmup 1 --iterations 3
+    bench zero3 170 --variant zero3:zero=3 --warmup 1 --iterations 2
+    if [ "$has_vllm" = 1 ]; then  # the vllm generation backend (docs/rollout-engines.md)
+        bench vllm 150 --variant zero2_vllm:zero=2,backend=vllm --warmup 1 --iterations 3
+    else
+        skip_no_vllm vllm
+    fi
+    bench hybrid rest --variant hybrid:zero=2,hybrid_engine=1 --greedy-check 8 --greedy-tokens 32 --warmup 1 \
+        --iterations 2
 fi
-bench hybrid rest --variant hybrid:zero=2,hybrid_engine=1 --greedy-check 8 --greedy-tokens 32 --warmup 1 \
-    --iterations 2
 
 if [ -n "$prebuild_pid" ] && kill -0 "$prebuild_pid" 2>/dev/null; then  # still building: stop it (and its compilers)
     echo "prebuild: stopped at the end of the budget" >> "$out/prebuild.log"

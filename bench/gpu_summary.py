@@ -13,7 +13,7 @@ BENCH = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, BENCH)
 import benchlib as bl  # noqa: E402
 
-STEPS = ("zero2", "zero3", "vllm", "hybrid")
+STEPS = ("zero2", "zero3", "vllm", "hybrid", "vllm_sleep2", "vllm_sleep1", "vllm_sleep0", "vllm_tp2")
 # DeepSpeed-Chat's figure for this setup, as our issue states it: OPT-1.3B actor + OPT-350M reward, one A100-80G
 REFERENCE = {"source": "DeepSpeed-Chat (figure quoted in our benchmark issue)", "gpu": "1x A100-80G",
              "setup": "OPT-1.3B actor, OPT-350M critic/reward, 256 prompt + 256 generated tokens, Hybrid Engine",
@@ -52,7 +52,10 @@ def build(d: str, budget: float, elapsed: float, tiny: bool) -> dict:
                            iteration_s=summ["iteration_s_median"], iterations=summ["measured_iterations"],
                            share=summ["share"], tflops=summ["tflops_per_rank"],
                            peak_mem_mib=summ["peak_mem_mib_per_rank"], build_s=v.get("build_s"),
-                           vs_reference=None if tiny else summ["samples_per_s"] / REFERENCE["samples_per_s"])
+                           vs_reference=None if tiny else summ["samples_per_s"] / REFERENCE["samples_per_s"],
+                           device_used_mib=summ.get("device_used_mib_per_rank"),
+                           metrics_max=summ.get("metrics_max"), world_size=res.get("world_size"),
+                           vllm_sleep=v["spec"].get("vllm_sleep"), vllm_tp=v["spec"].get("vllm_tp"))
             if v.get("greedy_check"):
                 row["greedy_check"] = v["greedy_check"]
             rows.append(row)
@@ -88,6 +91,19 @@ def markdown(summary: dict) -> str:
                    f"{bl.fmt(r['generated_tokens_per_s'])} ({bl.fmt(r['generation_tokens_per_s'])}) | "
                    f"{bl.fmt(r['iteration_s'])} | {shares} | {bl.fmt(r['tflops']['overall'])} | "
                    f"{', '.join(bl.fmt(m) for m in r['peak_mem_mib'])} | {vs} |")
+    engine_rows = [r for r in summary["table"] if "samples_per_s" in r and r["step"].startswith("vllm")]
+    if engine_rows:
+        out += ["", "| vLLM step | sleep level | tensor parallel | ranks | iteration s | weight push s (max) "
+                "| engine - trainer log-prob (max) | GPU held after the rollouts / at the end, per rank (MiB) |",
+                "|---" * 8 + "|"]
+        for r in engine_rows:
+            m, used = r.get("metrics_max") or {}, r.get("device_used_mib")
+            held = "–" if not used else ", ".join(f"{bl.fmt(u['after_rollouts'])} / {bl.fmt(u['at_end'])}"
+                                                  for u in used)
+            level = 2 if r.get("vllm_sleep") is None else r["vllm_sleep"]
+            out.append(f"| {r['step']} | {level} | {r.get('vllm_tp') or 1} | {r.get('world_size') or '–'} "
+                       f"| {bl.fmt(r['iteration_s'])} | {bl.fmt(m.get('time/weight_sync'))} "
+                       f"| {bl.fmt(m.get('rollout/logprob_diff_max'))} | {held} |")
     for r in summary["table"]:
         g = r.get("greedy_check")
         if g and "error" in g:

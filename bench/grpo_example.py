@@ -3,12 +3,14 @@ one launch of launch/train_ppo.py per variant, the variants in turn, `--rounds` 
 iterations after the first (its warm-up).
 
     python bench/grpo_example.py [--steps 3] [--rounds 2] [--out bench/results/cpu/grpo_example.json]
+    .venv-vllm/bin/python bench/grpo_example.py --variants with_lean with_vllm --out .../grpo_backends.json
 
 Variants: `before` builds the reference for objective/kl and computes every block in every forward (the path before
 these changes); `no_reference` builds no reference (kl_coef 0, kl_loss_coef 0: nothing reads it); `frozen_prefix`
 also starts every later forward from the frozen blocks' kept output; `lean` (the defaults) also leaves the first
-mini-batch's old log-probs to its own training forward (--old_logprobs_from_update). Needs the demo assets
-(scripts/install.sh --demo).
+mini-batch's old log-probs to its own training forward (--old_logprobs_from_update). `with_lean` and `with_vllm`:
+the defaults with the generation backend named (what `--generation_backend auto` chooses between; vllm needs the
+vLLM environment). Ratios are to the first variant given. Needs the demo assets (scripts/install.sh --demo).
 """
 from __future__ import annotations
 
@@ -31,6 +33,8 @@ VARIANTS = {
     "no_reference": ["--reuse_frozen_prefix", "false", "--old_logprobs_from_update", "false"],
     "frozen_prefix": ["--old_logprobs_from_update", "false"],
     "lean": [],
+    "with_lean": ["--generation_backend", "lean"],
+    "with_vllm": ["--generation_backend", "vllm"],
 }
 KEYS = ("time/iteration", "time/generate", "time/experience", "time/train")
 
@@ -59,15 +63,19 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--variants", nargs="+", choices=sorted(VARIANTS),
+                    default=["before", "no_reference", "frozen_prefix", "lean"])
     ap.add_argument("--out", default=os.path.join(BENCH, "results", "cpu", "grpo_example.json"))
     args = ap.parse_args()
+    chosen = {name: VARIANTS[name] for name in args.variants}
     result = {"machine": bl.machine_info(), "cpu_flags": cpu_flags(), "steps": args.steps, "rounds": args.rounds,
-              "command": f"python bench/grpo_example.py --steps {args.steps} --rounds {args.rounds}",
-              "variants": {name: {"flags": flags, "launches": []} for name, flags in VARIANTS.items()}}
+              "command": f"python bench/grpo_example.py --steps {args.steps} --rounds {args.rounds} --variants "
+                         + " ".join(args.variants),
+              "variants": {name: {"flags": flags, "launches": []} for name, flags in chosen.items()}}
     t0 = time.time()
     with tempfile.TemporaryDirectory() as tmp:
         for rnd in range(args.rounds):
-            for name, flags in VARIANTS.items():
+            for name, flags in chosen.items():
                 records = launch(flags, args.steps, os.path.join(tmp, f"{name}{rnd}"))[1:]  # after the warm-up
                 med = {k: statistics.median(r[k] for r in records if r.get(k) is not None) for k in KEYS}
                 med["reused"] = records[-1].get("batch/frozen_prefix_reused")
@@ -76,7 +84,7 @@ def main() -> None:
                 print(name, rnd, {k: round(v, 2) for k, v in med.items() if isinstance(v, float)}, flush=True)
     for v in result["variants"].values():
         v["median"] = {k: statistics.median(m[k] for m in v["launches"]) for k in KEYS}
-    base = result["variants"]["before"]["median"]
+    base = result["variants"][args.variants[0]]["median"]
     result["ratios"] = {name: {k: v["median"][k] / base[k] for k in KEYS} for name, v in result["variants"].items()}
     result["wall_s"] = round(time.time() - t0, 1)
     os.makedirs(os.path.dirname(args.out), exist_ok=True)

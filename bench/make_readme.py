@@ -583,6 +583,9 @@ def reproduce(r, res):
             "bash bench/fetch_wheels.sh              # here: deepspeed + its pure-Python deps into bench/wheels/",
             "# carry the repository, bench/wheels/ included, to the GPU machine, then there:",
             "bash bench/gpu.sh                       # within --budget seconds; writes bench/results/gpu/gpu.json",
+            "bash bench/gpu.sh --suite vllm --out bench/results/gpu-vllm   # with vLLM installed: the colocated "
+            "engine at sleep levels 2/1/0 (the GPU held after the rollouts and at the end), tensor parallel 2 on 2 "
+            "GPUs; one summary, gpu.md",
             "# bring bench/results/gpu/gpu.json back and run: python bench/make_readme.py",
             "```", "", "Single runs: `python bench/ppo_iteration.py --help`, `python bench/scaling.py --help`.", ""]
 

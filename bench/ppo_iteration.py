@@ -9,8 +9,10 @@ interleaved (round r starts with variant r mod n), so a noisy machine affects th
 ratios. Keys: zero (actor/critic ZeRO stage; reference/reward follow: 3 if 3, else 0), offload (optimizer offload of
 actor and critic), gather_once (engine.generation_gather_once: auto, replica, on, off; 1/0 = on/off), backend
 (engine.generation_backend: lean, hf), trim (engine.trim_padding), packing (engine.packing: on, off, auto), tokens
-(batch.max_tokens_per_micro_batch), hybrid_engine (engine.enable_hybrid_engine; CUDA only). Rollout servers are
-measured by bench/async_rollouts.py (each run its own launch, beside a server).
+(batch.max_tokens_per_micro_batch), hybrid_engine (engine.enable_hybrid_engine; CUDA only), vllm_sleep
+(engine.vllm_sleep_level), vllm_tp (engine.vllm_tensor_parallel_size: one size per process). Rollout servers are
+measured by bench/async_rollouts.py (each run its own launch, beside a server). On a GPU every iteration also records
+what the device held (every allocator's share) after the rollouts and at its end.
 """
 from __future__ import annotations
 
@@ -22,6 +24,7 @@ import shutil
 import sys
 import time
 import traceback
+from typing import Optional
 
 BENCH = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, BENCH)
@@ -44,7 +47,8 @@ def _gather(s: str) -> str:
 VARIANT_KEYS = {"zero": (int, None), "offload": (_bool, None), "hybrid_engine": (_bool, None),
                 "gather_once": (_gather, GATHER_ONCE_FLAG), "backend": (str, "engine.generation_backend"),
                 "trim": (_bool, "engine.trim_padding"), "packing": (str, "engine.packing"),
-                "tokens": (int, "batch.max_tokens_per_micro_batch")}
+                "tokens": (int, "batch.max_tokens_per_micro_batch"),
+                "vllm_sleep": (int, "engine.vllm_sleep_level"), "vllm_tp": (int, "engine.vllm_tensor_parallel_size")}
 
 
 class Skip(Exception):
@@ -152,13 +156,15 @@ def run_iteration(b: Built, it: int, warmup: bool, n_params: dict) -> dict:
     rec = b.trainer.step()
     bl.sync()
     wall = time.perf_counter() - t0
+    used = {"after_rollouts": b.timer.used.get("sample"), "at_end": bl.device_used_mib()}
     r = b.trainer.last_experience.rollout
     B, L = r.sequences.shape
     ranks = comm.all_gather_object({
         "wall_s": wall, "phases": b.timer.split(rec), "calls": dict(b.timer.n),
         "flops": bl.iteration_flops(n_params, B, L, b.trainer.cfg.ppo.ppo_epochs), "peak_mem_mib": bl.peak_memory_mib(),
         "batch": B, "width": L, "P": r.prompt_length, "R": r.response_width,
-        "real_tokens": int(r.attention_mask.sum()), "generated_tokens": int(r.action_mask.sum())})
+        "real_tokens": int(r.attention_mask.sum()), "generated_tokens": int(r.action_mask.sum()),
+        "device_used_mib": used})
 
     def tflops(phase: str):
         vals = [x["flops"][phase] / x["phases"][phase] / 1e12 for x in ranks if x["phases"][phase] > 0]
@@ -174,8 +180,10 @@ def run_iteration(b: Built, it: int, warmup: bool, n_params: dict) -> dict:
         "tflops": {**{k: tflops(k) for k in ("generation", "experience", "training")},
                    "overall": sum(sum(x["flops"].values()) / x["wall_s"] for x in ranks) / len(ranks) / 1e12},
         "peak_mem_mib": [x["peak_mem_mib"] for x in ranks], "memory_method": method,
+        "device_used_mib": [x["device_used_mib"] for x in ranks],
         "metrics": {k: rec.get(k) for k in ("objective/score", "objective/kl", "rollout/response_length",
-                                            "policy/ratio_mean", "throughput/samples_per_s", "time/weight_sync")
+                                            "policy/ratio_mean", "throughput/samples_per_s", "time/weight_sync",
+                                            "rollout/logprob_diff_max", "memory/peak_device_mib")
                     if k in rec},
     }
     b.iterations.append(entry)
@@ -202,7 +210,19 @@ def summarize(iterations: list) -> dict:
                             "overall": sum(flops.values()) / wall / 1e12},
         "peak_mem_mib_per_rank": [max(e["peak_mem_mib"][r] for e in its) for r in range(len(its[0]["peak_mem_mib"]))],
         "padding_fraction": sum(e["padding_fraction"] for e in its) / len(its), "shape": its[-1]["shape"],
+        "device_used_mib_per_rank": device_used_peaks(its),
+        "metrics_max": {k: max(e["metrics"][k] for e in its) for k in ("rollout/logprob_diff_max", "time/weight_sync")
+                        if all(e.get("metrics", {}).get(k) is not None for e in its)},
     }
+
+
+def device_used_peaks(its: list) -> Optional[list]:
+    """Per rank, the most the GPU held after the rollouts and at the iterations' ends (None on a CPU)."""
+    per_it = [e.get("device_used_mib") for e in its]
+    if not all(per_it) or per_it[0][0]["at_end"] is None:
+        return None
+    return [{k: max((it[r][k] or 0.0) for it in per_it) for k in ("after_rollouts", "at_end")}
+            for r in range(len(per_it[0]))]
 
 
 def greedy_check(b: Built, n_prompts: int, new_tokens: int, hybrid: bool) -> dict:

