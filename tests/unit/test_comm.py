@@ -101,3 +101,19 @@ def test_run_on_main_returns_rank_0s_value_and_raises_its_error(dist_single):
 
     with pytest.raises(OSError, match="disk full"):
         comm.run_on_main(fails, "write")
+
+
+@pytest.mark.parametrize("rank, mine", [(0, [0, 1]), (3, [2, 3]), (5, [4, 5])])
+def test_consecutive_groups_every_rank_creates_every_group_and_keeps_its_own(monkeypatch, rank, mine):
+    """A world of 6 in groups of 2 (vLLM's tensor-parallel layout under an external launcher): every rank creates
+    the three groups in the same order (new_group is collective over the world) and gets its own."""
+    created = []
+    monkeypatch.setattr(comm, "initialized", lambda: True)
+    monkeypatch.setattr(comm, "world_size", lambda: 6)
+    monkeypatch.setattr(comm, "rank", lambda: rank)
+    monkeypatch.setattr(torch.distributed, "new_group", lambda ranks: created.append(ranks) or f"group{ranks}")
+    assert comm.consecutive_groups(2) == (f"group{mine}", mine)
+    assert created == [[0, 1], [2, 3], [4, 5]]
+    with pytest.raises(ValueError, match="cannot split a world of 6"):
+        comm.consecutive_groups(4)
+    assert comm.consecutive_groups(1) == (None, [rank])
