@@ -334,6 +334,26 @@ def grpo_example(r, res):
     return out + [""]
 
 
+@section("### The GRPO example by generation backend (what `--generation_backend auto` chooses between)",
+         "cpu/grpo_backends.json", "`.venv-vllm/bin/python bench/grpo_example.py --variants with_lean with_vllm` "
+         "(the vLLM environment with the demo package)")
+def grpo_backends(r, res):
+    out = [f"`{r['command']}` — the example's defaults, the generation backend named: `with_lean` our decoding "
+           "loop, `with_vllm` a colocated vLLM engine fed the actor's weights after every step (auto's choice where "
+           "vLLM is installed). One launch per variant in turn; medians over each launch's iterations after the "
+           f"first, then over launches; {machine_and_flags(r)}", ""]
+    rows = []
+    first = next(iter(r["variants"]))
+    for name, v in r["variants"].items():
+        its = [m["time/iteration"] for m in v["launches"]]
+        rows.append([name, f"{fmt(v['median']['time/iteration'])} ({fmt(min(its))}-{fmt(max(its))})",
+                     fmt(v["median"]["time/generate"]), fmt(v["median"]["time/experience"]),
+                     fmt(v["median"]["time/train"]), fmt(r["ratios"][name]["time/iteration"])])
+    out += table(["variant", "iteration s (launch min-max)", "generate s", "experience s", "train s",
+                  f"iteration / {first}"], rows)
+    return out + [""]
+
+
 @section("## 0f. Against TRL's GRPOTrainer on the GRPO example (CPU, 1 process each)", "cpu/trl_side_by_side.json",
          "`bash bench/trl_grpo/install.sh && python bench/trl_side_by_side.py --rounds 2 --iterations 12`")
 def trl_side_by_side(r, res):

@@ -33,6 +33,9 @@ POLICY_LOSS_DEFAULTS = {"gspo": {"loss_agg_mode": "seq_mean_token_mean"}}
 # slightly different policy; a capped per-token weight (truncated importance sampling) corrects for it at no risk
 # when the two agree (docs/rollout-engines.md says why this and not TRL's or verl's choice).
 BACKEND_DEFAULTS = {"vllm": {"rollout_correction": "token_truncate"}}
+# the rollout corrections that leave the policy mask (and so every token count) as it is: their weights scale the
+# loss only, so the first mini-batch's forward may compute them for its own rows (PPOConfig.defers_old_logprobs)
+DEFERRABLE_CORRECTIONS = ("none", "token_truncate", "sequence_truncate")
 
 
 # Rollouts generated ahead of training (max_staleness >= 1) come from an older policy: AReaL's decoupled objective
@@ -104,11 +107,12 @@ class PPOConfig:
                                      "iteration for a monitor. Off, such a run builds no reference engine (memory "
                                      "and time) and logs no objective/kl; with a KL term the KL is always logged.")
     old_logprobs_from_update: bool = opt(True, "Where nothing reads the old log-probs before training (no "
-                                         "reference, rollout_correction none) and ppo_epochs is 1, the first "
-                                         "mini-batch's old log-probs are its own training forward's, detached: the "
-                                         "policy has not moved yet, so its ratios are exactly 1 (as TRL does); the "
-                                         "experience forward runs only on the later mini-batches' rows. false = "
-                                         "every row's old log-probs from the experience forward.")
+                                         "reference; rollout_correction none or a truncate mode, whose weights the "
+                                         "training forward computes for its own rows) and ppo_epochs is 1, the "
+                                         "first mini-batch's old log-probs are its own training forward's, "
+                                         "detached: the policy has not moved yet, so its ratios are exactly 1 (as "
+                                         "TRL does); the experience forward runs only on the later mini-batches' "
+                                         "rows. false = every row's old log-probs from the experience forward.")
     kl_loss_estimator: str = opt("k2", "Per-token estimator of the KL loss, with d = log pi - log pi_ref: k1 = d "
                                  "(gradient: grad log pi, zero in expectation), k2 = d^2/2 (gradient: d grad log pi, "
                                  "the reverse-KL gradient), k3 = exp(-d) - 1 + d (an unbiased KL value, but its "
@@ -179,10 +183,12 @@ class PPOConfig:
     def defers_old_logprobs(self) -> bool:
         """Whether the first mini-batch takes its old log-probs from its own training forward
         (`old_logprobs_from_update`): only where nothing reads them before training (no reference: KL terms and the
-        monitor; no rollout correction) and one epoch reads them once (a later epoch would recompute the rows'
-        frozen prefix, which the experience forward keeps)."""
+        monitor; no rollout correction that masks tokens, which changes the mini-batch's token counts before its
+        first forward: a truncate mode's weights scale the loss only, and the forward computes them for its rows)
+        and one epoch reads them once (a later epoch would recompute the rows' frozen prefix, which the experience
+        forward keeps)."""
         return self.old_logprobs_from_update is True and self.ppo_epochs == 1 and not self.reads_reference and \
-            self.rollout_correction == "none"
+            self.rollout_correction in DEFERRABLE_CORRECTIONS
 
     def validate(self, p: Problems, prefix: str = "") -> None:
         check_positive(p, prefix, self, "ppo_epochs", "kl_horizon")

@@ -8,9 +8,11 @@ post-processing of an experience before training.
 every loss is a share of a global mean, so any micro-batch split and rank count give the same gradient (ppo_math).
 
 `experience_steps(ppo, n_samples)`: the corrections and filters, in order, each a function
-`step(exp, stats) -> Experience` that returns a new Experience (the input is not changed) and adds its metrics to
-`stats`: the rollout correction (ppo_math.rollout_correction), then the uniform-group filter. Whitening is the last
-step (`whiten_advantages`), applied by the trainer after the statistics of the raw advantages are taken.
+`step(exp, stats, on_policy_rows) -> Experience` that returns a new Experience (the input is not changed) and adds
+its metrics to `stats`: the rollout correction (ppo_math.rollout_correction), then the uniform-group filter.
+`on_policy_rows` k: rows [0, k) have no old log-probs yet (`PPOConfig.defers_old_logprobs`); a truncate correction
+leaves their weights to their training forward (`ActorObjective`, on_policy). Whitening is the last step
+(`whiten_advantages`), applied by the trainer after the statistics of the raw advantages are taken.
 """
 from __future__ import annotations
 
@@ -53,6 +55,7 @@ class ActorObjective:
 
     def __init__(self, engine: Any, ppo: PPOConfig, max_answer_seq_len: int):
         self.engine, self.ppo, self.max_len = engine, ppo, int(max_answer_seq_len)
+        self.correction = ppo.rollout_correction if ppo.rollout_correction != "none" else None
         self.policy_loss = get_policy_loss(ppo.policy_loss)
         self.with_entropy = ppo.entropy_coef > 0
         # per-token weights: only for the other aggregation modes and the KL loss (token_mean divides by the count)
@@ -63,16 +66,23 @@ class ActorObjective:
         policy loss alone), `kl_loss`, `max_abs_log_ratio` (fp64, the ratio trace); all detached). `on_policy`: no
         optimizer step since the rollout, and the micro-batch's old log-probs were left to this forward
         (`PPOConfig.defers_old_logprobs`): they are its own log-probs, detached (every ratio exactly 1), returned in
-        the stats as `old_logprobs` with the `entropy` [b, R] the experience forward would have given."""
+        the stats as `old_logprobs` with the `entropy` [b, R] the experience forward would have given, and with a
+        (truncate) rollout correction its weights from them (`correct` left these rows to this forward): `correction`
+        = (mode, [b, R] weights, its stats)."""
         ppo, r = self.ppo, micro.rollout
         # check=False: no host sync per micro-batch; its ids and masks were checked with the whole experience
         logprobs, entropy = self.engine.actor_forward(r, with_entropy=self.with_entropy or on_policy, check=False)
         old_logprobs = logprobs.detach() if on_policy else micro.old_logprobs
         pmask = r.action_mask if micro.policy_mask is None else micro.policy_mask
+        advantages, correction = corrected_advantages(micro), None
+        if on_policy and self.correction:  # the weights `correct` would have given these rows, from the same numbers
+            cw, _, cs = rollout_correction(old_logprobs, micro.rollout_logprobs, r.action_mask, self.correction,
+                                           ppo.rollout_correction_cap)
+            advantages, correction = micro.advantages * cw, (self.correction, cw, cs)
         weights = (loss_token_weights(pmask, ppo.loss_agg_mode, counts.policy_tokens, counts.policy_seqs,
                                       self.max_len) if self.needs_weights else None)
         loss, stats = self.policy_loss(
-            logprobs=logprobs, old_logprobs=old_logprobs, advantages=corrected_advantages(micro),
+            logprobs=logprobs, old_logprobs=old_logprobs, advantages=advantages,
             action_mask=pmask, clip_eps=ppo.clip_eps, clip_eps_high=ppo.upper_clip, dual_clip=ppo.dual_clip,
             num_tokens=counts.policy_tokens, check=False,
             token_weights=None if ppo.loss_agg_mode == "token_mean" else weights)  # token_mean: sum / tokens
@@ -85,7 +95,7 @@ class ActorObjective:
             loss = loss - ppo.entropy_coef * (entropy * r.action_mask).sum() / counts.tokens
         stats["max_abs_log_ratio"] = max_abs_diff(logprobs, old_logprobs, r.action_mask)
         if on_policy:
-            stats["old_logprobs"], stats["entropy"] = old_logprobs, entropy.detach()
+            stats["old_logprobs"], stats["entropy"], stats["correction"] = old_logprobs, entropy.detach(), correction
         return loss, stats
 
 
@@ -106,14 +116,21 @@ class CriticObjective:
 Step = Callable[[Experience, Any], Experience]
 
 
-def correct(exp: Experience, stats: Any, mode: str, cap: float) -> Experience:
-    """`--rollout_correction`: advantage weights and the policy mask from the generation-time log-probs."""
-    weights, keep, cs = rollout_correction(exp.old_logprobs, exp.rollout_logprobs, exp.rollout.action_mask, mode, cap)
+def correct(exp: Experience, stats: Any, on_policy_rows: int, mode: str, cap: float) -> Experience:
+    """`--rollout_correction`: advantage weights and the policy mask from the generation-time log-probs. Rows
+    [0, on_policy_rows) have no old log-probs yet: their weights stay 1 (on real tokens) here and their training
+    forward computes them (`ActorObjective`), which a truncate mode allows (the policy mask is unchanged)."""
+    k, mask = on_policy_rows, exp.rollout.action_mask
+    if k and not mode.endswith("truncate"):
+        raise ValueError(f"rollout_correction {mode}: masks tokens, so it needs every row's old log-probs first")
+    weights, keep, cs = rollout_correction(exp.old_logprobs[k:], exp.rollout_logprobs[k:], mask[k:], mode, cap)
     add_correction_stats(stats, mode, cs)
+    if k:
+        weights, keep = torch.cat([mask[:k].float(), weights]), torch.cat([mask[:k], keep])
     return dataclasses.replace(exp, advantage_weights=weights, policy_mask=keep)
 
 
-def filter_uniform_groups(exp: Experience, stats: Any, n_samples: int) -> Experience:
+def filter_uniform_groups(exp: Experience, stats: Any, on_policy_rows: int, n_samples: int) -> Experience:
     """`--filter_uniform_groups`: a group whose shaped scores are all equal (all right, all wrong) leaves the policy
     loss (never dropped: shapes stay). Equal SCORES, not returns: the returns also hold each response's KL."""
     mask = exp.rollout.action_mask

@@ -70,14 +70,16 @@ def add_rollout_check(stats: MetricSums, rollout_logprobs: torch.Tensor, old_log
 
 
 def add_on_policy_stats(stats: MetricSums, rows: Experience, old_logprobs: torch.Tensor,
-                        entropy: torch.Tensor) -> None:
+                        entropy: torch.Tensor, correction: Optional[tuple] = None) -> None:
     """The experience metrics of rows whose old log-probs came from their first training forward
-    (`PPOConfig.defers_old_logprobs`): their entropy and rollout check, added where the experience left them out
-    (its `tokens` counted them already)."""
+    (`PPOConfig.defers_old_logprobs`): their entropy, rollout check and rollout correction (`correction`: (mode,
+    weights, its stats) or None), added where the experience left them out (its `tokens` counted them already)."""
     mask = rows.rollout.action_mask
     stats.add("entropy_sum", (entropy * mask).sum())
     if rows.rollout_logprobs is not None:
         add_rollout_check(stats, rows.rollout_logprobs, old_logprobs, mask)
+    if correction is not None:
+        add_correction_stats(stats, correction[0], correction[2])
 
 
 def add_correction_stats(stats: MetricSums, mode: str, cs: dict) -> None:

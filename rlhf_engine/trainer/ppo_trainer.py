@@ -179,7 +179,7 @@ class PPOTrainer:
             # PPO scores? (rows [0, k): after their training forward, ActorStep)
             add_rollout_check(stats, rollout_logprobs[k:], exp.old_logprobs[k:], rollout.action_mask[k:])
         for step in self.experience_steps:  # rollout correction, then the uniform-group filter
-            exp = step(exp, stats)
+            exp = step(exp, stats, k)
         self.hooks.advantages(exp.advantages, self.iteration)
         self.guard.agree(self.iteration, tensors={"advantage": (exp.advantages, rollout.action_mask)})
         add_experience_stats(stats, exp, fw.entropy, raw_scores, shaped=self.shaper.active)
@@ -227,8 +227,10 @@ class PPOTrainer:
                 if train_actor:
                     self.actor_step.end_mini_batch(stats, actor_minibatches)
                     actor_minibatches += 1
-                    for index, old in self.actor_step.take_fresh_old():  # the experience complete, as if computed
-                        exp.old_logprobs[index] = old
+                    for index, old, weights in self.actor_step.take_fresh_old():  # the experience complete, as
+                        exp.old_logprobs[index] = old  # if computed before training
+                        if weights is not None:
+                            exp.advantage_weights[index] = weights
                 stats.add("minibatches", torch.tensor(1.0))
 
     # ---- loop ------------------------------------------------------------------------------------------------

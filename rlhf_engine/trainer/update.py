@@ -124,7 +124,9 @@ class ActorStep(UpdateStep):
         super().__init__(engine, objective, guard)
         self.unsup_coef = unsup_coef
         self.max_abs_log_ratio: Optional[torch.Tensor] = None
-        self.fresh_old: list = []  # (index, [b, R] old log-probs) of on-policy micro-batches, for the experience
+        # (index, [b, R] old log-probs, [b, R] correction weights or None) of on-policy micro-batches, for the
+        # experience
+        self.fresh_old: list = []
 
     def start_mini_batch(self) -> None:
         self.max_abs_log_ratio = torch.zeros((), dtype=torch.float64, device=self.engine.device)
@@ -142,11 +144,12 @@ class ActorStep(UpdateStep):
             add_policy_stats(stats, loss, ps)
             self.max_abs_log_ratio = torch.maximum(self.max_abs_log_ratio, ps["max_abs_log_ratio"])
             if micro.on_policy:  # what the experience forward would have measured on these rows
-                add_on_policy_stats(stats, micro.rows, ps["old_logprobs"], ps["entropy"])
-                self.fresh_old.append((micro.index, ps["old_logprobs"]))
+                add_on_policy_stats(stats, micro.rows, ps["old_logprobs"], ps["entropy"], ps["correction"])
+                weights = ps["correction"][1] if ps["correction"] else None
+                self.fresh_old.append((micro.index, ps["old_logprobs"], weights))
 
     def take_fresh_old(self) -> list:
-        """The on-policy micro-batches' (index, old log-probs) since the last call."""
+        """The on-policy micro-batches' (index, old log-probs, correction weights or None) since the last call."""
         out, self.fresh_old = self.fresh_old, []
         return out
 

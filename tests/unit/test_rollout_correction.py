@@ -55,7 +55,7 @@ def test_the_policy_loss_and_its_gradient_carry_the_weights(mode):
     z = torch.zeros(3, 3)
     exp = Experience(rollout=rollout, old_logprobs=OLD, ref_logprobs=z, values=None, scores=torch.zeros(3),
                      rewards=z, kl=z, advantages=adv, returns=None, rollout_logprobs=ROLL)
-    exp = correct(exp, MetricSums(), mode, 2.0)
+    exp = correct(exp, MetricSums(), 0, mode, 2.0)
     logprobs = OLD.clone().requires_grad_(True)
     keep = exp.policy_mask
     n = keep.sum().float()

@@ -1,8 +1,11 @@
 """--old_logprobs_from_update on one in-process rank: where nothing reads the old log-probs before training (no
-reference, no rollout correction) and one epoch reads them, the first mini-batch's come from its own training forward
-(detached) and the experience forward runs only on the later mini-batches' rows. The lr-0 invariants hold exactly; the
-experience left behind (old log-probs of every row) and every metric equal the run that computes them all in the
-experience forward (false, the switch kept for this test) within fp32 noise."""
+reference, no rollout correction that masks tokens) and one epoch reads them, the first mini-batch's come from its own
+training forward (detached) and the experience forward runs only on the later mini-batches' rows; a truncate
+correction's weights for those rows come from the same forward. The lr-0 invariants hold exactly; the experience left
+behind (old log-probs and correction weights of every row) and every metric equal the run that computes them all in
+the experience forward (false, the switch kept for this test) within fp32 noise."""
+import dataclasses
+
 import pytest
 import torch
 from _trainer_args import train_args
@@ -26,7 +29,10 @@ FLAGS = dict(advantage_estimator="grpo", per_device_generation_batch_size=4, n_s
     ({"monitor_reference_kl": "true"}, False),  # objective/kl reads the old log-probs with the reference's
     ({"kl_coef": 0.05}, False),  # the reward's KL penalty reads them
     ({"kl_loss_coef": 0.01}, False),
-    ({"rollout_correction": "token_truncate"}, False),  # the correction's weights read them
+    ({"rollout_correction": "token_truncate"}, True),  # its weights scale the loss only: the forward computes them
+    ({"rollout_correction": "sequence_truncate"}, True),
+    ({"rollout_correction": "token_mask"}, False),  # a mask changes the mini-batch's token counts before its forward
+    ({"rollout_correction": "sequence_mask"}, False),
 ])
 def test_deferred_only_where_nothing_reads_them_before_training(tiny, tmp_path, flags, defers):
     cfg = parse_args(train_args(tiny, str(tmp_path), **{**FLAGS, **flags}))
@@ -35,9 +41,20 @@ def test_deferred_only_where_nothing_reads_them_before_training(tiny, tmp_path, 
     assert ("actor experience forward on the rows after the first mini-batch" in line) == defers, line
 
 
-def _run(tiny, out, steps=2, **flags):
+def _run(tiny, out, steps=2, shift=0.0, **flags):
+    """`shift`: the generation log-probs of every other row lowered by that much (as a backend that does not sample
+    exactly what PPO scores would give them), so that a rollout correction has weights other than 1."""
     trainer = build_trainer(parse_args(train_args(tiny, str(out), max_steps=steps, **{**FLAGS, **flags})))
     rows, real = [], trainer.engine.actor_logprobs
+    if shift:
+        sample = trainer.engine.sample
+
+        def shifted(ids, mask):
+            g = sample(ids, mask)
+            odd = (torch.arange(g.logprobs.shape[0]) % 2)[:, None].to(g.logprobs)
+            return dataclasses.replace(g, logprobs=g.logprobs - shift * odd * g.rollout.action_mask)
+
+        trainer.engine.sample = shifted
 
     def spy(rollout, **kw):  # the rows each experience forward of the actor is given
         rows.append(rollout.batch_size)
@@ -94,3 +111,29 @@ def test_a_whole_batch_in_one_mini_batch_runs_no_experience_forward(tiny, dist_s
     assert recs[0]["objective/entropy"] > 0 and recs[0]["policy/ratio_max"] == 1.0
     mask = exps[0].rollout.action_mask.bool()
     assert (exps[0].old_logprobs[mask] < 0).all()
+
+
+@pytest.mark.parametrize("mode", ["token_truncate", "sequence_truncate"])
+def test_a_truncate_correction_of_the_first_mini_batch_equals_the_one_computed_first(tiny, dist_single, tmp_path,
+                                                                                     mode):
+    """Every other row's generation log-probs 0.1 nats low: its tokens' ratio is exp(0.1) = 1.105 (a response's,
+    exp(0.1 n)), over the cap of 1.05 (a weight of 1.05, counted as capped). The deferred run (the first
+    mini-batch's weights from its own forward) and the run computing every old log-prob first have equal weights in
+    the experience, equal metrics (the correction's capped share and largest |w - 1| among them) and equal final
+    weights."""
+    flags = dict(actor_learning_rate=1e-3, rollout_correction=mode, rollout_correction_cap=1.05, shift=0.1)
+    on, on_recs, on_exps, on_rows, on_w = _run(tiny, tmp_path / "on", **flags)
+    off, off_recs, off_exps, off_rows, off_w = _run(tiny, tmp_path / "off", old_logprobs_from_update="false", **flags)
+    assert on_rows == [4, 4] and off_rows == [8, 8]
+    a, b = on_exps[0], off_exps[0]
+    torch.testing.assert_close(a.advantage_weights, b.advantage_weights, rtol=0, atol=1e-5)
+    mask = b.rollout.action_mask.bool()
+    odd = (torch.arange(mask.shape[0]) % 2 == 1)[:, None] & mask
+    assert torch.allclose(b.advantage_weights[odd], torch.tensor(1.05)), b.advantage_weights  # capped
+    assert (b.advantage_weights[mask & ~odd] - 1).abs().max() < 1e-4  # sampled as scored: weight 1
+    for x, y in zip(on_recs, off_recs):
+        assert y["rollout/correction_capped_frac"] > 0.3 and y["rollout/correction_weight_dev_max"] > 0.04
+        keys = [k for k in y if not k.startswith(VOLATILE + SPLIT) and isinstance(y[k], float)]
+        assert {k: x[k] for k in keys} == pytest.approx({k: y[k] for k in keys}, rel=1e-5, abs=1e-6)
+    for k in on_w:
+        torch.testing.assert_close(on_w[k], off_w[k], rtol=1e-5, atol=1e-6)
