@@ -4,6 +4,8 @@ iterations after the first (its warm-up).
 
     python bench/grpo_example.py [--steps 3] [--rounds 2] [--out bench/results/cpu/grpo_example.json]
     .venv-vllm/bin/python bench/grpo_example.py --variants with_lean with_vllm --out .../grpo_backends.json
+    .venv-vllm/bin/python bench/grpo_example.py --variants with_lean with_vllm --config examples/ppo_sentiment.yaml \
+        --out .../demo_backends.json
 
 Variants: `before` builds the reference for objective/kl and computes every block in every forward (the path before
 these changes); `no_reference` builds no reference (kl_coef 0, kl_loss_coef 0: nothing reads it); `frozen_prefix`
@@ -46,10 +48,10 @@ def cpu_flags() -> list:
     return sorted(f for f in flags if f.startswith(("avx512", "amx")))
 
 
-def launch(extra: list, steps: int, out: str) -> list:
+def launch(extra: list, steps: int, out: str, config: str = "examples/grpo_arithmetic.yaml") -> list:
     env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "WANDB_MODE": "offline",
            "DS_ACCELERATOR": "cpu", "TOKENIZERS_PARALLELISM": "false"}
-    cmd = [sys.executable, "launch/train_ppo.py", "--config", "examples/grpo_arithmetic.yaml", "--output_dir", out,
+    cmd = [sys.executable, "launch/train_ppo.py", "--config", config, "--output_dir", out,
            "--max_steps", str(steps), "--export_final", "false", *extra]
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=1800)
     if proc.returncode != 0:
@@ -63,20 +65,25 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--config", default="examples/grpo_arithmetic.yaml",
+                    help="the example (with_lean / with_vllm also measure the demo's, examples/ppo_sentiment.yaml)")
     ap.add_argument("--variants", nargs="+", choices=sorted(VARIANTS),
                     default=["before", "no_reference", "frozen_prefix", "lean"])
     ap.add_argument("--out", default=os.path.join(BENCH, "results", "cpu", "grpo_example.json"))
     args = ap.parse_args()
     chosen = {name: VARIANTS[name] for name in args.variants}
     result = {"machine": bl.machine_info(), "cpu_flags": cpu_flags(), "steps": args.steps, "rounds": args.rounds,
+              "config": args.config,
               "command": f"python bench/grpo_example.py --steps {args.steps} --rounds {args.rounds} --variants "
-                         + " ".join(args.variants),
+                         + " ".join(args.variants) + (f" --config {args.config}"
+                                                      if args.config != "examples/grpo_arithmetic.yaml" else ""),
               "variants": {name: {"flags": flags, "launches": []} for name, flags in chosen.items()}}
     t0 = time.time()
     with tempfile.TemporaryDirectory() as tmp:
         for rnd in range(args.rounds):
             for name, flags in chosen.items():
-                records = launch(flags, args.steps, os.path.join(tmp, f"{name}{rnd}"))[1:]  # after the warm-up
+                records = launch(flags, args.steps, os.path.join(tmp, f"{name}{rnd}"), args.config)[1:]  # after
+                # the warm-up
                 med = {k: statistics.median(r[k] for r in records if r.get(k) is not None) for k in KEYS}
                 med["reused"] = records[-1].get("batch/frozen_prefix_reused")
                 med["scores"] = [r["objective/score"] for r in records]

@@ -338,10 +338,22 @@ def grpo_example(r, res):
          "cpu/grpo_backends.json", "`.venv-vllm/bin/python bench/grpo_example.py --variants with_lean with_vllm` "
          "(the vLLM environment with the demo package)")
 def grpo_backends(r, res):
-    out = [f"`{r['command']}` — the example's defaults, the generation backend named: `with_lean` our decoding "
+    return by_backend(r, "examples/grpo_arithmetic.yaml (GRPO, no reference, the top 4 blocks trained)")
+
+
+@section("### The demo by generation backend", "cpu/demo_backends.json",
+         "`.venv-vllm/bin/python bench/grpo_example.py --variants with_lean with_vllm --config "
+         "examples/ppo_sentiment.yaml` (the vLLM environment with the demo package)")
+def demo_backends(r, res):
+    return by_backend(r, "examples/ppo_sentiment.yaml, the README's demo (PPO with a critic, kl_coef 0.02 so a "
+                         "reference, 2 epochs, the top 4 blocks of actor and critic trained)")
+
+
+def by_backend(r, what: str) -> list:
+    out = [f"`{r['command']}` — {what}, its defaults with the generation backend named: `with_lean` our decoding "
            "loop, `with_vllm` a colocated vLLM engine fed the actor's weights after every step (auto's choice where "
-           "vLLM is installed). One launch per variant in turn; medians over each launch's iterations after the "
-           f"first, then over launches; {machine_and_flags(r)}", ""]
+           "vLLM is installed; rollout_correction token_truncate). One launch per variant in turn; medians over each "
+           f"launch's iterations after the first, then over launches; {machine_and_flags(r)}", ""]
     rows = []
     first = next(iter(r["variants"]))
     for name, v in r["variants"].items():

