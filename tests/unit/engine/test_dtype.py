@@ -39,3 +39,26 @@ def test_supervised_plan_resolves_auto(tiny, flag, expect):
     model, tok = plan_model(cfg.model, 64)
     assert model.dtype == expect and tok.padding_side == "left"
     assert supervised_fingerprint(cfg, model, 1, 8)["dtype"] == expect
+
+
+def test_bf16_on_a_cpu_without_bf16_instructions_is_named_as_slow(caplog, tmp_path):
+    """A CPU whose flags hold neither avx512_bf16 nor amx_bf16 runs bf16 matrix products in slow kernels (7 to 66x
+    the fp32 time on such a host): the plan warns, naming the roles. No warning with the instructions, for fp32, or
+    where the flags cannot be read."""
+    from rlhf_engine.engine.preflight import RolePlan, log_dtypes, read_cpu_flags
+
+    roles = {"actor": RolePlan("a", 2, "bf16", True), "reward": RolePlan("r", 0, "fp32", False)}
+    for flags, warned in (({"avx2", "avx512f"}, True), ({"avx512f", "avx512_bf16"}, False),
+                          ({"amx_bf16"}, False), (None, False)):
+        caplog.clear()
+        with caplog.at_level("WARNING"):
+            log_dtypes(roles, {"actor": "bf16", "reward": "fp32"}, cpu_flags=lambda: flags)
+        assert ("dtype bf16 (actor) on a CPU without bf16 instructions" in caplog.text) == warned, (flags, caplog.text)
+    caplog.clear()
+    with caplog.at_level("WARNING"):
+        log_dtypes({"reward": roles["reward"]}, {"reward": "fp32"}, cpu_flags=lambda: {"avx2"})
+    assert not caplog.text
+    cpuinfo = tmp_path / "cpuinfo"
+    cpuinfo.write_text("processor\t: 0\nflags\t\t: fpu sse2 avx2 amx_bf16\n")
+    assert read_cpu_flags(str(cpuinfo)) == {"fpu", "sse2", "avx2", "amx_bf16"}
+    assert read_cpu_flags(str(tmp_path / "missing")) is None
