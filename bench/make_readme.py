@@ -323,15 +323,20 @@ def grpo_example(r, res):
            "experience forward; `lean` (the defaults) also leaves the first mini-batch's old log-probs to its own "
            "training forward (--old_logprobs_from_update; variants missing from a result predate it). Medians over "
            f"each launch's iterations after the first, then over launches; {machine_and_flags(r)}", ""]
+    return out + variants_table(r) + [""]
+
+
+def variants_table(r) -> list:
+    """bench/grpo_example.py's result: per variant its median iteration (launch min-max), phases, and ratio to the
+    first variant."""
     rows = []
     for name, v in r["variants"].items():
         its = [m["time/iteration"] for m in v["launches"]]
         rows.append([name, f"{fmt(v['median']['time/iteration'])} ({fmt(min(its))}-{fmt(max(its))})",
                      fmt(v["median"]["time/generate"]), fmt(v["median"]["time/experience"]),
                      fmt(v["median"]["time/train"]), fmt(r["ratios"][name]["time/iteration"])])
-    out += table(["variant", "iteration s (launch min-max)", "generate s", "experience s", "train s",
-                  "iteration / before"], rows)
-    return out + [""]
+    return table(["variant", "iteration s (launch min-max)", "generate s", "experience s", "train s",
+                  f"iteration / {next(iter(r['variants']))}"], rows)
 
 
 @section("### The GRPO example by generation backend (what `--generation_backend auto` chooses between)",
@@ -354,16 +359,7 @@ def by_backend(r, what: str) -> list:
            "loop, `with_vllm` a colocated vLLM engine fed the actor's weights after every step (auto's choice where "
            "vLLM is installed; rollout_correction token_truncate). One launch per variant in turn; medians over each "
            f"launch's iterations after the first, then over launches; {machine_and_flags(r)}", ""]
-    rows = []
-    first = next(iter(r["variants"]))
-    for name, v in r["variants"].items():
-        its = [m["time/iteration"] for m in v["launches"]]
-        rows.append([name, f"{fmt(v['median']['time/iteration'])} ({fmt(min(its))}-{fmt(max(its))})",
-                     fmt(v["median"]["time/generate"]), fmt(v["median"]["time/experience"]),
-                     fmt(v["median"]["time/train"]), fmt(r["ratios"][name]["time/iteration"])])
-    out += table(["variant", "iteration s (launch min-max)", "generate s", "experience s", "train s",
-                  f"iteration / {first}"], rows)
-    return out + [""]
+    return out + variants_table(r) + [""]
 
 
 @section("## 0f. Against TRL's GRPOTrainer on the GRPO example (CPU, 1 process each)", "cpu/trl_side_by_side.json",
