@@ -4,7 +4,9 @@ Stock vLLM's OpenAI server, with:
 * `--tokens-only`: `/inference/v1/generate`, token ids in and out, no tokenizer (the trainer sends its own stop ids);
 * `--logprobs-mode processed_logprobs`: each sampled token's log-prob after temperature, what PPO's log-probs score;
 * VLLM_SERVER_DEV_MODE=1: the pause / resume and weight-update routes, `/collective_rpc`;
-* our worker extension and its CPU weight-transfer backend (`rlhf_gloo`), or vLLM's `nccl` on GPUs;
+* our worker extension and its weight-transfer backend (`rlhf_gloo`: the weights over gloo through host memory, on a
+  CPU and on a GPU alike; vLLM's `nccl` needs a trainer side that is not built yet, and the trainer refuses a server
+  that runs it);
 * our bearer-token middleware on every route (with a token; without one the server listens on 127.0.0.1 only);
 * on a CPU: a KV budget (vLLM would otherwise reserve 92% of the node's RAM), eager mode (the reload packs new
   kernels a traced graph might not see), and the engine's worker in the engine process (one vLLM import fewer:
@@ -34,7 +36,7 @@ class ServerSettings:
     seed: int = 0
     device: str = "cpu"  # cpu | cuda
     kv_cache_mb: int = 256  # CPU only: the KV cache's size (vLLM reserves most of the RAM otherwise)
-    weight_backend: str = ""  # '' = rlhf_gloo on a CPU, nccl on a GPU
+    weight_backend: str = ""  # '' = rlhf_gloo (the only one this trainer sends over; docs/rollout-servers.md)
     served_model_name: str = ""
     extra: tuple = ()  # more `vllm serve` arguments, passed as they are
 
@@ -48,8 +50,7 @@ def server_command(s: ServerSettings, python: Optional[str] = None) -> tuple[dic
             "--tokens-only", "--logprobs-mode", "processed_logprobs",
             "--dtype", s.dtype or ("float32" if s.device == "cpu" else "auto"), "--seed", str(int(s.seed)),
             "--worker-extension-cls", EXTENSION,
-            "--weight-transfer-config", json.dumps({"backend": s.weight_backend or (
-                BACKEND_NAME if s.device == "cpu" else "nccl")})]
+            "--weight-transfer-config", json.dumps({"backend": s.weight_backend or BACKEND_NAME})]
     if s.served_model_name:
         argv += ["--served-model-name", s.served_model_name]
     if s.max_model_len:

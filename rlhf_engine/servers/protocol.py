@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 BACKEND_NAME = "rlhf_gloo"  # the weight-transfer backend vllm_extension.py registers in vLLM
+RECEIVER = "GlooWeightTransfer"  # its class, as a server's info names the engine it receives weights with
 EXTENSION = "rlhf_engine.servers.vllm_extension.RolloutServerExtension"  # --worker-extension-cls
 EXTENSION_VERSION = 1  # raised when the extension's methods or the update protocol change
 STORE_PREFIX = "rlhf_weights"  # the gloo group's keys in the trainer's store

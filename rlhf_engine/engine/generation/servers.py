@@ -33,7 +33,7 @@ import torch
 from ... import comm
 from ...servers.client import ServerClient, ServerError
 from ...servers.pool import NoServerUp, ServerPool
-from ...servers.protocol import EXTENSION_VERSION
+from ...servers.protocol import BACKEND_NAME, EXTENSION_VERSION, RECEIVER
 from ...servers.weights import WeightPush, connect_senders, version_of
 from ..policy_weights import stream_blocks
 from .base import GenerationBackend, Generated, SamplingParams
@@ -89,6 +89,10 @@ def server_problems(info: dict, url: str, arch: list, dtype: str, longest: int) 
     if not info.get("weight_transfer"):
         out.append(f"{url} has no weight transfer configured (--weight-transfer-config): the trainer could not "
                    "push its weights")
+    elif info["weight_transfer"] != RECEIVER:
+        out.append(f"{url} receives weights with {info['weight_transfer']}, and this trainer sends them over "
+                   f"{BACKEND_NAME} only (vLLM's nccl needs a trainer side not built yet): start it with "
+                   f"launch/rollout_server.py, or --weight-transfer-config '{{\"backend\": \"{BACKEND_NAME}\"}}'")
     return out
 
 

@@ -30,14 +30,31 @@ def test_a_cpu_server_with_a_token():
     assert _flag(argv, "--distributed-executor-backend") == "uni"
 
 
-def test_without_a_token_the_server_listens_on_this_host_only_and_a_gpu_uses_nccl():
+def test_without_a_token_the_server_listens_on_this_host_only_and_a_gpu_takes_weights_over_gloo_too():
+    """On a GPU as on a CPU the weights come over rlhf_gloo, the only backend this trainer sends over (vLLM's nccl
+    needs a trainer side that is not built; the trainer's probe refuses a server that runs it)."""
     env, argv = server_command(ServerSettings(model="/m", device="cuda", extra=("--data-parallel-size", "2")))
     assert _flag(argv, "--host") == "127.0.0.1" and "--middleware" not in argv and TOKEN_ENV_POINTER not in env
-    assert _flag(argv, "--weight-transfer-config") == '{"backend": "nccl"}' and _flag(argv, "--dtype") == "auto"
+    assert _flag(argv, "--weight-transfer-config") == '{"backend": "%s"}' % BACKEND_NAME
+    assert _flag(argv, "--dtype") == "auto"
     assert "--kv-cache-memory-bytes" not in argv and "VLLM_ENABLE_V1_MULTIPROCESSING" not in env
     assert argv[-2:] == ["--data-parallel-size", "2"]
     line = shell_line(env, argv)
-    assert line.startswith("VLLM_SERVER_DEV_MODE=1 ") and "'{\"backend\": \"nccl\"}'" in line
+    assert line.startswith("VLLM_SERVER_DEV_MODE=1 ") and "'{\"backend\": \"rlhf_gloo\"}'" in line
+
+
+def test_the_probe_refuses_a_server_that_receives_weights_another_way():
+    """A server started by hand with vLLM's nccl backend is named before any engine is built; ours passes."""
+    from rlhf_engine.engine.generation.servers import server_problems
+    from rlhf_engine.servers.protocol import EXTENSION_VERSION, RECEIVER
+
+    info = {"extension": EXTENSION_VERSION, "architectures": ["LlamaForCausalLM"], "dtype": "float32",
+            "max_model_len": 512, "logprobs_mode": "processed_logprobs", "weight_transfer": RECEIVER}
+    assert server_problems(info, "http://s:1", ["LlamaForCausalLM"], "fp32", 100) == []
+    found = server_problems({**info, "weight_transfer": "NCCLWeightTransferEngine"}, "http://s:1",
+                            ["LlamaForCausalLM"], "fp32", 100)
+    assert len(found) == 1 and found[0].startswith("http://s:1 receives weights with NCCLWeightTransferEngine")
+    assert "--weight-transfer-config '{\"backend\": \"rlhf_gloo\"}'" in found[0], found
 
 
 def test_problems_name_each_flag(tmp_path):
