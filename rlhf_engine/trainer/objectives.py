@@ -113,7 +113,7 @@ class CriticObjective:
 
 
 # ---- experience post-processing: pure steps over an Experience, in order --------------------------------------------
-Step = Callable[[Experience, Any], Experience]
+Step = Callable[[Experience, Any, int], Experience]  # (experience, stats, on_policy_rows)
 
 
 def correct(exp: Experience, stats: Any, on_policy_rows: int, mode: str, cap: float) -> Experience:
