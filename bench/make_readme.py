@@ -304,7 +304,8 @@ def rollout_servers(r, res):
             f"max(G, T + S) / (G + T) = {fmt(pred['servers_k1_over_colocated'])}. Published points beside it (other "
             "hardware and models): " + "; ".join(f"{p['who']} ({p['setup']}): x{p['speedup']}"
                                                  for p in r["published"]) + ".", "",
-            "On a GPU: not built yet (the rollout servers' form of `bench/gpu.sh --suite async`).", ""]
+            "On a GPU: prepared, not measured (`bash bench/gpu.sh --suite async`: the server on a GPU of its own, or "
+            "beside the trainer on the one GPU; no GPU has run it).", ""]
     return out
 
 
