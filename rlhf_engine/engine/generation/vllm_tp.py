@@ -83,9 +83,11 @@ def tp_problems(size: Any, world: int, backend: str, model_config: Any, servers:
     return out
 
 
-def local_world_size() -> Optional[int]:
-    """The ranks on this node, as the launcher says (None: not said)."""
-    value = os.environ.get("LOCAL_WORLD_SIZE")
+def local_world_size(environ=None) -> Optional[int]:
+    """The ranks on this node, as the launcher says (torchrun and our SLURM setup: LOCAL_WORLD_SIZE; the deepspeed
+    launcher: LOCAL_SIZE), or None where none says it."""
+    env = os.environ if environ is None else environ
+    value = env.get("LOCAL_WORLD_SIZE") or env.get("LOCAL_SIZE")
     return int(value) if value and value.isdigit() else None
 
 

@@ -8,7 +8,7 @@ from transformers import LlamaConfig
 from rlhf_engine.config import TrainConfig
 from rlhf_engine.errors import ConfigError
 from rlhf_engine.engine.generation.vllm_memory import default_kv_cache_bytes, kv_bytes_per_token
-from rlhf_engine.engine.generation.vllm_tp import group_members, merge, own_slice, tp_problems
+from rlhf_engine.engine.generation.vllm_tp import group_members, local_world_size, merge, own_slice, tp_problems
 
 
 def test_groups_are_consecutive_ranks():
@@ -65,3 +65,9 @@ def test_the_flag_is_a_positive_whole_number():
         cfg.engine.vllm_tensor_parallel_size = bad
         with pytest.raises(ConfigError, match="vllm_tensor_parallel_size"):
             cfg.validate()
+
+
+def test_the_ranks_of_a_node_as_either_launcher_says():
+    assert local_world_size({"LOCAL_WORLD_SIZE": "8"}) == 8  # torchrun, our SLURM environment
+    assert local_world_size({"LOCAL_SIZE": "4"}) == 4  # the deepspeed launcher
+    assert local_world_size({}) is None and local_world_size({"LOCAL_SIZE": "x"}) is None
