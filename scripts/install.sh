@@ -11,18 +11,22 @@ root=$(cd "$(dirname "$0")/.." && pwd)
 # with pip here, 32 s and 41 s with uv), with the package sources pip is configured with (scripts/uv_args.py);
 # pip when uv cannot be installed or fails. RLHF_INSTALL_WITH=pip forces pip. --compile-bytecode as pip does: where
 # PYTHONDONTWRITEBYTECODE is set (this machine), every process would otherwise compile deepspeed and pydantic from
-# source at each import (a multi-rank test file took 1.6x as long).
+# source at each import (a multi-rank test file took 1.6x as long). RLHF_INSTALL_BYTECODE=lazy (scripts/test.sh, whose
+# processes write bytecode as they import) skips that: compiling every file of the vLLM environment took 45 of its
+# install's 53 s here, and the tests import a fraction of them.
 install_into() {
   local venv=$1; shift
+  local compile=(--compile-bytecode) pip_compile=()
+  if [ "${RLHF_INSTALL_BYTECODE:-}" = lazy ]; then compile=(); pip_compile=(--no-compile); fi
   if [ "${RLHF_INSTALL_WITH:-uv}" = uv ] && "$venv/bin/pip" install -q "uv==0.13.9" 2>/dev/null; then
     local line args=()
     while IFS= read -r line; do
       case $line in SSL_CERT_FILE=*) export "$line" ;; *) args+=("$line") ;; esac
     done < <("$venv/bin/pip" config list 2>/dev/null | "$venv/bin/python" "$root/scripts/uv_args.py")
-    if "$venv/bin/uv" pip install -q --compile-bytecode --python "$venv/bin/python" "${args[@]}" "$@"; then return 0; fi
+    if "$venv/bin/uv" pip install -q "${compile[@]}" --python "$venv/bin/python" "${args[@]}" "$@"; then return 0; fi
     echo "[install] uv failed (above); installing with pip instead" >&2
   fi
-  "$venv/bin/pip" install -q "$@"
+  "$venv/bin/pip" install -q "${pip_compile[@]}" "$@"
 }
 
 if [ "${1:-}" = "--vllm" ]; then

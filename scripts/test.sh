@@ -14,6 +14,10 @@
 # (pytest-xdist).
 set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
+# Bytecode is written as the test processes import (as Python does by default), not compiled for every installed file
+# at install (scripts/install.sh): where PYTHONDONTWRITEBYTECODE is set, it is unset here, for these processes only.
+export RLHF_INSTALL_BYTECODE=${RLHF_INSTALL_BYTECODE:-lazy}
+unset PYTHONDONTWRITEBYTECODE
 mode=default
 case "${1:-}" in --slow|--release|--learning|--vllm) mode=${1#--}; shift ;; esac
 case $mode in

@@ -386,10 +386,11 @@ def closed_within(sock, seconds: float) -> bool:
 
 def run_example(config: str, out: str, *extra: str, timeout: int = 1500) -> list[dict]:
     """`launch/train_ppo.py --config <config> --output_dir <out> <extra>` on every core, offline (the slow
-    learning tests); its metrics records."""
+    learning tests); its metrics records. RLHF_ENGINE_TEST_EXAMPLE_THREADS sets the threads instead (.ci/run: 1,
+    where the run shares the cores with the vLLM job)."""
     env = {k: v for k, v in os.environ.items() if k not in _RANK_VARS}
-    env.update(HF_HUB_OFFLINE="1", WANDB_MODE="offline", TOKENIZERS_PARALLELISM="false",
-               OMP_NUM_THREADS=str(os.cpu_count() or 1))
+    threads = os.environ.get("RLHF_ENGINE_TEST_EXAMPLE_THREADS") or str(os.cpu_count() or 1)
+    env.update(HF_HUB_OFFLINE="1", WANDB_MODE="offline", TOKENIZERS_PARALLELISM="false", OMP_NUM_THREADS=threads)
     proc = subprocess.run([sys.executable, "launch/train_ppo.py", "--config", config, "--output_dir", out, *extra],
                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
     assert proc.returncode == 0, proc.stderr[-4000:]
