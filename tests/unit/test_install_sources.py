@@ -1,8 +1,11 @@
 """scripts/uv_args.py: the package sources pip is configured with, handed to uv (scripts/install.sh installs with uv,
-which reads no pip configuration; the CPU torch build may lie only in a folder pip's configuration names)."""
+which reads no pip configuration; the CPU torch build may lie only in a folder pip's configuration names); and the
+bytecode a lazy install (scripts/test.sh) skips is written by the test processes."""
 import os
 import subprocess
 import sys
+
+import pytest
 
 from tests._support import ROOT
 
@@ -43,3 +46,12 @@ def test_the_script_reads_pip_config_list_from_stdin():
                          capture_output=True, text=True, check=True).stdout.splitlines()
     assert out == ["--index-strategy", "unsafe-best-match", "--extra-index-url", "file:///opt/pypi/simple",
                    "--extra-index-url", "file:///opt/pypi-more/simple", "--constraint", "/etc/xdg/pip/constraints.txt"]
+
+
+def test_where_the_install_skipped_bytecode_the_test_processes_write_it():
+    """scripts/test.sh installs without compiling every file (RLHF_INSTALL_BYTECODE=lazy) and lets its processes write
+    bytecode as they import; were PYTHONDONTWRITEBYTECODE left set, every process would compile its imports from
+    source again (deepspeed, transformers: seconds each). Run outside scripts/test.sh, there is nothing to check."""
+    if os.environ.get("RLHF_INSTALL_BYTECODE") != "lazy":
+        pytest.skip("not run by scripts/test.sh")
+    assert not sys.flags.dont_write_bytecode and not os.environ.get("PYTHONDONTWRITEBYTECODE")

@@ -1,5 +1,5 @@
 """The vllm backend's parts that need no vLLM (the engine itself: tests/distributed/test_vllm_*.py, in the vLLM
-environment): undoing an engine's side effects on the process, the KV budget, the shutdown order."""
+environment): undoing an engine's side effects on the process, the KV budget, the shutdown order and its cost."""
 from __future__ import annotations
 
 import gc
@@ -11,7 +11,7 @@ import torch
 from transformers import LlamaConfig
 
 from rlhf_engine import comm
-from rlhf_engine.engine.generation.vllm_engine import contained
+from rlhf_engine.engine.generation.vllm_engine import VLLMBackend, contained, no_heap_collections
 from rlhf_engine.engine.generation.vllm_memory import default_kv_cache_bytes, kv_bytes_per_token
 
 
@@ -368,3 +368,36 @@ def test_a_mixture_of_experts_actor_is_refused_by_the_plan_with_the_reason(kind)
     named = LlamaConfig(hidden_size=64, num_attention_heads=2, num_hidden_layers=2)
     named.architectures = ["Qwen3MoeForCausalLM"]
     assert "Qwen3MoeForCausalLM" in moe_reason(named)
+
+
+def test_closing_the_engine_skips_vllm_s_whole_heap_collections():
+    """vLLM's engine shutdown collects the whole heap (twice); close() runs it where `gc.collect()` does nothing:
+    a cycle made before stays uncollected through the shutdown, and is collected by the next real collection."""
+    import types
+    import weakref
+
+    class Cycle:
+        pass
+
+    seen = []
+
+    def shutdown():  # what vLLM's EngineCore.shutdown does to the heap, and a cycle to see whether it ran
+        seen.append((alive() is not None, gc.collect(), alive() is not None))
+
+    c = Cycle()
+    c.me = c
+    alive = weakref.ref(c)
+    del c
+    backend = object.__new__(VLLMBackend)
+    backend.llm = types.SimpleNamespace(llm_engine=types.SimpleNamespace(engine_core=types.SimpleNamespace(
+        shutdown=shutdown)))
+    collect = gc.collect
+    backend.close()
+    backend.close()  # once only
+    assert seen == [(True, 0, True)]
+    assert gc.collect is collect and backend.llm is None
+    gc.collect()
+    assert alive() is None  # the control: a real collection takes the cycle
+    with no_heap_collections():
+        assert gc.collect() == 0
+    assert gc.collect is collect
