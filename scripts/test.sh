@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
 # The test suite: installs what it needs (idempotent, see scripts/install.sh), then runs the default suite
 # (everything not marked slow or gpu; the vllm tests skip, saying why, in this environment). Other modes:
-#   --learning  the learning job (.ci/run runs it after the default suite): the tests marked `learning`, real runs of
-#               what users run: the GRPO example learns (shortened), the three steps of docs/three-steps.md as
-#               scripts under the deepspeed launcher (2 ranks);
+#   --learning  the learning job (.ci/run runs it after the default suite, beside the vLLM job): the tests marked
+#               `learning`, real runs of what users run: the GRPO example learns (shortened), the three steps of
+#               docs/three-steps.md as scripts under the deepspeed launcher (2 ranks);
 #   --release   the other slow tests (release checks: the full learning examples with their learning-rate-0
 #               controls, elastic and launcher-signal runs, both launchers' equal metrics, bench/gpu.sh --tiny),
 #               then the slow vllm tests in the vLLM environment (bench/gpu.sh --tiny --suite vllm);
