@@ -80,7 +80,7 @@ def runs(servers, tiny_vllm_tied, tmp_path_factory):
                 AHEAD, do_sample="true", max_staleness=2, max_steps=4), partial_rollouts="true", **via)}]
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv(TOKEN_ENV, servers.token)  # the ranks' environment (clean_env copies this process's)
-        return run_harness(tmp, "rollout_servers", spec, 2, "torchrun")
+        return run_harness(tmp, "rollout_servers", spec, 2, "fork")  # the launcher is not under test here
 
 
 def _train(run):
@@ -400,7 +400,7 @@ def _ahead_run(servers, tiny_vllm_tied, tmp_path, name: str, act, watch: int = 1
         mp.setenv(TOKEN_ENV, servers.token)
         watcher = _on_first_answer(servers.logs[watch], act)
         try:
-            return run_harness(str(tmp_path), name, spec, 2, "torchrun")[name]
+            return run_harness(str(tmp_path), name, spec, 2, "fork")[name]
         finally:
             watcher.done.set()
             watcher.join()
