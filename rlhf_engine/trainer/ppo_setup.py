@@ -110,11 +110,12 @@ def rollouts_ahead(plan: RunPlan, engine, cursor, iterations: int, episodes=None
 
 
 def evaluator(plan: RunPlan, engine) -> Optional[Evaluator]:
-    """The held-out prompts' evaluation, or None without an eval split."""
+    """The held-out prompts' evaluation, or None without an eval split. One greedy response per prompt, so a call
+    takes as many prompts as a training call has rows (prompts x n_samples_per_prompt): the rows the memory plan
+    budgets for, in the fewest calls (4 calls of 8 took 18.5 s against a training call's 11.6 s for 32 rows)."""
     if plan.eval_prompts is None:
         return None
-    return Evaluator(plan.eval_prompts, plan.cfg.batch.per_device_generation_batch_size, engine.dist.rank,
-                     engine.dist.world_size)
+    return Evaluator(plan.eval_prompts, plan.cfg.batch.generation_rollouts, engine.dist.rank, engine.dist.world_size)
 
 
 def checkpointer(plan: RunPlan, engine, providers: dict, hooks) -> Checkpointer:
