@@ -1,6 +1,7 @@
 """Steps 1 and 2 on 2 CPU ranks (gloo) through the real entry points, then PPO on their outputs.
 
-* One deepspeed launch (tests/distributed/scripts/entry_points.py) calls launch/train_sft.py's and
+* One launch of forked ranks (tests/distributed/scripts/entry_points.py; the launcher is not under test here: the
+  learning job runs these scripts under the deepspeed launcher) calls launch/train_sft.py's and
   launch/train_reward.py's `main` one after the other: SFT (ZeRO 3, gradient accumulation 2) on a tiny repeated
   dataset, then a reward model started from the SFT output (ZeRO 2, margin 0.2) on a separable synthetic preference set.
   The tests read their metrics.jsonl and exported models.
@@ -79,7 +80,7 @@ def steps12(tmp_path_factory):
     spec = _jsonl(root / "spec.json", [])
     with open(spec, "w") as f:
         json.dump({"runs": [["train_sft.py", sft_argv], ["train_reward.py", rm_argv]]}, f)
-    proc = launch(os.path.join(SCRIPTS, "entry_points.py"), ["--spec", spec], nproc=2, timeout=420)
+    proc = launch(os.path.join(SCRIPTS, "entry_points.py"), ["--spec", spec], nproc=2, launcher="fork", timeout=420)
     check(proc)
     return dict(setup=setup, sft_dir=out_sft, rm_dir=out_rm, sft=read_metrics(out_sft), rm=read_metrics(out_rm),
                 prompt_template=common["prompt_template"], stdout=proc.stdout)
