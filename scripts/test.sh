@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The test suite: installs what it needs (idempotent, see scripts/install.sh), then runs the default suite
 # (everything not marked slow or gpu; the vllm tests skip, saying why, in this environment). Other modes:
-#   --learning  the learning job (.ci/run runs it beside the default suite and the vLLM job, in two parts): the tests marked
+#   --learning  the learning job (.ci/run runs it beside the default suite and the vLLM job): the tests marked
 #               `learning`, real runs of what users run: the GRPO example learns (shortened), the three steps of
 #               docs/three-steps.md as scripts under the deepspeed launcher (2 ranks);
 #   --release   the other slow tests (release checks: the full learning examples with their learning-rate-0
@@ -63,5 +63,11 @@ if { [ "$mode" = default ] || [ "$mode" = vllm ]; } && [ "$given_path" = 0 ] && 
   # the many short unit files even out the end).
   exec "$venv/bin/python" -m pytest -n 2 --dist loadfile --no-loadscope-reorder tests/distributed tests/e2e \
     tests/unit "$@"
+fi
+if [ "$mode" = learning ] && [ "$given_path" = 0 ]; then
+  # The GRPO example (one process, the longest) before the three steps' launches: .ci/run starts this job at the
+  # lowest priority beside the default suite, where one process only goes slower, while ranks that wait on each
+  # other under a launch's timeout are better run once the cores are shared evenly.
+  exec "$venv/bin/python" -m pytest tests/e2e tests/distributed tests/unit "$@"
 fi
 exec "$venv/bin/python" -m pytest "$@"
