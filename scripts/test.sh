@@ -66,8 +66,8 @@ if { [ "$mode" = default ] || [ "$mode" = vllm ]; } && [ "$given_path" = 0 ] && 
 fi
 if [ "$mode" = learning ] && [ "$given_path" = 0 ]; then
   # The GRPO example (one process, the longest) before the three steps' launches: .ci/run starts this job at the
-  # lowest priority beside the default suite, where one process only goes slower, while ranks that wait on each
-  # other under a launch's timeout are better run once the cores are shared evenly.
+  # lowest priority beside the default suite, which seldom leaves a core idle; one process there only goes slower,
+  # while a launch's ranks waiting on each other under its timeout are better run after it.
   exec "$venv/bin/python" -m pytest tests/e2e tests/distributed tests/unit "$@"
 fi
 exec "$venv/bin/python" -m pytest "$@"
