@@ -414,8 +414,7 @@ def test_an_environment_failing_on_one_rank_ahead_of_training_stops_every_rank(s
     out = tmp_path / "env_fails"
     args = ppo_args(tiny_vllm_tied, str(out), **dict(ENV, max_staleness=1, environment="_envs:raising_on_rank_one"),
                     rollout_servers=",".join(servers.urls), rollout_auth_token_env=TOKEN_ENV)
-    done = launch(os.path.join(ROOT, "launch", "train_ppo.py"), args, 2, "torchrun",
-                  env={TOKEN_ENV: servers.token})
+    done = launch(os.path.join(ROOT, "launch", "train_ppo.py"), args, 2, "fork", env={TOKEN_ENV: servers.token})
     text = done.stdout + done.stderr
     assert done.returncode != 0 and "environment step 1" in text and "the tool is broken" in text, text[-3000:]
     assert "timed out" not in text.lower(), text[-3000:]  # a rank left alone in a collective would time out
@@ -522,8 +521,7 @@ def test_with_no_server_up_the_run_waits_then_stops_after_a_checkpoint(servers, 
     stopper = threading.Thread(target=stop_after_two_iterations)
     stopper.start()
     try:
-        done = launch(os.path.join(ROOT, "launch", "train_ppo.py"), args, 2, "torchrun",
-                      env={TOKEN_ENV: servers.token})
+        done = launch(os.path.join(ROOT, "launch", "train_ppo.py"), args, 2, "fork", env={TOKEN_ENV: servers.token})
     finally:
         watcher.done.set()
         done_event.set()

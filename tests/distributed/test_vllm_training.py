@@ -42,9 +42,10 @@ def runs(tiny_vllm, tmp_path_factory):
     def run(name, **flags):
         return {"name": name, "args": ppo_args(tiny_vllm, os.path.join(tmp, name), **{**BASE, **flags})}
 
-    # "part" stops after 2 of learn_z3's 5 iterations (its end checkpoint); "resumed" is the requeued command
+    # "part" stops after 2 of learn_z3's 5 iterations (its end checkpoint; until then a rerun of learn_z3 with the same
+    # seed); "resumed" is the requeued command
     part = os.path.join(tmp, "part")
-    spec = [run("lr0", **LR0), run("learn_z3", **LEARN), run("learn_z3_again", **LEARN), run("grpo", **GRPO),
+    spec = [run("lr0", **LR0), run("learn_z3", **LEARN), run("grpo", **GRPO),
             run("env", **ENV), run("part", **{**LEARN, "max_steps": 2}),
             {"name": "qwen2", "args": ppo_args(qwen2, os.path.join(tmp, "qwen2_run"), **{**BASE, **LEARN,
                                                                                         "max_steps": 2})},
@@ -87,10 +88,14 @@ def test_the_engine_follows_the_policy_as_it_moves(runs):
 
 
 def test_a_rerun_with_the_same_seed_draws_the_same_samples(runs):
-    a, b = runs["learn_z3"], runs["learn_z3_again"]
+    """"part" is learn_z3 again, stopped after 2 of its 5 iterations: the same samples and scores until then (and the
+    resumed run below takes iterations 2-4 on from its checkpoint)."""
+    a, b = runs["learn_z3"], runs["part"]
     for ra, rb in zip(a["ranks"], b["ranks"]):
-        assert [it["sequences"] for it in ra["rollouts"]] == [it["sequences"] for it in rb["rollouts"]]
-    for x, y in zip(a["records"], b["records"]):
+        got = [it["sequences"] for it in rb["rollouts"]]
+        assert len(got) == 2 and [it["sequences"] for it in ra["rollouts"]][:2] == got
+    assert len(_train(b)) == 2
+    for x, y in zip(_train(a), _train(b)):
         assert x["objective/kl"] == y["objective/kl"] and x["objective/score"] == y["objective/score"]
 
 
