@@ -11,7 +11,7 @@ from .fields import check_positive, is_number, opt
 
 @dataclass
 class LoggingConfig:
-    """Where metrics go besides metrics.jsonl: wandb (offline without WANDB_API_KEY) and TensorBoard."""
+    """Where metrics go besides metrics.jsonl: wandb (offline without WANDB_API_KEY), TensorBoard and the plot."""
 
     wandb_project: str = opt("", "wandb project; '' = wandb off. Files go to <output_dir>/wandb; offline unless "
                              "WANDB_API_KEY is set (and WANDB_MODE is not offline).")
@@ -20,6 +20,9 @@ class LoggingConfig:
     wandb_sample_interval: int = opt(10, "Log a wandb table of prompt / response / score every N iterations.")
     tensorboard: bool = opt(False, "Also write TensorBoard scalars to <output_dir>/tensorboard (needs tensorboard or "
                             "tensorboardX installed; otherwise one warning).")
+    plot: bool = opt(True, "Write <output_dir>/metrics.png when the run ends (matplotlib: about half a second of the "
+                     "main rank's time, the other ranks waiting). Off for sweeps of many short runs read from "
+                     "metrics.jsonl or wandb.")
 
     def validate(self, p: Problems, prefix: str = "") -> None:
         check_positive(p, prefix, self, "wandb_sample_interval")

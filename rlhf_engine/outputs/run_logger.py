@@ -92,9 +92,10 @@ class RunLogger:
     def __init__(self, output_dir: str, is_main: bool, config: dict, wandb_project: str = "",
                  wandb_entity: str = "", wandb_run_name: str = "", wandb_sample_interval: int = 10,
                  tensorboard: bool = False, total_iterations: int = 0, plot_keys: Sequence[str] = PLOT_KEYS,
-                 bar_desc: str = "PPO", bar_keys: Sequence[tuple[str, str]] = BAR_KEYS, resume: bool = False):
+                 bar_desc: str = "PPO", bar_keys: Sequence[tuple[str, str]] = BAR_KEYS, resume: bool = False,
+                 plot: bool = True):
         self.output_dir, self.is_main = output_dir, is_main
-        self.plot_keys, self.bar_keys = tuple(plot_keys), tuple(bar_keys)
+        self.plot_keys, self.bar_keys, self.plot = tuple(plot_keys), tuple(bar_keys), plot
         self.wandb_sample_interval = max(1, int(wandb_sample_interval))
         self.run_dir = RunDir(output_dir)
         self.metrics = MetricsWriter(output_dir, enabled=is_main)
@@ -124,7 +125,7 @@ class RunLogger:
         lg = cfg.logging
         return cls(cfg.run.output_dir, is_main, config, wandb_project=lg.wandb_project, wandb_entity=lg.wandb_entity,
                    wandb_run_name=lg.wandb_run_name, wandb_sample_interval=lg.wandb_sample_interval,
-                   tensorboard=lg.tensorboard, resume=bool(cfg.run.resume), **kwargs)
+                   tensorboard=lg.tensorboard, resume=bool(cfg.run.resume), plot=lg.plot, **kwargs)
 
     # ---- sinks -------------------------------------------------------------------------------------------------
     def _start_wandb(self, project: str, entity: str, name: str, config: dict, resume: bool) -> Any:
@@ -225,8 +226,9 @@ class RunLogger:
             self._wandb.log({"samples": table}, step=int(iteration))
 
     def close(self, failed: bool = False) -> Optional[str]:
-        """Finish wandb, close TensorBoard and metrics.jsonl, write metrics.png (also after a failure: the plot of
-        what was logged). Returns the PNG path (None: nothing logged, or not the main rank). Idempotent."""
+        """Finish wandb, close TensorBoard and metrics.jsonl, write metrics.png unless the plot is off (also after a
+        failure: the plot of what was logged). Returns the PNG path (None: nothing logged, the plot off, or not the
+        main rank). Idempotent."""
         if not self.is_main or self._closed:
             return self.png_path
         self._closed = True
@@ -240,6 +242,8 @@ class RunLogger:
                 self._wandb.finish(exit_code=1 if failed else 0)
             except Exception as e:  # never let the sink hide the run's own outcome
                 log.warning("wandb finish failed: %s: %s", type(e).__name__, e)
+        if not self.plot:
+            return None
         try:
             self.png_path = plot_metrics(self.run_dir.metrics, self.run_dir.plot, keys=self.plot_keys)
         except Exception as e:

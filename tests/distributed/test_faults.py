@@ -39,8 +39,9 @@ RUN = dict(per_device_generation_batch_size=2, generation_batches=2, per_device_
 args_for = ppo_args
 
 
-def _procs_with(marker: str) -> dict[int, str]:
-    """pid -> cmdline of every live (not zombie) process whose command line contains `marker`."""
+def _procs_with(marker: str, parents: dict | None = None) -> dict[int, str]:
+    """pid -> cmdline of every live (not zombie) process whose command line contains `marker`; `parents`, when
+    given, gets pid -> parent pid of each."""
     out = {}
     for pid in os.listdir("/proc"):
         if not pid.isdigit():
@@ -49,12 +50,23 @@ def _procs_with(marker: str) -> dict[int, str]:
             with open(f"/proc/{pid}/cmdline", "rb") as f:
                 cmd = f.read().replace(b"\0", b" ").decode(errors="replace")
             with open(f"/proc/{pid}/stat") as f:
-                state = f.read().rsplit(")", 1)[1].split()[0]
+                fields = f.read().rsplit(")", 1)[1].split()
         except OSError:
             continue
-        if marker in cmd and state != "Z":
+        if marker in cmd and fields[0] != "Z":
             out[int(pid)] = cmd
+            if parents is not None:
+                parents[int(pid)] = int(fields[1])
     return out
+
+
+def _ranks_in(marker: str, launcher: str) -> set[int]:
+    """The pids of a launch's ranks now running: not the launcher, and not a rank's own child caught between its
+    fork and its exec (it shows the rank's command line then: a rank's subprocess, e.g. matplotlib's fc-list)."""
+    parents: dict = {}
+    procs = _procs_with(marker, parents)
+    ranks = {pid for pid, cmd in procs.items() if _is_rank(cmd, launcher)}
+    return {pid for pid in ranks if parents[pid] not in ranks}
 
 
 def _is_rank(cmd: str, launcher: str) -> bool:
@@ -80,7 +92,7 @@ def launch_watched(script, args, marker, log_path, env=None, timeout=300, launch
     with open(log_path, "w") as log:
         proc = subprocess.Popen(cmd, cwd=ROOT, env=clean_env(**(env or {})), stdout=log, stderr=subprocess.STDOUT)
         while proc.poll() is None:
-            ranks |= {pid for pid, c in _procs_with(marker).items() if _is_rank(c, launcher)}
+            ranks |= _ranks_in(marker, launcher)
             if time.time() - t0 > timeout:
                 proc.kill()
                 raise AssertionError(f"launch still running after {timeout}s: {cmd}")

@@ -38,7 +38,8 @@ def preempted(tiny, tmp_path_factory, two_rank):
     exported = os.path.exists(os.path.join(victim, "final"))
     run_marker = open(os.path.join(victim, "PREEMPTED")).read() if os.path.exists(os.path.join(victim, "PREEMPTED")) \
         else None
-    runs["resume"] = launch(ENTRY, ppo_args(tiny, victim, resume="auto", **RUN))
+    # the requeued command: the launcher is not under test there (the signal's launch above is)
+    runs["resume"] = launch(ENTRY, ppo_args(tiny, victim, resume="auto", **RUN), launcher="fork")
     return {"straight": straight, "victim": victim, "runs": runs, "listing": listing, "run_marker": run_marker,
             "exported": exported}
 

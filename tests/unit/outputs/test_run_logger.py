@@ -77,6 +77,23 @@ def test_metrics_wandb_offline_samples_plot_and_no_secret_on_disk(tmp_path, secr
         assert _files_containing(out, secret.encode()) == [], secret
 
 
+@pytest.mark.parametrize("flag, drawn", [([], True), (["--plot", "false"], False)])
+def test_the_plot_follows_the_flag(tmp_path, flag, drawn):
+    """--plot false (config.logging.plot, as the run's logger is built from it) leaves metrics.png out and nothing
+    else; the default draws it."""
+    from rlhf_engine.cli import parse_args
+
+    out = tmp_path / "run"
+    cfg = parse_args(["--actor_model_name_or_path", "m", "--reward_model_name_or_path", "r", "--output_dir", str(out),
+                      *flag])
+    logger = RunLogger.from_config(cfg, True, {})
+    for r in _records(3):
+        logger.log(r)
+    png = logger.close()
+    assert (png == str(out / "metrics.png")) is drawn and (out / "metrics.png").exists() is drawn
+    assert len(read_metrics(str(out))) == 3
+
+
 def test_non_main_rank_writes_nothing(tmp_path, secrets):
     out = tmp_path / "run"
     logger = RunLogger(str(out), False, {"a": 1}, wandb_project="proj", tensorboard=True, total_iterations=3)

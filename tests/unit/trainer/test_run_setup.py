@@ -65,7 +65,7 @@ def test_overwrite_moves_every_file_of_the_previous_run_aside(tiny, tmp_path, di
     --overwrite_output_dir: each file of the first run is kept as *.bak, none is appended to or left in place (the
     run directory's one list of run files; before it, eval_samples.jsonl stayed and the new run appended to it)."""
     out = tmp_path / "run"
-    flags = dict(max_steps=1, eval_interval=1, eval_split=0.25, save_interval=1, tensorboard="true")
+    flags = dict(max_steps=1, eval_interval=1, eval_split=0.25, save_interval=1, tensorboard="true", plot="true")
     assert train_ppo.main(train_args(tiny, str(out), **flags)) == 0
     first = set(os.listdir(out))
     assert {"eval_samples.jsonl", "metrics.jsonl", "samples.jsonl", "checkpoints", "final", "tensorboard",
