@@ -50,6 +50,7 @@ def runs(tiny_vllm, tmp_path_factory):
             {"name": "qwen2", "args": ppo_args(qwen2, os.path.join(tmp, "qwen2_run"), **{**BASE, **LEARN,
                                                                                         "max_steps": 2})},
             {"name": "resumed", "args": ppo_args(tiny_vllm, part, **{**BASE, **LEARN, "resume": "auto"})}]
+    # under the deepspeed launcher, as users start it: the one vllm-backend trainer in CI whose ranks start fresh
     return run_harness(tmp, "vllm_training", spec, 2, "deepspeed")
 
 
