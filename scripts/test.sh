@@ -65,8 +65,8 @@ if { [ "$mode" = default ] || [ "$mode" = vllm ]; } && [ "$given_path" = 0 ] && 
     tests/unit "$@"
 fi
 if [ "$mode" = learning ] && [ "$given_path" = 0 ]; then
-  # The GRPO example (one process, the longest) before the three steps' launches: .ci/run starts this job at the
-  # lowest priority beside the default suite, which seldom leaves a core idle; one process there only goes slower,
+  # The GRPO example (one process, the longest) before the three steps' launches: .ci/run starts this job at a
+  # lower priority beside the default suite, which seldom leaves a core idle; one process there only goes slower,
   # while a launch's ranks waiting on each other under its timeout are better run after it.
   exec "$venv/bin/python" -m pytest tests/e2e tests/distributed tests/unit "$@"
 fi
