@@ -2,8 +2,8 @@
 negative controls, the push check (a layer, and a part of a fused one, left out of a push), the engine's side effects
 contained, seeded sampling, sampling at temperature 0.7; GPT-2 (Conv1D, tied head), Qwen2 (q/k/v biases, grouped
 key-value heads) and OPT (biases, learned positions) actors and a bf16 Llama, each in an engine of its own. One launch
-(scripts/vllm_checks.py, forked ranks: the launcher is not under test) serves every test here. Runs in the vLLM environment (scripts/install.sh --vllm); skipped,
-with the reason, where vLLM is not installed."""
+(scripts/vllm_checks.py, forked ranks: the launcher is not under test) serves every test here. Runs in the vLLM
+environment (scripts/install.sh --vllm); skipped, with the reason, where vLLM is not installed."""
 from __future__ import annotations
 
 import importlib.util
