@@ -10,6 +10,7 @@ from ..errors import Problems
 
 
 DTYPES = ("auto", "fp32", "bf16", "fp16")  # auto: bf16 on GPUs that support it, fp16 on other GPUs, fp32 on CPU
+CPU_BF16_MATMUL = ("auto", "fp32", "native")  # RoleConfig.cpu_bf16_matmul (engine/cpu_matmul.py)
 SCHEDULERS = ("constant", "constant_with_warmup", "linear", "cosine")
 ROLES = ("actor", "critic", "reference", "reward")  # every role a PPO run can have
 TRAINED_ROLES = ("actor", "critic")  # the roles with an optimizer (the others are eval-only)

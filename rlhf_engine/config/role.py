@@ -5,7 +5,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 from ..errors import Problems
-from .fields import DTYPES, SCHEDULERS, check_choice, check_positive, is_number, opt
+from .fields import CPU_BF16_MATMUL as MODES, DTYPES, SCHEDULERS, check_choice, check_positive, is_number, opt
 
 
 @dataclass
@@ -22,6 +22,14 @@ class RoleConfig:
     offload_params: bool = opt(False, "Also offload parameters to CPU (ZeRO-3 only).")
     dtype: str = opt("", "auto, fp32, bf16 or fp16 ('' = the run's dtype; auto = bf16 on GPUs that support it, fp16 "
                      "on other GPUs, fp32 on CPU).")
+    cpu_bf16_matmul: str = opt("auto", "bf16 on a CPU: how the Linear layers multiply. fp32 = widen the bf16 "
+                               "operands (exact), use the fp32 kernel (fp32 accumulation, as a bf16 kernel's) and "
+                               "round the product to bf16: weights, activations and gradients stay bf16; native = "
+                               "PyTorch's bf16 kernels, which on a CPU without bf16 instructions measured up to 80x "
+                               "slower (docs/configuration.md, bf16 on a CPU); auto = fp32 on a CPU whose flags "
+                               "hold neither avx512_bf16 nor amx_bf16, else native. No effect on a GPU or for "
+                               "fp32/fp16. Every role should resolve to the actor's (KL exactly 0 at lr 0 needs the "
+                               "same kernels).")
     gradient_checkpointing: bool = opt(False, "Recompute activations in backward to save memory (trained roles).")
     trainable_layers: int = opt(0, "Train only the top N transformer blocks (+ final norm and score head); the "
                                 "embeddings and lower blocks stay frozen, so backward stops early (0 = train all).")
@@ -59,6 +67,7 @@ class RoleConfig:
                   "(auto, eager, sdpa, ...)")
         if self.zero_stage is not None and self.zero_stage not in (0, 1, 2, 3):
             p.add(prefix + "zero_stage", self.zero_stage, "must be 0, 1, 2 or 3")
+        check_choice(p, prefix, self, "cpu_bf16_matmul", MODES)
         if self.dtype and self.dtype not in DTYPES:
             p.add(prefix + "dtype", self.dtype, f"must be one of {', '.join(DTYPES)} (or '' for the run's dtype)")
         check_positive(p, prefix, self, "learning_rate", "weight_decay", "num_warmup_steps", "gradient_clipping", "trainable_layers",

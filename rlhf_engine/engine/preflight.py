@@ -16,6 +16,7 @@ from .. import comm
 from ..config import ROLES, RoleConfig, TrainConfig
 from ..errors import Problems
 from ..hf_fields import max_positions
+from .cpu_matmul import NATIVE_BF16_FLAGS, resolve_mode
 from .generation.choice import resolve_auto
 from .ds_config import load_user_config
 from .models import prepare_tokenizer
@@ -31,6 +32,7 @@ class RolePlan:
     stage: int
     dtype: str
     train: bool
+    matmul: str = "native"  # bf16 on a CPU: "fp32" = Linear layers through the fp32 kernel (engine/cpu_matmul.py)
 
 
 @dataclass(frozen=True)
@@ -63,8 +65,9 @@ def resolve_dtype(dtype: str, cuda: bool | None = None) -> str:
 
 def log_dtypes(roles: Mapping[str, RolePlan], requested: Mapping[str, str],
                cpu_flags: Callable[[], Optional[set]] = lambda: read_cpu_flags()) -> None:
-    """One line naming what each `auto` dtype resolved to; a warning for bf16 on a CPU without bf16 instructions
-    (`cpu_flags()`: this machine's flags, or None where they cannot be read)."""
+    """One line naming what each `auto` dtype resolved to; for bf16 on a CPU without bf16 instructions (`cpu_flags()`:
+    this machine's flags, or None where they cannot be read) one line naming the roles whose Linear layers take the
+    fp32 kernel (cpu_bf16_matmul), and a warning naming those left on the slow bf16 kernels."""
     import torch
 
     cuda = torch.cuda.is_available()
@@ -74,14 +77,19 @@ def log_dtypes(roles: Mapping[str, RolePlan], requested: Mapping[str, str],
         log.info("dtype auto (%s): %s", where, ", ".join(f"{r} {d}" for r, d in auto.items()))
     bf16 = [r for r, p in roles.items() if p.dtype == "bf16"]
     flags = cpu_flags() if bf16 and not cuda else None
-    if flags is not None and not flags & NATIVE_BF16_FLAGS and comm.rank() == 0:
-        log.warning("dtype bf16 (%s) on a CPU without bf16 instructions (none of %s): its matrix products take slow "
-                    "kernels here, measured 7 to 66x the fp32 time (a 768x1024 by 1024x256 product on a 2-core AMD "
-                    "EPYC: 47 or 428 ms by the operands' layout, against 6.5 ms in fp32); --dtype fp32 is faster on "
-                    "this machine", ", ".join(bf16), ", ".join(sorted(NATIVE_BF16_FLAGS)))
-
-
-NATIVE_BF16_FLAGS = frozenset({"avx512_bf16", "amx_bf16"})
+    if flags is None or flags & NATIVE_BF16_FLAGS or comm.rank() != 0:
+        return
+    widened = [r for r in bf16 if roles[r].matmul == "fp32"]
+    slow = [r for r in bf16 if roles[r].matmul != "fp32"]
+    if widened:
+        log.info("dtype bf16 (%s) on a CPU without bf16 instructions (none of %s): Linear layers multiply in the fp32 "
+                 "kernel and round to bf16 (cpu_bf16_matmul; docs/configuration.md)", ", ".join(widened),
+                 ", ".join(sorted(NATIVE_BF16_FLAGS)))
+    if slow:
+        log.warning("dtype bf16 (%s) with cpu_bf16_matmul native on a CPU without bf16 instructions (none of %s): its "
+                    "matrix products take slow kernels here, up to 80x the fp32 time (docs/configuration.md, bf16 on "
+                    "a CPU); cpu_bf16_matmul auto or fp32 is faster on this machine", ", ".join(slow),
+                    ", ".join(sorted(NATIVE_BF16_FLAGS)))
 
 
 def read_cpu_flags(path: str = "/proc/cpuinfo") -> Optional[set]:
@@ -410,6 +418,15 @@ def plan_generation(cfg: TrainConfig, configs: dict, p: Problems) -> tuple[str, 
     return backend, fallback_reasons
 
 
+def role_plan(rc: RoleConfig, path: str, stage: int, dtype: str, train: bool) -> RolePlan:
+    """One role's plan, its `cpu_bf16_matmul` resolved for this machine (engine/cpu_matmul.py)."""
+    import torch
+
+    cuda = torch.cuda.is_available()
+    flags = read_cpu_flags() if dtype == "bf16" and not cuda else None
+    return RolePlan(path, stage, dtype, train, resolve_mode(rc.cpu_bf16_matmul, dtype, cuda, flags))
+
+
 def plan_roles(cfg: TrainConfig, paths: dict, p: Problems) -> dict:
     """role -> RolePlan (path, ZeRO stage, dtype, trained), each placement checked."""
     plans = {}
@@ -418,7 +435,7 @@ def plan_roles(cfg: TrainConfig, paths: dict, p: Problems) -> dict:
         train = role in cfg.trained_roles
         rc = getattr(cfg, role)
         check_placement(p, rc, stage, train, prefix=f"{role}_", name=role)
-        plans[role] = RolePlan(paths[role], stage, resolve_dtype(rc.dtype or cfg.dtype), train)
+        plans[role] = role_plan(rc, paths[role], stage, resolve_dtype(rc.dtype or cfg.dtype), train)
     return plans
 
 
@@ -538,7 +555,7 @@ def plan_model(rc: RoleConfig, need_positions: int, name: str = "model") -> tupl
     stage = rc.zero_stage if rc.zero_stage is not None else 0
     check_placement(p, rc, stage, True, prefix="", name=name)
     p.raise_if_any("cannot start: model setup")
-    plan = RolePlan(path, stage, resolve_dtype(rc.dtype or "auto"), True)
+    plan = role_plan(rc, path, stage, resolve_dtype(rc.dtype or "auto"), True)
     log_dtypes({name: plan}, {name: rc.dtype or "auto"})
     return plan, prepare_tokenizer(tok)
 

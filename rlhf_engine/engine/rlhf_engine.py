@@ -25,7 +25,7 @@ from .models import ScalarHeadModel, accepts_logits_to_keep, adapter_disabled, u
 from .generation import BACKENDS, GenerationContext, Generated, SamplingParams
 from .generation.servers import ServersBackend
 from .models import load_tokenizer  # noqa: F401  (re-exported)
-from .preflight import EnginePlan, RolePlan, resolve_dtype
+from .preflight import EnginePlan, RolePlan, resolve_dtype, role_plan
 from .packed_forward import model_dtype, packed_inputs, packed_logits_at
 from .ds_config import _merge
 from .role_engine import (backward_global, build_role_engine, export_engine, full_state_dict, rollout_inputs,
@@ -71,7 +71,8 @@ class RLHFEngine:
                 train=role_plan.train,
                 batch=cfg.batch, world_size=dist.world_size, eval_micro_batch_size=self.experience_micro_batch,
                 num_training_steps=num_training_steps, pad_token_id=self.pad_token_id,
-                ds_overrides=_ds_overrides(role_plan, backend.actor_ds_overrides(cfg) if role == "actor" else None))
+                ds_overrides=_ds_overrides(role_plan, backend.actor_ds_overrides(cfg) if role == "actor" else None),
+                matmul=role_plan.matmul)
             self.ds_configs[role] = ds_cfg
             self.engines[role] = engine
         if self.reference is not None:  # same flags, same kernels: KL exactly 0 while the weights are equal
@@ -99,7 +100,8 @@ class RLHFEngine:
     def _plan_frozen_prefix(self):
         """(FrozenPrefix, the reference's prefix blocks or None) with actor_trainable_layers at ZeRO 0-2 and
         --reuse_frozen_prefix (engine/frozen_prefix.py); (None, None) otherwise: every forward computes every block.
-        The reference replays the actor's prefix where its frozen weights equal the actor's (checked here, once)."""
+        The reference replays the actor's prefix where its frozen weights and its kernels (cpu_bf16_matmul) equal the
+        actor's (checked here, once)."""
         from .frozen_prefix import FrozenPrefix, same_prefix
 
         actor = self.plans["actor"]
@@ -107,7 +109,8 @@ class RLHFEngine:
             return None, None
         prefix = FrozenPrefix.of(unwrap_peft(self.actor.module), int(self.cfg.actor.trainable_layers or 0))
         ref = self.engines.get("reference")
-        if prefix is None or ref is None or self.plans["reference"].stage == 3 or \
+        ref_plan = self.plans.get("reference")
+        if prefix is None or ref is None or ref_plan.stage == 3 or ref_plan.matmul != actor.matmul or \
                 not same_prefix(unwrap_peft(self.actor.module), unwrap_peft(ref.module)):
             return prefix, None
         return prefix, prefix.blocks_of(unwrap_peft(ref.module))
@@ -179,11 +182,11 @@ class RLHFEngine:
 
         actor = self.plans["actor"]
         dtype = resolve_dtype(self.cfg.engine.ema_dtype or actor.dtype)
-        plan = RolePlan(actor.path, 3 if actor.stage == 3 else 0, dtype, False)
+        plan = role_plan(self.cfg.actor, actor.path, 3 if actor.stage == 3 else 0, dtype, False)
         engine, ds_cfg = build_role_engine(
             RoleConfig(), plan.path, kind="causal_lm", stage=plan.stage, dtype=plan.dtype, train=False,
             batch=self.cfg.batch, world_size=self.dist.world_size, eval_micro_batch_size=self.experience_micro_batch,
-            num_training_steps=num_training_steps, pad_token_id=self.pad_token_id)
+            num_training_steps=num_training_steps, pad_token_id=self.pad_token_id, matmul=plan.matmul)
         self.plans["ema"] = plan
         self.ds_configs["ema"] = ds_cfg
         self.engines["ema"] = engine

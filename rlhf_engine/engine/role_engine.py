@@ -22,6 +22,7 @@ from ..comm import run_on_main
 from ..config import RoleConfig
 from ..rollout import Rollout, gather_at
 from .ds_config import _merge, build_ds_config, load_json, torch_dtype
+from .cpu_matmul import fp32_kernel_layers
 from .freezing import freeze_below_top
 from .models import add_lora, load_causal_lm, load_scalar_model, merged_copy, peft_model_of
 
@@ -40,7 +41,8 @@ def scheduler_factory(name: str, warmup: int, total: int):
 
 def build_role_engine(role_cfg: RoleConfig, path: str, *, kind: str, stage: int, dtype: str, train: bool, batch: Any,
                       world_size: int, eval_micro_batch_size: int, num_training_steps: int,
-                      pad_token_id: Optional[int] = None, ds_overrides: Optional[dict] = None) -> tuple[Any, dict]:
+                      pad_token_id: Optional[int] = None, ds_overrides: Optional[dict] = None,
+                      matmul: str = "native") -> tuple[Any, dict]:
     """One model as a DeepSpeed engine -> (engine, its DeepSpeed config).
 
     kind "causal_lm" loads an `AutoModelForCausalLM`; "scalar" a `ScalarHeadModel` (a `*ForSequenceClassification`
@@ -51,7 +53,9 @@ def build_role_engine(role_cfg: RoleConfig, path: str, *, kind: str, stage: int,
 
     `role_cfg.lora_dim > 0` (trained roles): the model gets a peft LoRA adapter (`models.add_lora`) and only the
     adapter (and a scalar model's head) is handed to the optimizer. `ds_overrides` (e.g. a `hybrid_engine` section)
-    is merged into the built DeepSpeed config before the role's own ds_config file (which wins).
+    is merged into the built DeepSpeed config before the role's own ds_config file (which wins). `matmul` "fp32"
+    (`RolePlan.matmul`, bf16 on a CPU without bf16 instructions): every Linear layer, the adapter's included, multiplies
+    in the fp32 kernel (`cpu_matmul.fp32_kernel_layers`).
     """
     import deepspeed
 
@@ -74,6 +78,8 @@ def build_role_engine(role_cfg: RoleConfig, path: str, *, kind: str, stage: int,
         freeze_below_top(model, role_cfg.trainable_layers)
     if train and role_cfg.lora_dim:
         model = add_lora(model, role_cfg, checkpointing)
+    if matmul == "fp32":
+        fp32_kernel_layers(model)
     if train:
         sched = scheduler_factory(role_cfg.lr_scheduler_type, role_cfg.num_warmup_steps, num_training_steps)
         engine, *_ = deepspeed.initialize(model=model, config=ds_cfg, lr_scheduler=sched,

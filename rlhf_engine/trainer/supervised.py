@@ -216,7 +216,8 @@ def build_supervised(cfg: Any, trainer_cls: type, argv: Optional[list] = None,
     engine, ds_cfg = build_role_engine(cfg.model, m.path, kind=trainer_cls.kind, stage=m.stage, dtype=m.dtype,
                                        train=True, batch=t, world_size=dist.world_size,
                                        eval_micro_batch_size=t.per_device_eval_batch_size,
-                                       num_training_steps=plan.total_steps, pad_token_id=int(plan.tokenizer.pad_token_id))
+                                       num_training_steps=plan.total_steps, pad_token_id=int(plan.tokenizer.pad_token_id),
+                                       matmul=m.matmul)
     write_ds_configs(plan, {trainer_cls.role: ds_cfg})
     logger = RunLogger.from_config(cfg, dist.is_main, flat_dict(cfg), total_iterations=plan.total_steps,
                                    plot_keys=trainer_cls.plot_keys, bar_desc=trainer_cls.name.upper(),
