@@ -298,6 +298,9 @@ def git_commit() -> Optional[str]:
         return None
 
 
+SIMD_FLAGS = frozenset({"avx2", "fma", "avx512f", "avx512_bf16", "avx512_vnni", "amx_bf16", "amx_tile", "amx_int8"})
+
+
 def machine_info() -> dict:
     import torch
 
@@ -307,7 +310,10 @@ def machine_info() -> dict:
             "loadavg_at_start": [round(x, 2) for x in os.getloadavg()], "gpu": None}
     try:
         with open("/proc/cpuinfo") as f:
-            info["cpu"] = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
+            text = f.read()
+        info["cpu"] = next(line.split(":", 1)[1].strip() for line in text.splitlines() if line.startswith("model name"))
+        flags = set(next(line for line in text.splitlines() if line.startswith("flags")).split(":", 1)[1].split())
+        info["cpu_flags"] = sorted(flags & SIMD_FLAGS)  # what decides the kernels: bf16 is slow without avx512_bf16/amx
         with open("/proc/meminfo") as f:
             info["ram_gib"] = round(int(re.search(r"MemTotal:\s+(\d+)", f.read()).group(1)) / 2 ** 20, 1)
     except (OSError, StopIteration, AttributeError):

@@ -65,7 +65,8 @@ def provenance(r: dict) -> str:
 def machine_line(m: dict) -> str:
     dev = f"GPU {m['gpu']} ({m.get('gpu_memory_gib')} GiB, CUDA {m.get('cuda')})" if m.get("gpu") else "no GPU"
     load_ = f", load average {m['loadavg_at_start'][0]} when it started" if m.get("loadavg_at_start") else ""
-    return (f"{m.get('cpu')}, {m.get('cpu_count')} cores{load_}, {m.get('ram_gib')} GiB RAM, {dev}; Python "
+    flags = f" (flags: {' '.join(m['cpu_flags']) or 'none of AVX2/AVX-512/AMX'})" if "cpu_flags" in m else ""
+    return (f"{m.get('cpu')}{flags}, {m.get('cpu_count')} cores{load_}, {m.get('ram_gib')} GiB RAM, {dev}; Python "
             f"{m.get('python')}, torch {m.get('torch')}, deepspeed {m.get('deepspeed')}, transformers "
             f"{m.get('transformers')}; {provenance({'machine': m})}")
 

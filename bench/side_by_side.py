@@ -116,6 +116,7 @@ def main(argv=None) -> int:
     if unknown or not os.path.isfile(args.harness):
         p.error(f"unknown configurations {unknown}" if unknown else f"no harness at {args.harness}")
     res = {"commit": bl.git_commit(), "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+           "machine": bl.machine_info(),
            "load_average_at_start": os.getloadavg()[0], "rounds": args.rounds, "baseline": BASELINE,
            "command": f"python bench/side_by_side.py --rounds {args.rounds} --out {args.out}",
            "configs": {n: {"args": CONFIGS[n][0], "iterations": CONFIGS[n][1], "describe": CONFIGS[n][2],
