@@ -7,7 +7,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from rlhf_engine.engine.cpu_matmul import MIN_ROWS, Fp32KernelLinear, fp32_kernel_layers, resolve_mode, widened_linear
+from rlhf_engine.engine.cpu_matmul import (SMALL_WEIGHT, Fp32KernelLinear, fp32_kernel_layers, resolve_mode,
+                                          widened_linear)
 
 AVX2 = {"sse2", "avx2", "fma"}
 
@@ -60,13 +61,20 @@ def test_the_layer_is_the_fp32_arithmetic_rounded_once():
 
 
 def test_decode_sized_forwards_keep_the_bf16_kernel():
-    w = torch.randn(32, 16).bfloat16()
-    few = torch.randn(MIN_ROWS - 1, 16).bfloat16().requires_grad_()
-    many = torch.randn(MIN_ROWS, 16).bfloat16().requires_grad_()
-    assert not widened_linear(few, w, None).grad_fn.name().startswith("_WidenedLinear")
-    assert widened_linear(many, w, None).grad_fn.name().startswith("_WidenedLinear")
+    """A few rows keep the bf16 kernel: fewer than 4 through a small weight, fewer than 32 through a large one (an
+    LM head), where widening the weight costs more than it saves."""
+    def widened(rows, weight):
+        x = torch.randn(rows, weight.shape[1]).bfloat16().requires_grad_()
+        return widened_linear(x, weight, None).grad_fn.name().startswith("_WidenedLinear")
+
+    small = torch.randn(32, 16).bfloat16()
+    large = torch.empty(SMALL_WEIGHT // 64 + 1, 64).bfloat16()  # one row over the small size
+    assert [widened(r, small) for r in (1, 3, 4, 40)] == [False, False, True, True]
+    assert [widened(r, large) for r in (4, 31, 32)] == [False, False, True]
+    exactly_small = large[:SMALL_WEIGHT // 64]  # a small weight still: 4 rows suffice
+    assert [widened(r, exactly_small) for r in (3, 4)] == [False, True]
     # fp32 tensors are never touched
-    fp32 = widened_linear(torch.randn(64, 16, requires_grad=True), w.float(), None)
+    fp32 = widened_linear(torch.randn(64, 16, requires_grad=True), small.float(), None)
     assert not fp32.grad_fn.name().startswith("_WidenedLinear")
 
 
