@@ -200,6 +200,38 @@ def breakdown(c: dict) -> list[str]:
         "the rest of its stamp-to-stamp median is its experience forwards and logging.", ""]
 
 
+@section("### The same on a CPU without bf16 instructions", "cpu/dschat_side_by_side_no_bf16.json",
+         "`python bench/side_by_side.py --rounds 2 --out bench/results/cpu/dschat_side_by_side_no_bf16.json` on a "
+         "CPU without avx512_bf16 / amx_bf16")
+def side_by_side_no_bf16(r, res):
+    """The harness's configurations on a host whose bf16 products take slow kernels (no avx512_bf16 / amx_bf16):
+    there our bf16 Linear layers take the fp32 kernel (`--cpu_bf16_matmul auto`, docs/configuration.md)."""
+    c = r["configs"]
+    out = [f"`{r['command']}` — the harness above, {r['rounds']} rounds, on {machine_line(r['machine'])}. On such a "
+           "CPU PyTorch's bf16 products take slow generic kernels (up to 80x the fp32 time per layer), in both "
+           "programs alike until our `--cpu_bf16_matmul auto` (engine/cpu_matmul.py): our bf16 Linear layers widen "
+           "their operands to fp32, use the fp32 kernel and round the product to bf16, weights and activations "
+           "staying bf16. DeepSpeed-Chat keeps PyTorch's kernels. Before it, on a host of the same kind (2-core AMD "
+           "EPYC without AVX-512, at 0cb27b0, 2026-12-07), mid_z2 measured ours 15.03 / 15.52 s per iteration "
+           "against DeepSpeed-Chat's 15.67 / 16.18 (0.96). On a CPU with bf16 instructions nothing of ours changes: "
+           "the table above is that case.", ""]
+    rows = [[name, "failed: see the JSON", "", "", ""] if "ratio" not in x else [
+        f"{name} ({x['describe']})",
+        f"{fmt(x['ours_median_s'])} ({fmts(y['ours_s'] for y in x['launches'] if y['ours_s'] and y['theirs_s'])})",
+        f"{fmt(x['theirs_median_s'])} ({fmts(y['theirs_s'] for y in x['launches'] if y['ours_s'] and y['theirs_s'])})",
+        f"**{x['ratio']:.2f}** ({min(x['ratio_per_launch']):.2f}–{max(x['ratio_per_launch']):.2f})",
+        fmts((x["ours_phases_median_s"].get(k) for k in ("generate", "experience", "train")), " / ")]
+        for name, x in c.items()]
+    out += table(["config", "ours s/iteration (per launch)", "DS-Chat s/iteration (per launch)",
+                  "ours / DS-Chat (range over launches)", "our phases: generation / experience / training s"], rows)
+    goal = {n: 0.5 if "_z3" in n else 0.8 for n in c}
+    out += ["", "Targets (this kind of CPU only):", ""] + [
+        f"* {n}: ours / DeepSpeed-Chat ≤ {goal[n]}: {x['ratio']:.2f}, "
+        + ("met." if x["ratio"] <= goal[n] else f"missed by {x['ratio'] - goal[n]:.2f}.")
+        for n, x in c.items() if "ratio" in x]
+    return out + ["", "Where an iteration goes on this CPU:", ""] + breakdown(c)
+
+
 @section("## 0b. Side by side on SmolLM2-135M-Instruct (CPU, 2 ranks)", "cpu/smollm_side_by_side.json",
          "`bash bench/smollm_side_by_side.sh 3 8 2 64 48 bf16`")
 def smollm(r, res):

@@ -16,6 +16,7 @@ the weight only: the experience and training forwards of the same rows always ta
 """
 from __future__ import annotations
 
+import functools
 from typing import Optional
 
 import torch
@@ -86,6 +87,7 @@ class Fp32KernelLinear(nn.Linear):
         return widened_linear(x, self.weight, self.bias)
 
 
+@functools.lru_cache(maxsize=None)  # one class, so that isinstance finds the layers of any model
 def _conv1d_class():
     from transformers.pytorch_utils import Conv1D
 
@@ -112,3 +114,9 @@ def fp32_kernel_layers(model: nn.Module) -> int:
             module.__class__ = conv1d_fp32
             n += 1
     return n
+
+
+def has_fp32_kernel_layers(model: nn.Module) -> bool:
+    """Whether `fp32_kernel_layers` turned layers of `model` (a copy of it must take the same kernels)."""
+    kinds = (Fp32KernelLinear, _conv1d_class()[1])
+    return any(isinstance(m, kinds) for m in model.modules())

@@ -22,6 +22,8 @@ from typing import Iterable
 import torch
 from torch import nn
 
+from .cpu_matmul import fp32_kernel_layers, has_fp32_kernel_layers
+
 # Never a real module id (DeepSpeed numbers modules from 0): marks a parameter as "in use" while generate runs.
 _GENERATION_SENTINEL = -7_000_001
 
@@ -75,6 +77,8 @@ class GenerationReplica:
         with torch.device("meta"):
             replica = type(source)(source.config)  # a direct constructor call: no zero.Init (only from_pretrained)
         replica = replica.to(self.dtype)
+        if has_fp32_kernel_layers(source):  # decode in the kernels of the actor's own forwards (cpu_bf16_matmul)
+            fp32_kernel_layers(replica)
         if hasattr(replica, "tie_weights"):  # one Parameter for tied embeddings, listed once below
             replica.tie_weights()
         modules = dict(replica.named_modules())

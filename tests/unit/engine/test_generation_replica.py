@@ -6,6 +6,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, LlamaConfig, OPTConfig
 
+from rlhf_engine.engine.cpu_matmul import fp32_kernel_layers, has_fp32_kernel_layers
 from rlhf_engine.engine.zero3 import GenerationReplica
 
 CONFIGS = {
@@ -16,11 +17,16 @@ CONFIGS = {
 }
 
 
-@pytest.mark.parametrize("name", sorted(CONFIGS))
-def test_the_replica_decodes_like_the_model_and_holds_no_weights_between_calls(name):
+@pytest.mark.parametrize("name, fp32_kernel", [(n, False) for n in sorted(CONFIGS)] + [("opt", True)])
+def test_the_replica_decodes_like_the_model_and_holds_no_weights_between_calls(name, fp32_kernel):
+    """fp32_kernel: the model's bf16 Linear layers take the fp32 kernel (cpu_bf16_matmul): the replica's too, so its
+    logits still equal the model's exactly."""
     torch.manual_seed(0)
     src = AutoModelForCausalLM.from_config(CONFIGS[name]).to(torch.bfloat16).eval()
+    if fp32_kernel:
+        fp32_kernel_layers(src)
     replica = GenerationReplica(src, torch.device("cpu"))
+    assert has_fp32_kernel_layers(replica.module) is fp32_kernel
     assert not replica.resident and all(p.is_meta for p in replica.module.parameters())  # nothing allocated yet
     x = torch.randint(0, 211, (2, 9))
     for _ in range(2):  # refreshed twice: the second allocation is a new buffer, filled again

@@ -3,6 +3,7 @@ in-process rank: every engine's layers are swapped, and the lr-0 invariants hold
 actor-reference KL 0), the experience, reference and training forwards taking the same kernels."""
 from _trainer_args import train_args
 from transformers.pytorch_utils import Conv1D
+import pytest
 import torch
 from torch import nn
 
@@ -15,8 +16,12 @@ FLAGS = dict(per_device_generation_batch_size=4, per_device_training_batch_size=
              critic_zero_stage=2, actor_learning_rate=0.0, critic_learning_rate=0.0)
 
 
-def test_at_lr0_every_ratio_is_one_with_the_fp32_kernel(tiny, dist_single, tmp_path):
-    args = {**FLAGS, **{f"{r}_cpu_bf16_matmul": "fp32" for r in ("actor", "reference", "critic", "reward")}}
+@pytest.mark.parametrize("stage", [2, 3])
+def test_at_lr0_every_ratio_is_one_with_the_fp32_kernel(tiny, dist_single, tmp_path, stage):
+    """ZeRO-3 too: its partitioned weights are gathered for the layers' backward as for PyTorch's own Linear (the
+    replica it generates on takes the same kernels: test_generation_replica)."""
+    args = {**FLAGS, "actor_zero_stage": stage, "critic_zero_stage": stage,
+            **{f"{r}_cpu_bf16_matmul": "fp32" for r in ("actor", "reference", "critic", "reward")}}
     trainer = build_trainer(parse_args(train_args(tiny, str(tmp_path), max_steps=2, **args)))
     try:
         engine = trainer.engine
