@@ -418,7 +418,7 @@ def plan_generation(cfg: TrainConfig, configs: dict, p: Problems) -> tuple[str, 
     return backend, fallback_reasons
 
 
-def role_plan(rc: RoleConfig, path: str, stage: int, dtype: str, train: bool) -> RolePlan:
+def plan_role(rc: RoleConfig, path: str, stage: int, dtype: str, train: bool) -> RolePlan:
     """One role's plan, its `cpu_bf16_matmul` resolved for this machine (engine/cpu_matmul.py)."""
     import torch
 
@@ -435,7 +435,7 @@ def plan_roles(cfg: TrainConfig, paths: dict, p: Problems) -> dict:
         train = role in cfg.trained_roles
         rc = getattr(cfg, role)
         check_placement(p, rc, stage, train, prefix=f"{role}_", name=role)
-        plans[role] = role_plan(rc, paths[role], stage, resolve_dtype(rc.dtype or cfg.dtype), train)
+        plans[role] = plan_role(rc, paths[role], stage, resolve_dtype(rc.dtype or cfg.dtype), train)
     return plans
 
 
@@ -555,7 +555,7 @@ def plan_model(rc: RoleConfig, need_positions: int, name: str = "model") -> tupl
     stage = rc.zero_stage if rc.zero_stage is not None else 0
     check_placement(p, rc, stage, True, prefix="", name=name)
     p.raise_if_any("cannot start: model setup")
-    plan = role_plan(rc, path, stage, resolve_dtype(rc.dtype or "auto"), True)
+    plan = plan_role(rc, path, stage, resolve_dtype(rc.dtype or "auto"), True)
     log_dtypes({name: plan}, {name: rc.dtype or "auto"})
     return plan, prepare_tokenizer(tok)
 

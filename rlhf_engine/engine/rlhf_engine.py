@@ -25,7 +25,7 @@ from .models import ScalarHeadModel, accepts_logits_to_keep, adapter_disabled, u
 from .generation import BACKENDS, GenerationContext, Generated, SamplingParams
 from .generation.servers import ServersBackend
 from .models import load_tokenizer  # noqa: F401  (re-exported)
-from .preflight import EnginePlan, RolePlan, resolve_dtype, role_plan
+from .preflight import EnginePlan, RolePlan, plan_role, resolve_dtype
 from .packed_forward import model_dtype, packed_inputs, packed_logits_at
 from .ds_config import _merge
 from .role_engine import (backward_global, build_role_engine, export_engine, full_state_dict, rollout_inputs,
@@ -182,7 +182,7 @@ class RLHFEngine:
 
         actor = self.plans["actor"]
         dtype = resolve_dtype(self.cfg.engine.ema_dtype or actor.dtype)
-        plan = role_plan(self.cfg.actor, actor.path, 3 if actor.stage == 3 else 0, dtype, False)
+        plan = plan_role(self.cfg.actor, actor.path, 3 if actor.stage == 3 else 0, dtype, False)
         engine, ds_cfg = build_role_engine(
             RoleConfig(), plan.path, kind="causal_lm", stage=plan.stage, dtype=plan.dtype, train=False,
             batch=self.cfg.batch, world_size=self.dist.world_size, eval_micro_batch_size=self.experience_micro_batch,
