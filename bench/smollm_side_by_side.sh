@@ -93,7 +93,8 @@ res = {"what": f"bench/smollm_side_by_side.sh {args}: SmolLM2-135M-Instruct as t
                f"OMP_NUM_THREADS=1; {b} prompts per rank, chat-formatted review openings (DeepSpeed-Chat pads them to "
                f"{p}), greedy decoding to EOS or {r} tokens; 1 PPO epoch; {iters} iterations per launch, first 2 "
                "dropped, median per launch; launches alternate ours / theirs",
-       "machine": f"{mach.get('cpu')}, {mach.get('cpu_count')} cores, {mach.get('ram_gib')} GiB",
+       "machine": f"{mach.get('cpu')} (flags: {' '.join(mach.get('cpu_flags') or [])}), {mach.get('cpu_count')} cores, "
+                  f"{mach.get('ram_gib')} GiB",
        "date": time.strftime("%Y-%m-%d"), "commit": bl.git_commit(),
        "ours_s_per_iteration": o, "theirs_s_per_iteration": t,
        "ratio": statistics.median(o) / statistics.median(t) if o and t else None,
