@@ -214,7 +214,7 @@ def side_by_side_no_bf16(r, res):
            "staying bf16. DeepSpeed-Chat keeps PyTorch's kernels. Before it, on a host of the same kind (2-core AMD "
            "EPYC without AVX-512, at 0cb27b0, 2026-12-07), mid_z2 measured ours 15.03 / 15.52 s per iteration "
            "against DeepSpeed-Chat's 15.67 / 16.18 (0.96). On a CPU with bf16 instructions nothing of ours changes: "
-           "the table above is that case.", ""]
+           "the table above ran on such a host (mid_z2 about 1 s per iteration in both programs).", ""]
     rows = [[name, "failed: see the JSON", "", "", ""] if "ratio" not in x else [
         f"{name} ({x['describe']})",
         f"{fmt(x['ours_median_s'])} ({fmts(y['ours_s'] for y in x['launches'] if y['ours_s'] and y['theirs_s'])})",
@@ -257,6 +257,15 @@ def smollm(r, res):
         f"Before: {b['ratio']:.2f} (ours {fmts(b['ours_s_per_iteration'])}, DeepSpeed-Chat "
         f"{fmts(b['theirs_s_per_iteration'])} s/iteration; {b['date']}, commit {b['commit']})."]
         if (b := r.get("before")) else []) + [""]
+
+
+@section("### The same on a CPU without bf16 instructions", "cpu/smollm_side_by_side_no_bf16.json",
+         "`OUT=bench/results/cpu/smollm_side_by_side_no_bf16.json bash bench/smollm_side_by_side.sh 2 6 2 64 48 bf16` "
+         "on a CPU without avx512_bf16 / amx_bf16")
+def smollm_no_bf16(r, res):
+    return ["Where PyTorch's bf16 products take slow kernels: our bf16 Linear layers through the fp32 kernel "
+            "(`--cpu_bf16_matmul auto`, docs/configuration.md), DeepSpeed-Chat on PyTorch's kernels; the result "
+            "file `cpu/smollm_side_by_side_no_bf16.json` (the script's OUT).", ""] + smollm(r, res)
 
 
 @section("### ZeRO-3: peak memory of the generation replica", "cpu/zero3_replica_memory.json",
