@@ -310,14 +310,16 @@ def machine_info() -> dict:
             "loadavg_at_start": [round(x, 2) for x in os.getloadavg()], "gpu": None}
     try:
         with open("/proc/cpuinfo") as f:
-            text = f.read()
-        info["cpu"] = next(line.split(":", 1)[1].strip() for line in text.splitlines() if line.startswith("model name"))
-        flags = set(next(line for line in text.splitlines() if line.startswith("flags")).split(":", 1)[1].split())
-        info["cpu_flags"] = sorted(flags & SIMD_FLAGS)  # what decides the kernels: bf16 is slow without avx512_bf16/amx
+            info["cpu"] = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
         with open("/proc/meminfo") as f:
             info["ram_gib"] = round(int(re.search(r"MemTotal:\s+(\d+)", f.read()).group(1)) / 2 ** 20, 1)
     except (OSError, StopIteration, AttributeError):
         pass
+    from rlhf_engine.engine.preflight import read_cpu_flags
+
+    flags = read_cpu_flags()
+    if flags is not None:  # what decides the kernels: bf16 is slow without avx512_bf16 / amx_bf16
+        info["cpu_flags"] = sorted(flags & SIMD_FLAGS)
     for mod in ("transformers", "deepspeed", "accelerate"):
         try:
             info[mod] = __import__(mod).__version__
