@@ -61,6 +61,26 @@ def rollouts_ahead_of_training(cfg: Any) -> bool:
     return cfg.rollout.ahead
 
 
+def experience_from_update(cfg: Any) -> bool:
+    """Whether an iteration whose actor trains takes its actor's and critic's experience forwards from its training
+    forwards (`old_logprobs_from_update`; trainer/ppo_trainer.py): the rank's rows are one micro-batch of the one
+    mini-batch of the one epoch, so the first training forwards see exactly the experience forwards' rows, layout
+    and weights, and nothing else would read them. The reference and reward forwards stay in the experience phase.
+    Not where the reference replays the actor's kept frozen prefix (`reuse_frozen_prefix`): without the actor's
+    experience forward the prefix would run twice, in the reference's and the training forward. `cfg`: a
+    TrainConfig."""
+    ppo, b = cfg.ppo, cfg.batch
+    # one training micro-batch, and the reference's and reward's forwards over the same rows in one chunk (the
+    # KL's two log-probs from equal tensors: 0 at lr 0)
+    one_micro_batch = b.gradient_accumulation_steps == 1 and b.per_device_training_batch_size >= b.rollout_size \
+        and not b.max_tokens_per_micro_batch and (b.experience_micro_batch_size or b.generation_rollouts) >= \
+        b.rollout_size
+    prefix_for_reference = ppo.reads_reference and bool(cfg.actor.trainable_layers) and \
+        cfg.engine.reuse_frozen_prefix and cfg.actor.zero_stage != 3
+    return ppo.old_logprobs_from_update is True and ppo.ppo_epochs == 1 and one_micro_batch and \
+        not prefix_for_reference
+
+
 def apply_estimator_defaults(cfg: Any, explicit: set) -> dict:
     """Set the estimator family's, the policy loss's and the generation backend's defaults (`run_defaults`) on the
     PPO fields of `cfg` (a TrainConfig) that are not in `explicit` (the flat keys a run gave); returns what was
@@ -112,7 +132,12 @@ class PPOConfig:
                                          "first mini-batch's old log-probs are its own training forward's, "
                                          "detached: the policy has not moved yet, so its ratios are exactly 1 (as "
                                          "TRL does); the experience forward runs only on the later mini-batches' "
-                                         "rows. false = every row's old log-probs from the experience forward.")
+                                         "rows. Where an iteration's rows are one micro-batch of one mini-batch "
+                                         "(ppo_epochs 1), the actor's and critic's experience forwards are the "
+                                         "update's training forwards, with a reference too: the rewards and "
+                                         "advantages are computed between those forwards and their losses (both "
+                                         "graphs held at once). false = every row's old log-probs and values from "
+                                         "the experience forwards.")
     kl_loss_estimator: str = opt("k2", "Per-token estimator of the KL loss, with d = log pi - log pi_ref: k1 = d "
                                  "(gradient: grad log pi, zero in expectation), k2 = d^2/2 (gradient: d grad log pi, "
                                  "the reverse-KL gradient), k3 = exp(-d) - 1 + d (an unbiased KL value, but its "

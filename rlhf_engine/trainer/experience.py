@@ -71,27 +71,29 @@ class Forwards:
     error: Optional[Exception] = None
 
 
-def experience_forwards(engine, rollout: Rollout, source: RewardFn, on_policy_rows: int = 0) -> Forwards:
+def experience_forwards(engine, rollout: Rollout, source: RewardFn, on_policy_rows: int = 0,
+                        values: bool = True) -> Forwards:
     """Every forward of the experience (eval mode, the rollout's position ids), then the scores of the run's reward
     source (trainer/reward_sources), `source(rollout.prompts, rollout)`. A scoring failure (the source raising, a
     wrong shape, a non-finite score) does not raise here: it is returned in `error`, so the trainer can stop every
     rank together (`StepGuard.agree`). The scoring comes after every (possibly collective) forward.
     `on_policy_rows` k (`PPOConfig.defers_old_logprobs`: the first mini-batch's rows, the same k on every rank): the
     actor's forward skips rows [0, k), whose old log-probs and entropy are 0 here and come from their first training
-    forward (`ActorStep`)."""
+    forward (`ActorStep`). `values=False`: no critic forward (the values come from its training forward too:
+    `experience_from_update`, where k is every row)."""
     old_logprobs, entropy = engine.actor_logprobs(rollout.select(slice(on_policy_rows, None)) if on_policy_rows
                                                   else rollout, with_entropy=True)
     if on_policy_rows:
         skipped = old_logprobs.new_zeros((min(on_policy_rows, rollout.batch_size), rollout.response_width))
         old_logprobs, entropy = torch.cat([skipped, old_logprobs]), torch.cat([skipped, entropy])
     ref_logprobs = engine.ref_logprobs(rollout) if engine.has_reference else None  # none where nothing reads it
-    values = engine.critic_values(rollout) if engine.has_critic else None
+    value_out = engine.critic_values(rollout) if engine.has_critic and values else None
     scores, error = None, None
     try:
         scores = score_rollout(rollout, source, device=old_logprobs.device)
     except Exception as e:  # noqa: BLE001  (any scoring failure is reported on every rank by the trainer)
         error = e
-    return Forwards(old_logprobs, entropy, ref_logprobs, values, scores, error)
+    return Forwards(old_logprobs, entropy, ref_logprobs, value_out, scores, error)
 
 
 def score_rollout(rollout: Rollout, source: RewardFn, device: Optional[torch.device] = None) -> torch.Tensor:

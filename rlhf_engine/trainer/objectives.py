@@ -19,7 +19,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 from functools import partial
-from typing import Any, Callable
+from typing import Any, Callable, Optional
 
 import torch
 
@@ -27,7 +27,7 @@ from ..config import PPOConfig
 from ..estimators import uniform_groups
 from ..policy_losses import get_policy_loss
 from ..ppo_math import kl_loss, loss_token_weights, rollout_correction, value_loss
-from ..rollout import Experience
+from ..rollout import Experience, Rollout
 from .experience import group_ids_of
 from .ppo_metrics import add_correction_stats, max_abs_diff
 
@@ -61,17 +61,24 @@ class ActorObjective:
         # per-token weights: only for the other aggregation modes and the KL loss (token_mean divides by the count)
         self.needs_weights = ppo.loss_agg_mode != "token_mean" or bool(ppo.kl_loss_coef)
 
-    def __call__(self, micro: Experience, counts: Counts, on_policy: bool = False) -> tuple[torch.Tensor, dict]:
+    def forward(self, rollout: Rollout, on_policy: bool = False) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+        """The training forward of one micro-batch's rollout: ([b, R] log-probs, [b, R] entropy or None), with
+        grad."""
+        # check=False: no host sync per micro-batch; its ids and masks were checked with the whole experience
+        return self.engine.actor_forward(rollout, with_entropy=self.with_entropy or on_policy, check=False)
+
+    def __call__(self, micro: Experience, counts: Counts, on_policy: bool = False,
+                 outputs: Optional[tuple] = None) -> tuple[torch.Tensor, dict]:
         """Training forward and loss of one micro-batch -> (loss [], stats: the policy loss's, `policy_term` (the
         policy loss alone), `kl_loss`, `max_abs_log_ratio` (fp64, the ratio trace); all detached). `on_policy`: no
         optimizer step since the rollout, and the micro-batch's old log-probs were left to this forward
         (`PPOConfig.defers_old_logprobs`): they are its own log-probs, detached (every ratio exactly 1), returned in
         the stats as `old_logprobs` with the `entropy` [b, R] the experience forward would have given, and with a
         (truncate) rollout correction its weights from them (`correct` left these rows to this forward): `correction`
-        = (mode, [b, R] weights, its stats)."""
+        = (mode, [b, R] weights, its stats). `outputs`: its `forward`'s, already run (the experience was completed
+        from them: `experience_from_update`)."""
         ppo, r = self.ppo, micro.rollout
-        # check=False: no host sync per micro-batch; its ids and masks were checked with the whole experience
-        logprobs, entropy = self.engine.actor_forward(r, with_entropy=self.with_entropy or on_policy, check=False)
+        logprobs, entropy = outputs if outputs is not None else self.forward(r, on_policy)
         old_logprobs = logprobs.detach() if on_policy else micro.old_logprobs
         pmask = r.action_mask if micro.policy_mask is None else micro.policy_mask
         advantages, correction = corrected_advantages(micro), None
@@ -105,9 +112,15 @@ class CriticObjective:
     def __init__(self, engine: Any, ppo: PPOConfig):
         self.engine, self.clip = engine, ppo.value_clip
 
-    def __call__(self, micro: Experience, counts: Counts) -> tuple[torch.Tensor, dict]:
+    def forward(self, rollout: Rollout) -> torch.Tensor:
+        """The training forward of one micro-batch's rollout: [b, R] values, with grad."""
+        return self.engine.critic_forward(rollout)
+
+    def __call__(self, micro: Experience, counts: Counts, outputs: Optional[torch.Tensor] = None
+                 ) -> tuple[torch.Tensor, dict]:
+        """The loss of one micro-batch from its training forward (`outputs`: `forward`'s, already run)."""
         r = micro.rollout
-        values = self.engine.critic_forward(r)
+        values = outputs if outputs is not None else self.forward(r)
         return value_loss(values=values, old_values=micro.values, returns=micro.returns, action_mask=r.action_mask,
                           clip_range=self.clip, num_tokens=counts.tokens, check=False)
 

@@ -25,6 +25,7 @@ from ..data.sampler import PromptSampler
 from ..engine import EnginePlan, RolePlan, init_distributed, plan_engine, plan_model
 from ..errors import ConfigError, Problem, Problems
 from ..outputs.run_dir import RunDir
+from ..config.ppo import experience_from_update
 from ..config.reward_source import DEFAULT as DEFAULT_SOURCE, reward_source_kind
 from .reward_sources import LoadedSource, source_class
 from .state import resolve_and_check, run_fingerprint, supervised_fingerprint
@@ -211,10 +212,17 @@ def forwards_summary(cfg: TrainConfig, roles: Mapping[str, RolePlan], generation
     `plan_ppo`)."""
     p = cfg.ppo
     where = "the rollout servers" if cfg.rollout.servers_on else f"generation_backend {generation_backend}"
-    actor = ("actor experience forward on the rows after the first mini-batch (old log-probs: the ratio's "
-             "denominator; the first mini-batch's are its own training forward's, before any step: "
-             "old_logprobs_from_update)" if p.defers_old_logprobs else
-             "actor experience forward (old log-probs: the ratio's denominator)")
+    from_update = experience_from_update(cfg)
+    if from_update:
+        actor = ("no actor experience forward (every row is the update's one micro-batch: its training forward, "
+                 "before any step, gives the old log-probs; the rewards and advantages are computed between that "
+                 "forward and its loss: old_logprobs_from_update)")
+    elif p.defers_old_logprobs:
+        actor = ("actor experience forward on the rows after the first mini-batch (old log-probs: the ratio's "
+                 "denominator; the first mini-batch's are its own training forward's, before any step: "
+                 "old_logprobs_from_update)")
+    else:
+        actor = "actor experience forward (old log-probs: the ratio's denominator)"
     parts = [f"generation on {where}", actor]
     if "reference" in roles:
         readers = [what for on, what in ((p.kl_coef > 0, f"kl_coef {p.kl_coef:g}: the reward's KL penalty"),
@@ -227,8 +235,13 @@ def forwards_summary(cfg: TrainConfig, roles: Mapping[str, RolePlan], generation
     else:
         parts.append("no reference (kl_coef 0, kl_loss_coef 0: nothing reads it; --monitor_reference_kl builds it "
                      "for objective/kl)")
-    parts.append(f"critic forward ({p.advantage_estimator}'s values)" if "critic" in roles else
-                 f"no critic ({p.advantage_estimator} needs none)")
+    if "critic" not in roles:
+        parts.append(f"no critic ({p.advantage_estimator} needs none)")
+    elif from_update:
+        parts.append(f"no critic experience forward ({p.advantage_estimator}'s values from its training forward, "
+                     "likewise)")
+    else:
+        parts.append(f"critic forward ({p.advantage_estimator}'s values)")
     if "reward" in roles:
         parts.append("reward model forward (the scores)")
     else:

@@ -38,13 +38,14 @@ import torch
 from ..data.prompts import collate_prompts
 from ..engine.generation import Generated
 from ..envs import EnvironmentFailure
+from ..config.ppo import experience_from_update
 from ..errors import RolloutServersLost
 from ..hooks import TestHooks
 from ..data.sampler import DataCursor
 from ..outputs.metrics import MetricsWriter
 from ..rollout import Experience, Rollout
 from .clock import IterationClock
-from .experience import (NonFiniteError, build_experience, decode_rollout, experience_forwards,
+from .experience import (Forwards, NonFiniteError, build_experience, decode_rollout, experience_forwards,
                          global_mean_var, group_ids_of, whiten_advantages)
 from .memory import peak_device_mib, peak_rss_mib
 from .metric_sums import MetricSums
@@ -57,6 +58,35 @@ from .plan import RunPlan
 from .state import providers_of
 
 log = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass
+class PendingExperience:
+    """An experience before its rewards and advantages: the rollout (one buffer), its generation log-probs, the
+    experience forwards run so far and the [B] raw and shaped scores."""
+
+    rollout: Rollout
+    rollout_logprobs: Optional[torch.Tensor]
+    fw: Forwards
+    raw_scores: torch.Tensor
+    scores: torch.Tensor
+
+    def with_forwards(self, logprobs: torch.Tensor, entropy: torch.Tensor,
+                      values: Optional[torch.Tensor]) -> "PendingExperience":
+        """The actor's (and critic's) experience outputs taken from training forwards of every row, detached."""
+        fw = dataclasses.replace(self.fw, old_logprobs=logprobs.detach(), entropy=entropy.detach(),
+                                 values=values.detach() if values is not None else None)
+        return dataclasses.replace(self, fw=fw)
+
+
+def ran_on(plan, exp: Experience, outputs: dict) -> dict:
+    """`outputs` (role -> a training forward's of every row of `exp`) for the plan's one micro-batch, which must
+    hold exactly those rows (`experience_from_update` allows no other plan)."""
+    (micro,) = plan.micro_batches
+    if micro.weight != 1.0 or micro.rows.batch_size != exp.batch_size:
+        raise RuntimeError(f"experience_from_update: the update's first micro-batch has {micro.rows.batch_size} "
+                           f"rows, the experience {exp.batch_size}: its forwards' outputs cannot be reused")
+    return outputs
 
 
 
@@ -103,6 +133,8 @@ class PPOTrainer:
         self.critic_step = setup.critic_step(engine, cfg.ppo, self.guard, self.hooks)
         self.experience_steps = experience_steps(cfg.ppo, cfg.batch.n_samples_per_prompt)  # correction, filter
         self.defers_old = cfg.ppo.defers_old_logprobs  # the first mini-batch's old log-probs from its own forward
+        # every row's old log-probs and values from the update's own forwards (config/ppo.py)
+        self.from_update = experience_from_update(cfg)
         self.reward_source = setup.reward_source(plan, engine)  # what scores the rollouts (trainer/reward_sources)
         self.evaluator = setup.evaluator(plan, engine)
         self.iteration = 0
@@ -152,7 +184,9 @@ class PPOTrainer:
             rollouts.append(dataclasses.replace(gen, rollout=gen.rollout.with_rows(rows)))
         return rollouts
 
-    def experience_phase(self, rollouts, stats: MetricSums) -> Experience:
+    def experience_phase(self, rollouts, stats: MetricSums):
+        """The rollouts -> their Experience; in an iteration whose actor's and critic's experience forwards are its
+        training forwards (`experience_from_update`), a `PendingExperience` that `train_phase` completes."""
         self.hooks.at("experience", self.iteration)
         # The generation batches are concatenated (re-padded to one width) BEFORE the experience forwards, so the old
         # log-probs, reference log-probs and values are computed on exactly the tensors the training forwards see.
@@ -164,13 +198,23 @@ class PPOTrainer:
             if gen.episode_stats is not None:
                 gen.episode_stats.add_to(stats)
         reward_fn = self.hooks.scores(self.reward_source, self.iteration)
-        # the first mini-batch's old log-probs left to its own training forward (PPOConfig.defers_old_logprobs)
-        k = self._on_policy_rows(rollout.batch_size)
-        fw = experience_forwards(self.engine, rollout, reward_fn, on_policy_rows=k)
+        from_update = self.from_update and self._actor_trains()
+        # the first mini-batch's old log-probs left to its own training forward (PPOConfig.defers_old_logprobs), or
+        # every row's with its values (experience_from_update)
+        k = rollout.batch_size if from_update else self._on_policy_rows(rollout.batch_size)
+        fw = experience_forwards(self.engine, rollout, reward_fn, on_policy_rows=k, values=not from_update)
         # every rank learns whether any rank's scoring failed before the next collective (normalizer, whitening)
         self.guard.agree(self.iteration, errors={"score": fw.error})
         raw_scores = fw.scores
         scores = self.shaper(raw_scores, rollout) if self.shaper.active else raw_scores
+        pending = PendingExperience(rollout, rollout_logprobs, fw, raw_scores, scores)
+        return pending if from_update else self.complete_experience(pending, stats, k)
+
+    def complete_experience(self, pending: "PendingExperience", stats: MetricSums, k: int) -> Experience:
+        """Rewards, advantages, the corrections and filters, their metrics and the whitening, from the experience
+        forwards (`pending.fw`; rows [0, k) without old log-probs yet: `_on_policy_rows`). Collective."""
+        rollout, fw, raw_scores, scores = pending.rollout, pending.fw, pending.raw_scores, pending.scores
+        rollout_logprobs = pending.rollout_logprobs
         group_ids = group_ids_of(rollout.batch_size, self.cfg.batch.n_samples_per_prompt, rollout.sequences.device)
         exp = build_experience(rollout, fw, scores, self.cfg.ppo, self.kl_ctl.value, group_ids=group_ids,
                                moments=global_mean_var)
@@ -197,14 +241,21 @@ class PPOTrainer:
     def _actor_trains(self) -> bool:
         return self.iteration >= self.cfg.ppo.critic_warmup_iterations  # critic warm-up: the actor does not train
 
-    def train_phase(self, exp: Experience, stats: MetricSums) -> None:
-        """ppo_epochs x mini-batches x micro-batches of the actor and critic steps (trainer/update.py)."""
+    def train_phase(self, exp, stats: MetricSums) -> Experience:
+        """ppo_epochs x mini-batches x micro-batches of the actor and critic steps (trainer/update.py). `exp`: the
+        Experience, or a PendingExperience: then the actor's and critic's training forwards of the one micro-batch
+        run first, the experience is completed from their detached outputs, and their losses follow from the same
+        outputs (`experience_from_update`). Returns the Experience."""
         it = self.iteration
         self.hooks.at("train", it)
         train_actor = self._actor_trains()
         steps = [s for s in (self.actor_step if train_actor else None, self.critic_step) if s is not None]
         roles = tuple(s.role for s in steps)
         ptx = self.ptx if train_actor else None
+        outputs = None
+        if isinstance(exp, PendingExperience):  # the same forwards, in the same order (actor, critic) as below
+            outputs = {step.role: step.forward(exp.rollout) for step in steps}
+            exp = self.complete_experience(exp.with_forwards(*outputs["actor"], outputs.get("critic")), stats, 0)
         self.planner.start_phase(exp)
         actor_minibatches = 0  # they name the ratio-trace metrics in order
         on_policy_rows = self._on_policy_rows(exp.batch_size)
@@ -214,6 +265,8 @@ class PPOTrainer:
                 ptx_batches = ptx.next_mini_batch(self.engine.device) if ptx is not None else None
                 plan = self.planner.plan(exp, mini, m, ptx_batches, stats, start=m * mbs,
                                          on_policy=bool(on_policy_rows) and epoch == 0 and m == 0)
+                if outputs is not None and epoch == 0 and m == 0:
+                    plan.micro_batches[0].outputs = ran_on(plan, exp, outputs)
                 for step in steps:
                     step.start_mini_batch()
                 for micro in plan.micro_batches:
@@ -232,6 +285,7 @@ class PPOTrainer:
                         if weights is not None:
                             exp.advantage_weights[index] = weights
                 stats.add("minibatches", torch.tensor(1.0))
+        return exp
 
     # ---- loop ------------------------------------------------------------------------------------------------
     def step(self) -> dict:
@@ -244,9 +298,9 @@ class PPOTrainer:
         self.engine.generator.release()  # a backend with its own engine may free its memory for training (GPU)
         t1 = time.perf_counter()
         exp = self.experience_phase(rollouts, stats)
-        self.last_experience = exp
         t2 = time.perf_counter()
-        self.train_phase(exp, stats)
+        exp = self.train_phase(exp, stats)
+        self.last_experience = exp
         t3 = time.perf_counter()
         for key, n in self.engine.take_slot_counts().items():  # the forwards' tokens and slots, padded and packed
             stats.add(f"slots_{key}", torch.tensor(float(n)))

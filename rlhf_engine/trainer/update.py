@@ -20,7 +20,7 @@ from typing import Any, Callable, Optional
 import torch
 
 from ..comm import all_reduce
-from ..rollout import Experience
+from ..rollout import Experience, Rollout
 from .metric_sums import MetricSums
 from .objectives import Counts
 from .ppo_metrics import add_on_policy_stats, add_policy_stats, add_value_stats
@@ -39,6 +39,8 @@ class MicroBatch:
     # before any optimizer step of the iteration with old log-probs left to it (PPOConfig.defers_old_logprobs): its
     # own forward's log-probs, detached, are its old log-probs (and its experience metrics: entropy, rollout check)
     on_policy: bool = False
+    # role -> its training forward's outputs, run before the experience was complete (`experience_from_update`)
+    outputs: Optional[dict] = None
 
 
 @dataclass
@@ -54,6 +56,11 @@ def global_counts(mini: Experience, ptx_batches: Optional[list], device: torch.d
     return torch.stack([mask.sum().double(), pmask.sum().double(), (pmask.sum(-1) > 0).sum().double(),
                         sum(x.num_tokens for x in ptx_batches).double() if ptx_batches
                         else torch.zeros((), dtype=torch.float64, device=device)])
+
+
+def ran(micro: MicroBatch, role: str) -> Any:
+    """The outputs of `role`'s training forward of `micro` if it already ran, else None."""
+    return micro.outputs.get(role) if micro.outputs else None
 
 
 class MicroBatchPlanner:
@@ -102,7 +109,12 @@ class UpdateStep:
         self.engine, self.objective, self.guard = engine, objective, guard
 
     def objective_loss(self, micro: MicroBatch, counts: Counts) -> tuple[torch.Tensor, dict]:
-        return self.objective(micro.rows, counts)
+        return self.objective(micro.rows, counts, outputs=ran(micro, self.role))
+
+    def forward(self, rollout: Rollout) -> Any:
+        """The training forward of `rollout`'s rows (with grad), for an experience completed from it: the outputs
+        go back in through `MicroBatch.outputs`."""
+        return self.objective.forward(rollout)
 
     def extra_gradient(self, loss: torch.Tensor) -> Any:
         return 0.0
@@ -132,7 +144,11 @@ class ActorStep(UpdateStep):
         self.max_abs_log_ratio = torch.zeros((), dtype=torch.float64, device=self.engine.device)
 
     def objective_loss(self, micro: MicroBatch, counts: Counts) -> tuple[torch.Tensor, dict]:
-        return self.objective(micro.rows, counts, on_policy=micro.on_policy)
+        return self.objective(micro.rows, counts, on_policy=micro.on_policy, outputs=ran(micro, self.role))
+
+    def forward(self, rollout: Rollout) -> Any:
+        """([b, R] log-probs, [b, R] entropy): the entropy too, for the experience's metrics."""
+        return self.objective.forward(rollout, on_policy=True)
 
     def accumulate(self, micro: MicroBatch, counts: Counts, stats: MetricSums) -> None:
         loss, ps = self.objective_loss(micro, counts)

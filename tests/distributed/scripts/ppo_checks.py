@@ -162,8 +162,9 @@ def run_one(spec: dict) -> dict | None:
     orig_train_phase = trainer.train_phase
 
     def train_phase(exp, stats):
+        exp = orig_train_phase(exp, stats)  # the Experience (complete: experience_from_update completes it there)
         minibatch_tokens.append([int(m.rollout.action_mask.sum()) for m in exp.split(cfg.batch.mini_batch_size)])
-        return orig_train_phase(exp, stats)
+        return exp
 
     trainer.train_phase = train_phase
     records = trainer.train()
