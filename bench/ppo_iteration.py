@@ -10,7 +10,8 @@ ratios. Keys: zero (actor/critic ZeRO stage; reference/reward follow: 3 if 3, el
 actor and critic), gather_once (engine.generation_gather_once: auto, replica, on, off; 1/0 = on/off), backend
 (engine.generation_backend: lean, hf), trim (engine.trim_padding), packing (engine.packing: on, off, auto), tokens
 (batch.max_tokens_per_micro_batch), hybrid_engine (engine.enable_hybrid_engine; CUDA only), vllm_sleep
-(engine.vllm_sleep_level), vllm_tp (engine.vllm_tensor_parallel_size: one size per process). Rollout servers are
+(engine.vllm_sleep_level), vllm_tp (engine.vllm_tensor_parallel_size: one size per process), from_update (ppo.old_logprobs_from_update: 0 = the
+actor's and critic's experience forwards always run). Rollout servers are
 measured by bench/async_rollouts.py (each run its own launch, beside a server). On a GPU every iteration also records
 what the device held (every allocator's share) after the rollouts and at its end.
 """
@@ -48,7 +49,8 @@ VARIANT_KEYS = {"zero": (int, None), "offload": (_bool, None), "hybrid_engine": 
                 "gather_once": (_gather, GATHER_ONCE_FLAG), "backend": (str, "engine.generation_backend"),
                 "trim": (_bool, "engine.trim_padding"), "packing": (str, "engine.packing"),
                 "tokens": (int, "batch.max_tokens_per_micro_batch"),
-                "vllm_sleep": (int, "engine.vllm_sleep_level"), "vllm_tp": (int, "engine.vllm_tensor_parallel_size")}
+                "vllm_sleep": (int, "engine.vllm_sleep_level"), "vllm_tp": (int, "engine.vllm_tensor_parallel_size"),
+                "from_update": (_bool, "ppo.old_logprobs_from_update")}
 
 
 class Skip(Exception):

@@ -4,7 +4,10 @@ One iteration:
   1. `generation_batches` rollout batches per rank (prompts from this rank's shard, left-padded to the batch maximum);
   2. the batches concatenated into one buffer (re-padded to one width), then experience on it (eval-mode forwards, in
      experience micro-batches), advantages from the run's estimator (rlhf_engine/estimators.py; GAE by default),
-     whitened with global statistics;
+     whitened with global statistics. Where a rank's rows are the update's one micro-batch (`experience_from_update`,
+     config/ppo.py), the actor's and critic's experience forwards are step 3's training forwards instead: this phase
+     runs the reference's and reward's, and step 3 completes the experience from the detached training outputs
+     before their losses;
   3. for each PPO epoch, for each mini-batch (`per_device_training_batch_size x gradient_accumulation_steps` samples in
      rollout order), for each micro-batch: actor forward (+ the ptx forward) and ONE actor backward, critic forward
      and backward, then both engines' `step` through the `StepGuard` (trainer/guards.py): at the accumulation boundary
