@@ -114,16 +114,40 @@ class _LogProbsFn(torch.autograd.Function):
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, grad_out):  # noqa: D102
-        logits, labels, lse = ctx.saved_tensors
-        vocab, t = logits.shape[-1], ctx.temperature
-        grad = torch.empty((labels.shape[0], vocab), dtype=logits.dtype, device=logits.device)
-        for off, chunk in _chunks(_row_blocks(logits), ctx.chunk_rows):
-            rows = slice(off, off + chunk.shape[0])
-            g_out = grad_out[rows, None].float()
-            g = (_scaled(chunk, t) - lse[rows, None]).exp_().mul_(-g_out)  # -softmax * grad
-            g.scatter_add_(-1, labels[rows, None], g_out)  # + onehot * grad
-            grad[rows] = g / t if t != 1.0 else g
-        return grad.view(logits.shape), None, None, None
+        return _logprobs_backward(ctx, grad_out), None, None, None
+
+
+def _logprobs_backward(ctx, grad_out: torch.Tensor) -> torch.Tensor:
+    """The logits' gradient of chunked log p(label), softmax recomputed chunk by chunk from the saved logsumexp."""
+    logits, labels, lse = ctx.saved_tensors
+    vocab, t = logits.shape[-1], ctx.temperature
+    grad = torch.empty((labels.shape[0], vocab), dtype=logits.dtype, device=logits.device)
+    for off, chunk in _chunks(_row_blocks(logits), ctx.chunk_rows):
+        rows = slice(off, off + chunk.shape[0])
+        g_out = grad_out[rows, None].float()
+        g = (_scaled(chunk, t) - lse[rows, None]).exp_().mul_(-g_out)  # -softmax * grad
+        g.scatter_add_(-1, labels[rows, None], g_out)  # + onehot * grad
+        grad[rows] = g / t if t != 1.0 else g
+    return grad.view(logits.shape)
+
+
+class _LogProbsAndEntropyFn(torch.autograd.Function):
+    """`_LogProbsFn` that also returns the rows' entropy from the same pass, as a metric (not differentiable): an
+    on-policy training forward's, which the experience would otherwise have computed."""
+
+    @staticmethod
+    def forward(ctx, logits, labels, temperature, chunk_rows):  # noqa: D102
+        out, lse, ent = _logprobs_forward(_row_blocks(logits), labels, labels.shape[0], temperature, chunk_rows,
+                                          logits.device, with_entropy=True)
+        ctx.save_for_backward(logits, labels, lse)
+        ctx.temperature, ctx.chunk_rows = temperature, chunk_rows
+        ctx.mark_non_differentiable(ent)
+        return out, ent
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad_out, _grad_entropy):  # noqa: D102
+        return _logprobs_backward(ctx, grad_out), None, None, None
 
 
 class _EntropyFn(torch.autograd.Function):
@@ -193,12 +217,15 @@ def chunked_entropy(logits: torch.Tensor, temperature: float = 1.0, chunk_rows: 
 
 def chunked_logprobs_and_entropy(logits: torch.Tensor, labels: torch.Tensor, temperature: float = 1.0,
                                  chunk_rows: Optional[int] = None) -> Tuple[torch.Tensor, torch.Tensor]:
-    """:func:`chunked_logprobs` and :func:`chunked_entropy` of the same logits in one pass, no grad (unchecked).
+    """:func:`chunked_logprobs` and :func:`chunked_entropy` of the same logits in one pass (unchecked).
 
     The same per-chunk operations as the two separate kernels, so the results are bitwise equal to theirs; half
-    the passes over the logits. Returns ``([N] fp32 log-probs, [N] fp32 entropy)``.
+    the passes over the logits. Returns ``([N] fp32 log-probs, [N] fp32 entropy)``: with grad enabled and ``logits``
+    requiring it, the log-probs are differentiable as :func:`chunked_logprobs`'s and the entropy is not.
     """
     rows = default_chunk_rows(logits.shape[-1]) if chunk_rows is None else chunk_rows
+    if torch.is_grad_enabled() and logits.requires_grad:
+        return _LogProbsAndEntropyFn.apply(logits, labels, temperature, rows)
     with torch.no_grad():
         out, _, ent = _logprobs_forward(_row_blocks(logits), labels, labels.shape[0], temperature, rows,
                                         logits.device, with_entropy=True)

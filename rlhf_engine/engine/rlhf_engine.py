@@ -281,7 +281,7 @@ class RLHFEngine:
         counts, self.slot_counts = self.slot_counts, {"real": 0, "padded": 0, "packed": 0}
         return counts
 
-    def _packed_lm_forward(self, engine, r: Rollout, with_entropy: bool, check: bool):
+    def _packed_lm_forward(self, engine, r: Rollout, with_entropy: bool, check: bool, entropy_grad: bool = True):
         """`_lm_forward` on packed rows: the head runs only where a response token is predicted (positions P-1+t of
         the real response tokens t), and the results go back to [B, R]."""
         P, R = r.prompt_length, r.response_width
@@ -300,7 +300,7 @@ class RLHFEngine:
         def back(x: torch.Tensor) -> torch.Tensor:
             return torch.zeros(keep.shape, dtype=x.dtype, device=x.device).index_put((keep,), x[0]) * r.action_mask
 
-        if with_entropy and not torch.is_grad_enabled():
+        if with_entropy and not (entropy_grad and torch.is_grad_enabled()):
             lp, ent = logprobs_and_entropy_from_logits(logits, labels, temperature=self.temperature, check=check)
             return back(lp), back(ent)
         lp = logprobs_from_logits(logits, labels, temperature=self.temperature, check=check)
@@ -315,9 +315,11 @@ class RLHFEngine:
         packed = self._pack(r)
         return packed.unpack(engine(**packed_inputs(packed, r.sequences, r.position_ids, model_dtype(engine.module))))
 
-    def _lm_forward(self, engine, full: Rollout, with_entropy: bool, check: bool = True):
+    def _lm_forward(self, engine, full: Rollout, with_entropy: bool, check: bool = True, entropy_grad: bool = True):
+        """([B, R] log-probs, [B, R] entropy or None). `entropy_grad=False`: the entropy is a metric (no gradient
+        through it, even in a training forward), computed in the log-probs' pass over the logits."""
         if self.packing:
-            return self._packed_lm_forward(engine, full, with_entropy, check)
+            return self._packed_lm_forward(engine, full, with_entropy, check, entropy_grad)
         r = self._trim(full)
         self._count(r)  # outputs are padded back to full's width (0 there, like every padding position)
         R = r.response_width
@@ -333,7 +335,7 @@ class RLHFEngine:
         # logits [B, R, V]: the logits that predict each response token; under min_answer_seq_len the stop tokens are
         # masked before it, as they were when sampling (the sampled distribution is the scored distribution)
         mask_stop_tokens_(logits, self._stop_ids, self.sampling.min_new_tokens)
-        if with_entropy and not torch.is_grad_enabled():  # the experience forward: both in one pass over the logits
+        if with_entropy and not (entropy_grad and torch.is_grad_enabled()):  # both in one pass over the logits
             logprobs, entropy = logprobs_and_entropy_from_logits(logits, r.responses, temperature=self.temperature,
                                                                  check=check)
             return _widen(logprobs * r.action_mask, full), _widen(entropy * r.action_mask, full)
@@ -429,11 +431,13 @@ class RLHFEngine:
         return r
 
     # ---- training ------------------------------------------------------------------------------------------
-    def actor_forward(self, rollout: Rollout, with_entropy: bool = False, check: bool = True):
+    def actor_forward(self, rollout: Rollout, with_entropy: bool = False, check: bool = True,
+                      entropy_grad: bool = True):
         """Training forward (with grad): ([B, R] log-probs, [B, R] entropy or None). check=False skips the label-range
-        check of the response ids (a host sync), for micro-batches of an experience whose ids were checked."""
+        check of the response ids (a host sync), for micro-batches of an experience whose ids were checked;
+        entropy_grad=False returns the entropy as a metric, without gradient (one pass over the logits)."""
         _set_training(self.actor, True)
-        return self._lm_forward(self.actor, rollout, with_entropy, check)
+        return self._lm_forward(self.actor, rollout, with_entropy, check, entropy_grad)
 
     def critic_forward(self, rollout: Rollout) -> torch.Tensor:
         """Training forward (with grad): [B, R] values."""

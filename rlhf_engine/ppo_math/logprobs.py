@@ -74,17 +74,16 @@ def logprobs_from_logits(logits: torch.Tensor, labels: torch.Tensor, temperature
 def logprobs_and_entropy_from_logits(logits: torch.Tensor, labels: torch.Tensor, temperature: float = 1.0,
                                     chunk_rows: Optional[int] = None, *, check: bool = True
                                     ) -> Tuple[torch.Tensor, torch.Tensor]:
-    """:func:`logprobs_from_logits` and :func:`entropy_from_logits` in one pass over the logits, without grad (the
-    experience forwards): ``([...] fp32 log-probs, [...] fp32 entropy)``, bitwise equal to the two separate calls.
-    Arguments and checks as in :func:`logprobs_from_logits`."""
+    """:func:`logprobs_from_logits` and :func:`entropy_from_logits` in one pass over the logits (the experience
+    forwards, and an on-policy training forward's metrics): ``([...] fp32 log-probs, [...] fp32 entropy)``, bitwise
+    equal to the two separate calls. With grad the log-probs are differentiable as :func:`logprobs_from_logits`'s
+    and the entropy is NOT (a metric; an entropy bonus takes :func:`entropy_from_logits`). Arguments and checks as
+    in :func:`logprobs_from_logits`."""
     logits, t, chunk_rows = _logits_args(logits, temperature, chunk_rows)
-    if logits.requires_grad and torch.is_grad_enabled():
-        raise ValueError("logprobs_and_entropy_from_logits has no backward: call it under torch.no_grad(), or use "
-                         "logprobs_from_logits and entropy_from_logits")
     flat = _checked_labels(labels, logits, check)
     if flat.numel() == 0:
         zeros = torch.zeros(labels.shape, dtype=torch.float32, device=logits.device)
-        return zeros, zeros.clone()
+        return zeros + 0.0 * logits.sum(), zeros.clone()
     lp, ent = chunked_logprobs_and_entropy(logits, flat, t, chunk_rows)
     return lp.view(labels.shape), ent.view(labels.shape)
 

@@ -64,8 +64,10 @@ class ActorObjective:
     def forward(self, rollout: Rollout, on_policy: bool = False) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
         """The training forward of one micro-batch's rollout: ([b, R] log-probs, [b, R] entropy or None), with
         grad."""
-        # check=False: no host sync per micro-batch; its ids and masks were checked with the whole experience
-        return self.engine.actor_forward(rollout, with_entropy=self.with_entropy or on_policy, check=False)
+        # check=False: no host sync per micro-batch; its ids and masks were checked with the whole experience. An
+        # on-policy forward's entropy is the experience's metric: differentiable only for the entropy bonus
+        return self.engine.actor_forward(rollout, with_entropy=self.with_entropy or on_policy, check=False,
+                                         entropy_grad=self.with_entropy)
 
     def __call__(self, micro: Experience, counts: Counts, on_policy: bool = False,
                  outputs: Optional[tuple] = None) -> tuple[torch.Tensor, dict]:

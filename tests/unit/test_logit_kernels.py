@@ -90,5 +90,15 @@ def test_fused_logprobs_and_entropy_equal_the_separate_kernels_bitwise(dtype, te
     ref = torch.log_softmax(x, -1)
     assert abs(lp[1, 2].item() - ref[labels[1, 2]].item()) < 1e-5
     assert abs(ent[1, 2].item() + (ref.exp() * ref).sum().item()) < 1e-4
-    with pytest.raises(ValueError, match="no backward"):
-        logprobs_and_entropy_from_logits(logits.float().requires_grad_(), labels)
+    # with grad (an on-policy training forward): the same numbers, the log-probs' gradient that of the separate
+    # kernel, the entropy a metric without one
+    x32 = logits.float().requires_grad_()
+    lp_g, ent_g = logprobs_and_entropy_from_logits(x32, labels, temperature, chunk_rows)
+    assert lp_g.requires_grad and not ent_g.requires_grad
+    assert torch.equal(lp_g.detach(), logprobs_from_logits(logits.float(), labels, temperature, chunk_rows))
+    assert torch.equal(ent_g, entropy_from_logits(logits.float(), temperature, chunk_rows))
+    w = torch.randn(lp_g.shape, generator=g)
+    (grad,) = torch.autograd.grad((lp_g * w).sum(), x32)
+    x_ref = logits.float().requires_grad_()
+    (grad_ref,) = torch.autograd.grad((logprobs_from_logits(x_ref, labels, temperature, chunk_rows) * w).sum(), x_ref)
+    assert torch.equal(grad, grad_ref) and grad.abs().sum() > 0

@@ -45,9 +45,20 @@ def test_only_where_the_update_sees_the_experience_forwards_rows(tiny, tmp_path,
 def _run(tiny, out, steps=2, **flags):
     """(trainer, records, experiences, rows given to the actor's / critic's experience forwards, actor weights)."""
     trainer = build_trainer(parse_args(train_args(tiny, str(out), max_steps=steps, **{**FLAGS, **flags})))
-    rows = {"actor": [], "critic": []}
+    rows = {"actor": [], "critic": [], "actor_train": [], "critic_train": []}
     engine = trainer.engine
     actor, critic = engine.actor_logprobs, engine.critic_values
+    actor_train, critic_train = engine.actor_forward, engine.critic_forward
+
+    def actor_train_spy(rollout, **kw):
+        rows["actor_train"].append(rollout.batch_size)
+        return actor_train(rollout, **kw)
+
+    def critic_train_spy(rollout):
+        rows["critic_train"].append(rollout.batch_size)
+        return critic_train(rollout)
+
+    engine.actor_forward, engine.critic_forward = actor_train_spy, critic_train_spy
 
     def actor_spy(rollout, **kw):
         rows["actor"].append(rollout.batch_size)
@@ -70,7 +81,8 @@ def _run(tiny, out, steps=2, **flags):
 
 def test_at_lr0_every_ratio_is_one_and_the_kl_zero_without_experience_forwards(tiny, dist_single, tmp_path):
     trainer, recs, exps, rows, _ = _run(tiny, tmp_path / "lr0", actor_learning_rate=0.0, critic_learning_rate=0.0)
-    assert rows == {"actor": [0, 0], "critic": []}  # the actor's is asked for no row (it clears the last rollout's)
+    # the actor's experience forward is asked for no row (it clears the last rollout's); one training forward each
+    assert rows == {"actor": [0, 0], "critic": [], "actor_train": [4, 4], "critic_train": [4, 4]}
     assert trainer.ratio_trace == [0.0, 0.0]
     for rec, exp in zip(recs, exps):
         assert rec["policy/ratio_max"] == 1.0 and rec["policy/ratio_min"] == 1.0, rec
@@ -86,7 +98,8 @@ def test_the_run_equals_the_one_with_experience_forwards(tiny, dist_single, tmp_
     lr = dict(actor_learning_rate=1e-3, critic_learning_rate=1e-3)
     _, on_recs, on_exps, on_rows, on_w = _run(tiny, tmp_path / "on", **lr)
     _, off_recs, off_exps, off_rows, off_w = _run(tiny, tmp_path / "off", old_logprobs_from_update="false", **lr)
-    assert on_rows == {"actor": [0, 0], "critic": []} and off_rows == {"actor": [4, 4], "critic": [4, 4]}
+    assert on_rows == {"actor": [0, 0], "critic": [], "actor_train": [4, 4], "critic_train": [4, 4]}
+    assert off_rows == {"actor": [4, 4], "critic": [4, 4], "actor_train": [4, 4], "critic_train": [4, 4]}
     a, b = on_exps[0], off_exps[0]  # iteration 0 sampled the same rollouts (same seed, same weights)
     assert torch.equal(a.rollout.sequences, b.rollout.sequences)
     for name in ("old_logprobs", "values", "rewards", "advantages", "returns"):
