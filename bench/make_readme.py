@@ -478,6 +478,8 @@ section("### Generation backends: lean against Hugging Face generate (same proce
         "cpu/backends.json", "`bash bench/run_cpu.sh backends`")(variant_table)
 section("### Padding trimming with variable lengths (same process, interleaved)", "cpu/trim.json",
         "`bash bench/run_cpu.sh trim`")(variant_table)
+section("### The actor's and critic's experience forwards from the update (same process, interleaved)",
+        "cpu/experience_from_update.json", "`bash bench/run_cpu.sh from_update`")(variant_table)
 
 
 @section("## 2. Scaling: 1 and 2 ranks, ZeRO 0/2/3, offload, gather-once (CPU)", "cpu/scaling.json",

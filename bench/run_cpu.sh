@@ -2,7 +2,8 @@
 # The CPU benchmark set behind bench/README.md, then the README itself (generated from the JSON results).
 #
 #   bash bench/run_cpu.sh                  everything (about 7 minutes on 2 cores)
-#   bash bench/run_cpu.sh scaling readme   some steps: phases backends trim scaling tokenize tiny readme
+#   bash bench/run_cpu.sh scaling readme   some steps: phases backends trim from_update scaling tokenize tiny
+#                                          readme
 #
 # Results go to bench/results/cpu/*.json; models and run folders to $BENCH_WORK_DIR (default $TMPDIR/rlhf_bench).
 set -euo pipefail
@@ -15,7 +16,7 @@ export TORCH_EXTENSIONS_DIR=${TORCH_EXTENSIONS_DIR:-$(dirname "$py")/../torch_ex
 mkdir -p "$res"
 cd "$root"
 steps=("$@")
-[ ${#steps[@]} -eq 0 ] && steps=(phases backends trim scaling tokenize tiny readme)
+[ ${#steps[@]} -eq 0 ] && steps=(phases backends trim from_update scaling tokenize tiny readme)
 timings=$res/run_cpu_timings.jsonl
 [ $# -eq 0 ] && rm -f "$timings"
 
@@ -38,6 +39,10 @@ for step in "${steps[@]}"; do
         backends)  # the lean backend (default) against Hugging Face generate, fixed lengths
             run backends "$py" bench/ppo_iteration.py --preset cpu-small --variant lean:backend=lean \
                 --variant hf:backend=hf --warmup 1 --iterations 4 --label backends --out "$res/backends.json" ;;
+        from_update)  # the actor's and critic's experience forwards from the update's (one micro-batch of 8 rows)
+            run from_update "$py" bench/ppo_iteration.py --preset cpu-small --micro-batch 8 \
+                --variant from_update:from_update=1 --variant experience_forwards:from_update=0 --warmup 1 \
+                --iterations 8 --label from_update --out "$res/experience_from_update.json" ;;
         trim)  # padding trimming (default on) with variable lengths
             run trim "$py" bench/ppo_iteration.py --preset cpu-small --variable-length --variant trim:trim=1 \
                 --variant no_trim:trim=0 --warmup 1 --iterations 4 --label trim --out "$res/trim.json" ;;
