@@ -214,7 +214,13 @@ def side_by_side_no_bf16(r, res):
            "staying bf16. DeepSpeed-Chat keeps PyTorch's kernels. Before it, on a host of the same kind (2-core AMD "
            "EPYC without AVX-512, at 0cb27b0, 2026-12-07), mid_z2 measured ours 15.03 / 15.52 s per iteration "
            "against DeepSpeed-Chat's 15.67 / 16.18 (0.96). On a CPU with bf16 instructions nothing of ours changes: "
-           "the table above ran on such a host (mid_z2 about 1 s per iteration in both programs).", ""]
+           "the table above ran on such a host (mid_z2 about 1 s per iteration in both programs). Since 18a742f "
+           "(`experience_from_update`: on these shapes every rank's rows are one micro-batch, so the actor's and "
+           "critic's experience forwards are the update's own) our experience phase holds only the reference's and "
+           "reward's forwards; the table before it (2c3cdb5, the same kind of host, 2 rounds) had ours / "
+           "DeepSpeed-Chat 0.67 / 0.43 / 0.13 / 0.10 / 0.21 and our experience phases 0.040 / 0.096 / 0.376 / 0.502 "
+           "/ 0.267 s. Launches of one configuration vary by up to 25% on this host; the same change measured in "
+           "one process is in section 1 (\"The actor's and critic's experience forwards from the update\").", ""]
     rows = [[name, "failed: see the JSON", "", "", ""] if "ratio" not in x else [
         f"{name} ({x['describe']})",
         f"{fmt(x['ours_median_s'])} ({fmts(y['ours_s'] for y in x['launches'] if y['ours_s'] and y['theirs_s'])})",

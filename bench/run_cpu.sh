@@ -39,10 +39,14 @@ for step in "${steps[@]}"; do
         backends)  # the lean backend (default) against Hugging Face generate, fixed lengths
             run backends "$py" bench/ppo_iteration.py --preset cpu-small --variant lean:backend=lean \
                 --variant hf:backend=hf --warmup 1 --iterations 4 --label backends --out "$res/backends.json" ;;
-        from_update)  # the actor's and critic's experience forwards from the update's (one micro-batch of 8 rows)
-            run from_update "$py" bench/ppo_iteration.py --preset cpu-small --micro-batch 8 \
-                --variant from_update:from_update=1 --variant experience_forwards:from_update=0 --warmup 1 \
-                --iterations 8 --label from_update --out "$res/experience_from_update.json" ;;
+        from_update)  # the actor's and critic's experience forwards from the update's, against their own: 2 ranks,
+            # DeepSpeed-Chat's mid shape (H256 L4, 8 prompts/rank, 32+64 tokens, one micro-batch, ZeRO 2, bf16)
+            run from_update "$(dirname "$py")/torchrun" --nproc_per_node 2 --master_port "$("$py" -c \
+                'import socket; s=socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')" \
+                bench/ppo_iteration.py --preset cpu-small --global-batch 16 --micro-batch 8 --prompt-len 32 \
+                --answer-len 64 --dtype bf16 --variant from_update:zero=2,from_update=1 \
+                --variant experience_forwards:zero=2,from_update=0 --warmup 1 --iterations 8 --label from_update \
+                --out "$res/experience_from_update.json" ;;
         trim)  # padding trimming (default on) with variable lengths
             run trim "$py" bench/ppo_iteration.py --preset cpu-small --variable-length --variant trim:trim=1 \
                 --variant no_trim:trim=0 --warmup 1 --iterations 4 --label trim --out "$res/trim.json" ;;
