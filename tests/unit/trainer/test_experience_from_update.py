@@ -79,8 +79,11 @@ def _run(tiny, out, steps=2, **flags):
         trainer.metrics.close()
 
 
-def test_at_lr0_every_ratio_is_one_and_the_kl_zero_without_experience_forwards(tiny, dist_single, tmp_path):
-    trainer, recs, exps, rows, _ = _run(tiny, tmp_path / "lr0", actor_learning_rate=0.0, critic_learning_rate=0.0)
+@pytest.mark.parametrize("stage", [0, 3])
+def test_at_lr0_every_ratio_is_one_and_the_kl_zero_without_experience_forwards(tiny, dist_single, tmp_path, stage):
+    """ZeRO-3 too: the actor's training forward on gathered weights against the reference's own ZeRO-3 engine."""
+    trainer, recs, exps, rows, _ = _run(tiny, tmp_path / "lr0", actor_learning_rate=0.0, critic_learning_rate=0.0,
+                                        actor_zero_stage=stage, critic_zero_stage=stage)
     # the actor's experience forward is asked for no row (it clears the last rollout's); one training forward each
     assert rows == {"actor": [0, 0], "critic": [], "actor_train": [4, 4], "critic_train": [4, 4]}
     assert trainer.ratio_trace == [0.0, 0.0]
