@@ -60,6 +60,21 @@ def test_the_layer_is_the_fp32_arithmetic_rounded_once():
     assert not torch.allclose(x.grad.float(), g.float() @ w.float().flip(0), rtol=2 ** -7, atol=1e-3)
 
 
+def test_without_anything_to_differentiate_the_same_numbers_and_no_graph():
+    """Generation, the experience forwards and frozen layers skip the autograd Function, not the fp32 kernel: the
+    result is bitwise the grad path's (the lr-0 ratio of 1 compares the two)."""
+    torch.manual_seed(1)
+    x, w, b = torch.randn(2, 30, 64).bfloat16(), (torch.randn(48, 64) / 8).bfloat16(), torch.randn(48).bfloat16()
+    graded = widened_linear(x.clone().requires_grad_(), w.clone().requires_grad_(), b)
+    assert graded.grad_fn.name().startswith("_WidenedLinear")
+    with torch.no_grad():
+        plain = widened_linear(x, w, b)
+    frozen = widened_linear(x, w, b)  # grad mode on, nothing requires grad
+    assert plain.grad_fn is None and frozen.grad_fn is None
+    assert torch.equal(plain, graded.detach()) and torch.equal(frozen, plain)
+    assert torch.equal(plain, torch.nn.functional.linear(x.float(), w.float(), b.float()).bfloat16())
+
+
 def test_decode_sized_forwards_keep_the_bf16_kernel():
     """A few rows keep the bf16 kernel: fewer than 4 through a small weight, fewer than 32 through a large one (an
     LM head), where widening the weight costs more than it saves."""
