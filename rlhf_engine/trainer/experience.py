@@ -2,7 +2,7 @@
 estimator (rlhf_engine/estimators.py, `ppo.advantage_estimator`; GAE by default) -> (global) whitening."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Callable, Optional
 
 import torch
@@ -69,6 +69,27 @@ class Forwards:
     values: Optional[torch.Tensor]
     scores: Optional[torch.Tensor]
     error: Optional[Exception] = None
+
+
+@dataclass
+class PendingExperience:
+    """An experience before its rewards and advantages: the rollout (one buffer), its [B, R] generation log-probs
+    (None where the backend gives none), the experience forwards run so far and the [B] raw and shaped scores.
+    `PPOTrainer.complete_experience` turns it into the Experience."""
+
+    rollout: Rollout
+    rollout_logprobs: Optional[torch.Tensor]
+    fw: Forwards
+    raw_scores: torch.Tensor
+    scores: torch.Tensor
+
+    def with_forwards(self, logprobs: torch.Tensor, entropy: torch.Tensor,
+                      values: Optional[torch.Tensor]) -> "PendingExperience":
+        """The actor's [B, R] log-probs and entropy (and the critic's [B, R] values) from training forwards of every
+        row, detached, as the experience forwards' (`experience_from_update`)."""
+        fw = replace(self.fw, old_logprobs=logprobs.detach(), entropy=entropy.detach(),
+                     values=values.detach() if values is not None else None)
+        return replace(self, fw=fw)
 
 
 def experience_forwards(engine, rollout: Rollout, source: RewardFn, on_policy_rows: int = 0,

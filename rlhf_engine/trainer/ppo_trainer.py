@@ -48,8 +48,8 @@ from ..data.sampler import DataCursor
 from ..outputs.metrics import MetricsWriter
 from ..rollout import Experience, Rollout
 from .clock import IterationClock
-from .experience import (Forwards, NonFiniteError, build_experience, decode_rollout, experience_forwards,
-                         global_mean_var, group_ids_of, whiten_advantages)
+from .experience import (NonFiniteError, PendingExperience, build_experience, decode_rollout,
+                         experience_forwards, global_mean_var, group_ids_of, whiten_advantages)
 from .memory import peak_device_mib, peak_rss_mib
 from .metric_sums import MetricSums
 from .objectives import experience_steps
@@ -63,34 +63,15 @@ from .state import providers_of
 log = logging.getLogger(__name__)
 
 
-@dataclasses.dataclass
-class PendingExperience:
-    """An experience before its rewards and advantages: the rollout (one buffer), its generation log-probs, the
-    experience forwards run so far and the [B] raw and shaped scores."""
-
-    rollout: Rollout
-    rollout_logprobs: Optional[torch.Tensor]
-    fw: Forwards
-    raw_scores: torch.Tensor
-    scores: torch.Tensor
-
-    def with_forwards(self, logprobs: torch.Tensor, entropy: torch.Tensor,
-                      values: Optional[torch.Tensor]) -> "PendingExperience":
-        """The actor's (and critic's) experience outputs taken from training forwards of every row, detached."""
-        fw = dataclasses.replace(self.fw, old_logprobs=logprobs.detach(), entropy=entropy.detach(),
-                                 values=values.detach() if values is not None else None)
-        return dataclasses.replace(self, fw=fw)
-
-
-def ran_on(plan, exp: Experience, outputs: dict) -> dict:
-    """`outputs` (role -> a training forward's of every row of `exp`) for the plan's one micro-batch, which must
-    hold exactly those rows (`experience_from_update` allows no other plan)."""
-    (micro,) = plan.micro_batches
-    if micro.weight != 1.0 or micro.rows.batch_size != exp.batch_size:
-        raise RuntimeError(f"experience_from_update: the update's first micro-batch has {micro.rows.batch_size} "
-                           f"rows, the experience {exp.batch_size}: its forwards' outputs cannot be reused")
-    return outputs
-
+def reuse_forward_outputs(plan, exp: Experience, outputs: dict) -> None:
+    """Hand `outputs` (role -> its training forward's outputs on every row of `exp`) to the plan's micro-batch, which
+    must be exactly those rows: `experience_from_update` allows no other plan (a RuntimeError names a broken one)."""
+    micros = plan.micro_batches
+    if len(micros) != 1 or micros[0].weight != 1.0 or micros[0].rows.batch_size != exp.batch_size:
+        raise RuntimeError(f"experience_from_update: the update's first mini-batch has {len(micros)} micro-batches "
+                           f"of {[m.rows.batch_size for m in micros]} rows, the experience {exp.batch_size}: the "
+                           "training forwards' outputs cannot be reused")
+    micros[0].outputs = outputs
 
 
 def cat_generated(gens: list, pad_token_id: int) -> tuple[Rollout, Optional[torch.Tensor]]:
@@ -213,7 +194,7 @@ class PPOTrainer:
         pending = PendingExperience(rollout, rollout_logprobs, fw, raw_scores, scores)
         return pending if from_update else self.complete_experience(pending, stats, k)
 
-    def complete_experience(self, pending: "PendingExperience", stats: MetricSums, k: int) -> Experience:
+    def complete_experience(self, pending: PendingExperience, stats: MetricSums, k: int) -> Experience:
         """Rewards, advantages, the corrections and filters, their metrics and the whitening, from the experience
         forwards (`pending.fw`; rows [0, k) without old log-probs yet: `_on_policy_rows`). Collective."""
         rollout, fw, raw_scores, scores = pending.rollout, pending.fw, pending.raw_scores, pending.scores
@@ -269,7 +250,7 @@ class PPOTrainer:
                 plan = self.planner.plan(exp, mini, m, ptx_batches, stats, start=m * mbs,
                                          on_policy=bool(on_policy_rows) and epoch == 0 and m == 0)
                 if outputs is not None and epoch == 0 and m == 0:
-                    plan.micro_batches[0].outputs = ran_on(plan, exp, outputs)
+                    reuse_forward_outputs(plan, exp, outputs)
                 for step in steps:
                     step.start_mini_batch()
                 for micro in plan.micro_batches:
