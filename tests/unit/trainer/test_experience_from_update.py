@@ -43,32 +43,23 @@ def test_only_where_the_update_sees_the_experience_forwards_rows(tiny, tmp_path,
 
 
 def _run(tiny, out, steps=2, **flags):
-    """(trainer, records, experiences, rows given to the actor's / critic's experience forwards, actor weights)."""
+    """(trainer, records, experiences, {forward: the rows of each call}: the actor's and critic's experience and
+    training forwards, actor weights)."""
     trainer = build_trainer(parse_args(train_args(tiny, str(out), max_steps=steps, **{**FLAGS, **flags})))
-    rows = {"actor": [], "critic": [], "actor_train": [], "critic_train": []}
-    engine = trainer.engine
-    actor, critic = engine.actor_logprobs, engine.critic_values
-    actor_train, critic_train = engine.actor_forward, engine.critic_forward
+    engine, rows = trainer.engine, {}
 
-    def actor_train_spy(rollout, **kw):
-        rows["actor_train"].append(rollout.batch_size)
-        return actor_train(rollout, **kw)
+    def spy(name: str, method: str) -> None:  # the rows each call of an engine forward is given
+        real, rows[name] = getattr(engine, method), []
 
-    def critic_train_spy(rollout):
-        rows["critic_train"].append(rollout.batch_size)
-        return critic_train(rollout)
+        def counted(rollout, **kw):
+            rows[name].append(rollout.batch_size)
+            return real(rollout, **kw)
 
-    engine.actor_forward, engine.critic_forward = actor_train_spy, critic_train_spy
+        setattr(engine, method, counted)
 
-    def actor_spy(rollout, **kw):
-        rows["actor"].append(rollout.batch_size)
-        return actor(rollout, **kw)
-
-    def critic_spy(rollout):
-        rows["critic"].append(rollout.batch_size)
-        return critic(rollout)
-
-    engine.actor_logprobs, engine.critic_values = actor_spy, critic_spy
+    for name, method in (("actor", "actor_logprobs"), ("critic", "critic_values"), ("actor_train", "actor_forward"),
+                         ("critic_train", "critic_forward")):
+        spy(name, method)
     try:
         recs, exps = [], []
         for _ in range(steps):
