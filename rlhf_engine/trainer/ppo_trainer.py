@@ -219,8 +219,12 @@ class PPOTrainer:
 
     def _on_policy_rows(self, batch_size: int) -> int:
         """Rows whose old log-probs this iteration's first training forward gives (the first mini-batch's, where the
-        actor trains and the run defers them: PPOConfig.defers_old_logprobs), else 0. The same on every rank."""
-        return min(self.cfg.batch.mini_batch_size, batch_size) if self.defers_old and self._actor_trains() else 0
+        actor trains and the run defers them: PPOConfig.defers_old_logprobs), else 0. The same on every rank. 0 too
+        where the whole experience comes from the update (`experience_from_update`): it is complete, every metric
+        counted, before the first loss."""
+        if self.from_update or not self.defers_old or not self._actor_trains():
+            return 0
+        return min(self.cfg.batch.mini_batch_size, batch_size)
 
     def _actor_trains(self) -> bool:
         return self.iteration >= self.cfg.ppo.critic_warmup_iterations  # critic warm-up: the actor does not train

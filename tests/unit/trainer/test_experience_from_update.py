@@ -88,8 +88,11 @@ def test_at_lr0_every_ratio_is_one_and_the_kl_zero_without_experience_forwards(t
         assert not exp.old_logprobs.requires_grad and not exp.values.requires_grad
 
 
-def test_the_run_equals_the_one_with_experience_forwards(tiny, dist_single, tmp_path):
-    lr = dict(actor_learning_rate=1e-3, critic_learning_rate=1e-3)
+@pytest.mark.parametrize("kl_coef", [0.1, 0.0])
+def test_the_run_equals_the_one_with_experience_forwards(tiny, dist_single, tmp_path, kl_coef):
+    """kl_coef 0: no reference, where the first mini-batch's deferral (defers_old_logprobs) would apply too; the
+    experience's metrics (entropy, rollout check) are counted once."""
+    lr = dict(actor_learning_rate=1e-3, critic_learning_rate=1e-3, kl_coef=kl_coef)
     _, on_recs, on_exps, on_rows, on_w = _run(tiny, tmp_path / "on", **lr)
     _, off_recs, off_exps, off_rows, off_w = _run(tiny, tmp_path / "off", old_logprobs_from_update="false", **lr)
     assert on_rows == {"actor": [0, 0], "critic": [], "actor_train": [4, 4], "critic_train": [4, 4]}
@@ -102,8 +105,10 @@ def test_the_run_equals_the_one_with_experience_forwards(tiny, dist_single, tmp_
     assert b.old_logprobs.abs().sum() > 1.0 and b.values.abs().sum() > 0.1
     for x, y in zip(on_recs, off_recs):
         keys = [k for k in y if not k.startswith(VOLATILE + SPLIT) and isinstance(y[k], float)]
-        assert {"objective/entropy", "objective/kl", "value/loss", "value/explained_var", "policy/loss"} <= set(keys)
+        assert {"objective/entropy", "value/loss", "value/explained_var", "policy/loss"} <= set(keys)
+        assert ("objective/kl" in keys) == bool(kl_coef)
         assert {k: x[k] for k in keys} == pytest.approx({k: y[k] for k in keys}, rel=1e-4, abs=1e-6)
-    assert on_recs[1]["objective/kl"] != 0.0  # lr > 0: iteration 1's actor has moved from the reference
+    if kl_coef:
+        assert on_recs[1]["objective/kl"] != 0.0  # lr > 0: iteration 1's actor has moved from the reference
     for k in on_w:
         torch.testing.assert_close(on_w[k], off_w[k], rtol=1e-5, atol=1e-6)
